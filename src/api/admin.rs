@@ -1,0 +1,230 @@
+//! `/admin/vouchers…`: create, inspect (with the ledger's counters), edit, warm up. Every route
+//! checks the bearer token before it reads the body, so a refused request changes nothing.
+
+use actix_web::{web, HttpRequest, HttpResponse};
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+use super::{check_code, json_body, timestamp, ApiError, AppState};
+use crate::domain::{Voucher, VoucherPatch, VoucherStatus};
+use crate::engine::VoucherView;
+use crate::ledger::Counters;
+
+/// Largest `totalLimit` accepted: far above any real sale, far below integer trouble.
+const MAX_TOTAL_LIMIT: i64 = 1_000_000_000;
+
+fn authorize(req: &HttpRequest, state: &AppState) -> Result<(), ApiError> {
+    let given = req
+        .headers()
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    if !state.admin_token.is_empty() && constant_time_eq(given.as_bytes(), state.admin_token.as_bytes()) {
+        Ok(())
+    } else {
+        Err(ApiError::Unauthorized)
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct CreateBody {
+    code: String,
+    discount_amount: i64,
+    #[serde(default)]
+    min_order_amount: i64,
+    total_limit: i64,
+    #[serde(default = "one")]
+    per_user_limit: i64,
+    starts_at: Option<DateTime<Utc>>,
+    ends_at: Option<DateTime<Utc>>,
+    status: Option<VoucherStatus>,
+}
+
+fn one() -> i64 {
+    1
+}
+
+impl CreateBody {
+    fn validate(self, now: i64) -> Result<Voucher, ApiError> {
+        check_code(&self.code)?;
+        if self.discount_amount < 0 {
+            return Err(ApiError::invalid("discountAmount must not be negative"));
+        }
+        if self.min_order_amount < 0 {
+            return Err(ApiError::invalid("minOrderAmount must not be negative"));
+        }
+        if !(1..=MAX_TOTAL_LIMIT).contains(&self.total_limit) {
+            return Err(ApiError::invalid("totalLimit must be between 1 and 1000000000"));
+        }
+        if !(1..=MAX_TOTAL_LIMIT).contains(&self.per_user_limit) {
+            return Err(ApiError::invalid("perUserLimit must be at least 1"));
+        }
+        let starts_at = self.starts_at.map_or(now, |t| t.timestamp_millis());
+        let ends_at = self
+            .ends_at
+            .map_or(starts_at + 365 * 24 * 3600 * 1000, |t| t.timestamp_millis());
+        if ends_at <= starts_at {
+            return Err(ApiError::invalid("endsAt must be after startsAt"));
+        }
+        Ok(Voucher {
+            code: self.code,
+            discount_amount: self.discount_amount,
+            min_order_amount: self.min_order_amount,
+            total_limit: self.total_limit,
+            per_user_limit: self.per_user_limit,
+            starts_at,
+            ends_at,
+            status: self.status.unwrap_or(VoucherStatus::Active),
+        })
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct PatchBody {
+    status: Option<VoucherStatus>,
+    ends_at: Option<DateTime<Utc>>,
+    total_limit: Option<i64>,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct AdminVoucher<'a> {
+    code: &'a str,
+    discount_amount: i64,
+    min_order_amount: i64,
+    total_limit: i64,
+    per_user_limit: i64,
+    starts_at: String,
+    ends_at: String,
+    status: &'static str,
+}
+
+impl<'a> From<&'a Voucher> for AdminVoucher<'a> {
+    fn from(v: &'a Voucher) -> Self {
+        Self {
+            code: &v.code,
+            discount_amount: v.discount_amount,
+            min_order_amount: v.min_order_amount,
+            total_limit: v.total_limit,
+            per_user_limit: v.per_user_limit,
+            starts_at: timestamp(v.starts_at),
+            ends_at: timestamp(v.ends_at),
+            status: v.status.as_str(),
+        }
+    }
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct CounterView {
+    free: i64,
+    leased_unused: i64,
+    reserved: i64,
+    confirmed: i64,
+    released: i64,
+    balanced: bool,
+}
+
+impl From<&Counters> for CounterView {
+    fn from(c: &Counters) -> Self {
+        Self {
+            free: c.free,
+            leased_unused: c.leased_unused,
+            reserved: c.reserved,
+            confirmed: c.confirmed,
+            released: c.released,
+            balanced: c.balanced,
+        }
+    }
+}
+
+/// The voucher, its counters at the top level and again under `counters`.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct AdminView<'a> {
+    #[serde(flatten)]
+    voucher: AdminVoucher<'a>,
+    #[serde(flatten)]
+    flat: CounterView,
+    counters: CounterView,
+    sold_out: bool,
+}
+
+impl<'a> From<&'a VoucherView> for AdminView<'a> {
+    fn from(v: &'a VoucherView) -> Self {
+        Self {
+            voucher: AdminVoucher::from(&v.voucher),
+            flat: CounterView::from(&v.counters),
+            counters: CounterView::from(&v.counters),
+            sold_out: v.sold_out(),
+        }
+    }
+}
+
+pub async fn create(
+    req: HttpRequest,
+    state: web::Data<AppState>,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    authorize(&req, &state)?;
+    let body: CreateBody = json_body(payload, state.body_limit).await?;
+    let voucher = body.validate(state.engine.now_ms())?;
+    state.engine.create_voucher(&voucher).await?;
+    Ok(HttpResponse::Created().json(AdminVoucher::from(&voucher)))
+}
+
+pub async fn get(
+    req: HttpRequest,
+    state: web::Data<AppState>,
+    path: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    authorize(&req, &state)?;
+    let code = path.into_inner();
+    check_code(&code)?;
+    let view = state.engine.voucher(&code).await?;
+    Ok(HttpResponse::Ok().json(AdminView::from(&view)))
+}
+
+pub async fn patch(
+    req: HttpRequest,
+    state: web::Data<AppState>,
+    path: web::Path<String>,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    authorize(&req, &state)?;
+    let code = path.into_inner();
+    check_code(&code)?;
+    let body: PatchBody = json_body(payload, state.body_limit).await?;
+    if let Some(total) = body.total_limit {
+        if !(1..=MAX_TOTAL_LIMIT).contains(&total) {
+            return Err(ApiError::invalid("totalLimit must be between 1 and 1000000000"));
+        }
+    }
+    let patch = VoucherPatch {
+        status: body.status,
+        ends_at: body.ends_at.map(|t| t.timestamp_millis()),
+        total_limit: body.total_limit,
+    };
+    state.engine.update_voucher(&code, &patch).await?;
+    let view = state.engine.voucher(&code).await?;
+    Ok(HttpResponse::Ok().json(AdminView::from(&view)))
+}
+
+pub async fn warm(
+    req: HttpRequest,
+    state: web::Data<AppState>,
+    path: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    authorize(&req, &state)?;
+    let code = path.into_inner();
+    check_code(&code)?;
+    state.engine.warm(&code).await?;
+    Ok(HttpResponse::NoContent().finish())
+}

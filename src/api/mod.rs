@@ -1,0 +1,143 @@
+//! The HTTP surface of DESIGN §6. Routes parse and validate, then call [`EngineHandle`]; they
+//! never touch actors, channels or SQL. One file per resource; errors map to HTTP in [`error`].
+
+pub mod admin;
+pub mod error;
+pub mod health;
+pub mod reservations;
+pub mod vouchers;
+
+use std::time::Instant;
+
+use actix_web::dev::Service;
+use actix_web::{web, HttpResponse};
+use chrono::{DateTime, SecondsFormat, Utc};
+use futures_util::StreamExt;
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde::de::DeserializeOwned;
+
+use crate::clock::Millis;
+use crate::engine::EngineHandle;
+pub use error::ApiError;
+
+/// What every route can reach.
+#[derive(Clone)]
+pub struct AppState {
+    pub engine: EngineHandle,
+    pub admin_token: String,
+    pub metrics: PrometheusHandle,
+    pub body_limit: usize,
+}
+
+/// Registers every route and the latency middleware.
+pub fn configure(cfg: &mut web::ServiceConfig) {
+    cfg.service(
+        web::scope("/vouchers/{code}")
+            .route("", web::get().to(vouchers::get))
+            .route("/reservations", web::post().to(reservations::reserve))
+            .route("/reservations/{order_id}", web::get().to(reservations::get))
+            .route("/reservations/{order_id}", web::delete().to(reservations::release))
+            .route("/reservations/{order_id}/confirm", web::post().to(reservations::confirm)),
+    )
+    .service(
+        web::scope("/admin/vouchers")
+            .route("", web::post().to(admin::create))
+            .route("/{code}", web::get().to(admin::get))
+            .route("/{code}", web::patch().to(admin::patch))
+            .route("/{code}/warm", web::post().to(admin::warm)),
+    )
+    .route("/metrics", web::get().to(health::metrics))
+    .route("/health/live", web::get().to(health::live))
+    .route("/health/ready", web::get().to(health::ready));
+}
+
+/// Builds the actix app for one worker.
+pub fn app(
+    state: AppState,
+) -> actix_web::App<
+    impl actix_web::dev::ServiceFactory<
+        actix_web::dev::ServiceRequest,
+        Config = (),
+        Response = actix_web::dev::ServiceResponse<actix_web::body::BoxBody>,
+        Error = actix_web::Error,
+        InitError = (),
+    >,
+> {
+    actix_web::App::new()
+        .app_data(web::Data::new(state))
+        .configure(configure)
+        .default_service(web::to(|| async { ApiError::NotFound.error_response_owned() }))
+        .wrap_fn(|req, srv| {
+            let started = Instant::now();
+            let fut = srv.call(req);
+            async move {
+                let res = fut.await?;
+                let route = route_label(res.request().match_pattern().as_deref());
+                crate::metrics::request_latency(route, started.elapsed());
+                Ok(res)
+            }
+        })
+}
+
+/// A bounded label for the latency histogram.
+fn route_label(pattern: Option<&str>) -> &'static str {
+    match pattern {
+        Some("/vouchers/{code}/reservations") => "reserve",
+        Some("/vouchers/{code}/reservations/{order_id}") => "reservation",
+        Some("/vouchers/{code}/reservations/{order_id}/confirm") => "confirm",
+        Some("/vouchers/{code}") => "voucher",
+        Some(p) if p.starts_with("/admin") => "admin",
+        Some("/metrics") => "metrics",
+        Some(p) if p.starts_with("/health") => "health",
+        _ => "other",
+    }
+}
+
+impl ApiError {
+    fn error_response_owned(self) -> HttpResponse {
+        actix_web::ResponseError::error_response(&self)
+    }
+}
+
+/// Reads a JSON body of at most `limit` bytes: `413` above it, `400` with a detail when it does
+/// not parse into `T`.
+pub async fn json_body<T: DeserializeOwned>(
+    mut payload: web::Payload,
+    limit: usize,
+) -> Result<T, ApiError> {
+    let mut body = web::BytesMut::new();
+    while let Some(chunk) = payload.next().await {
+        let chunk = chunk.map_err(|e| match e {
+            actix_web::error::PayloadError::Overflow => ApiError::PayloadTooLarge,
+            other => ApiError::invalid(format!("could not read body: {other}")),
+        })?;
+        if body.len() + chunk.len() > limit {
+            return Err(ApiError::PayloadTooLarge);
+        }
+        body.extend_from_slice(&chunk);
+    }
+    serde_json::from_slice(&body).map_err(|e| ApiError::invalid(format!("invalid JSON body: {e}")))
+}
+
+/// Milliseconds as the RFC 3339 text the API uses.
+pub fn timestamp(ms: Millis) -> String {
+    DateTime::<Utc>::from_timestamp_millis(ms)
+        .unwrap_or_default()
+        .to_rfc3339_opts(SecondsFormat::Millis, true)
+}
+
+pub fn check_code(code: &str) -> Result<(), ApiError> {
+    if crate::domain::valid_code(code) {
+        Ok(())
+    } else {
+        Err(ApiError::invalid("code must be 1-32 characters of A-Z a-z 0-9 _ -"))
+    }
+}
+
+pub fn check_order_id(order_id: &str) -> Result<(), ApiError> {
+    if crate::domain::valid_order_id(order_id) {
+        Ok(())
+    } else {
+        Err(ApiError::invalid("orderId must be 1-64 printable ASCII characters"))
+    }
+}

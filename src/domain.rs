@@ -1,0 +1,197 @@
+//! The vocabulary shared by every layer: vouchers, reservations, eligibility and the input rules
+//! of DESIGN §6. Pure data and pure checks; no I/O.
+
+use serde::{Deserialize, Serialize};
+
+use crate::clock::Millis;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum VoucherStatus {
+    Active,
+    Paused,
+}
+
+impl VoucherStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Active => "ACTIVE",
+            Self::Paused => "PAUSED",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "ACTIVE" => Some(Self::Active),
+            "PAUSED" => Some(Self::Paused),
+            _ => None,
+        }
+    }
+}
+
+/// A voucher's definition as the ledger stores it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Voucher {
+    pub code: String,
+    pub discount_amount: i64,
+    pub min_order_amount: i64,
+    pub total_limit: i64,
+    pub per_user_limit: i64,
+    pub starts_at: Millis,
+    pub ends_at: Millis,
+    pub status: VoucherStatus,
+}
+
+/// Why a reserve is refused with `422 NOT_ELIGIBLE`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum Ineligible {
+    NotStarted,
+    Ended,
+    MinOrderAmount,
+    Paused,
+}
+
+impl Voucher {
+    /// Checks everything about a reserve that does not need stock: status, window and amount.
+    pub fn check_eligible(&self, now: Millis, order_amount: i64) -> Result<(), Ineligible> {
+        if self.status == VoucherStatus::Paused {
+            return Err(Ineligible::Paused);
+        }
+        if now < self.starts_at {
+            return Err(Ineligible::NotStarted);
+        }
+        if now >= self.ends_at {
+            return Err(Ineligible::Ended);
+        }
+        if order_amount < self.min_order_amount {
+            return Err(Ineligible::MinOrderAmount);
+        }
+        Ok(())
+    }
+}
+
+/// Fields an operator may change on a live voucher (`PATCH /admin/vouchers/{code}`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct VoucherPatch {
+    pub status: Option<VoucherStatus>,
+    pub ends_at: Option<Millis>,
+    pub total_limit: Option<i64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum ReservationStatus {
+    Reserved,
+    Confirmed,
+    Released,
+}
+
+impl ReservationStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Reserved => "RESERVED",
+            Self::Confirmed => "CONFIRMED",
+            Self::Released => "RELEASED",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "RESERVED" => Some(Self::Reserved),
+            "CONFIRMED" => Some(Self::Confirmed),
+            "RELEASED" => Some(Self::Released),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reservation {
+    pub order_id: String,
+    pub voucher_code: String,
+    pub customer_id: i64,
+    pub discount_amount: i64,
+    pub status: ReservationStatus,
+    pub expires_at: Millis,
+}
+
+impl Reservation {
+    /// Whether a repeat of `(code, customer)` for this order is the same order again (a retry),
+    /// which gets the original `201`, rather than a clash, which gets `409 ALREADY_USED`.
+    pub fn is_retry_of(&self, code: &str, customer_id: i64) -> bool {
+        self.voucher_code == code
+            && self.customer_id == customer_id
+            && self.status != ReservationStatus::Released
+    }
+}
+
+/// A validated reserve request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReserveRequest {
+    pub customer_id: i64,
+    pub order_id: String,
+    pub order_amount: i64,
+}
+
+pub const MAX_CODE_LEN: usize = 32;
+pub const MAX_ORDER_ID_LEN: usize = 64;
+
+/// `code`: 1–32 chars of `A–Z a–z 0–9 _ -`.
+pub fn valid_code(code: &str) -> bool {
+    !code.is_empty()
+        && code.len() <= MAX_CODE_LEN
+        && code
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// `orderId`: 1–64 printable ASCII characters.
+pub fn valid_order_id(order_id: &str) -> bool {
+    !order_id.is_empty()
+        && order_id.len() <= MAX_ORDER_ID_LEN
+        && order_id.bytes().all(|b| (0x20..=0x7e).contains(&b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn voucher() -> Voucher {
+        Voucher {
+            code: "V".into(),
+            discount_amount: 100,
+            min_order_amount: 500,
+            total_limit: 10,
+            per_user_limit: 1,
+            starts_at: 1_000,
+            ends_at: 2_000,
+            status: VoucherStatus::Active,
+        }
+    }
+
+    #[test]
+    fn eligibility_checks_status_window_and_amount() {
+        let v = voucher();
+        assert_eq!(v.check_eligible(999, 500), Err(Ineligible::NotStarted));
+        assert_eq!(v.check_eligible(2_000, 500), Err(Ineligible::Ended));
+        assert_eq!(v.check_eligible(1_500, 499), Err(Ineligible::MinOrderAmount));
+        assert_eq!(v.check_eligible(1_000, 500), Ok(()));
+        let paused = Voucher { status: VoucherStatus::Paused, ..v };
+        assert_eq!(paused.check_eligible(1_500, 500), Err(Ineligible::Paused));
+    }
+
+    #[test]
+    fn codes_and_order_ids_follow_the_contract() {
+        assert!(valid_code("SALE-2026_a"));
+        assert!(!valid_code(""));
+        assert!(!valid_code(&"A".repeat(33)));
+        assert!(!valid_code("bad code"));
+        assert!(!valid_code("é"));
+        assert!(valid_order_id("order #1"));
+        assert!(valid_order_id(&"o".repeat(64)));
+        assert!(!valid_order_id(&"o".repeat(65)));
+        assert!(!valid_order_id(""));
+        assert!(!valid_order_id("tab\there"));
+    }
+}

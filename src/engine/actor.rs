@@ -1,0 +1,661 @@
+//! `VoucherActor`: the one owner of a voucher's in-memory state on this node. It serves reserves
+//! from leased blocks, group-commits them (one commit in flight; the next batch is whatever queued
+//! meanwhile), prefetches the next block at the low-water mark, renews, returns idle units, raises
+//! the sold-out flag, and stops after long idleness. Nothing else mutates this state.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Instant;
+
+use actix::prelude::*;
+use tokio::sync::oneshot;
+
+use super::sizing::{block_size, low_water, RateEstimator};
+use super::soldout::VoucherShared;
+use super::{Core, EngineError};
+use crate::clock::Millis;
+use crate::domain::{Reservation, ReserveRequest, Voucher};
+use crate::ledger::{Batch, BatchRow, Grant, LedgerError, RowOutcome};
+use crate::metrics::{self as m, LeaseEvent};
+
+/// The actor's answer to one reserve.
+#[derive(Debug)]
+pub(crate) enum Reply {
+    Created(Reservation),
+    Replayed(Reservation),
+    Failed(EngineError),
+}
+
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct Reserve {
+    pub req: ReserveRequest,
+    pub reply: oneshot::Sender<Reply>,
+}
+
+/// Units came back to `free`: stop treating the ledger as empty.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct Restocked;
+
+/// The voucher was edited: take the new definition.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct Reload(pub Voucher);
+
+/// Start serving: take a first lease now, answer when it is held (or the ledger is empty).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct Warm(pub oneshot::Sender<Result<(), EngineError>>);
+
+/// Shutting down: return every unused unit, answer when done.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct Drain(pub oneshot::Sender<()>);
+
+/// Another node ran dry while this one may hold idle units (`RECALL`).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct Recall;
+
+struct Pending {
+    req: ReserveRequest,
+    reply: oneshot::Sender<Reply>,
+}
+
+/// A lease as this node serves it.
+#[derive(Debug)]
+struct LocalLease {
+    id: i64,
+    granted: i64,
+    /// Units committed or in the batch in flight.
+    used: i64,
+    expires_at: Millis,
+}
+
+impl LocalLease {
+    fn room(&self) -> i64 {
+        self.granted - self.used
+    }
+}
+
+/// Why the actor is not asking the ledger for units right now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Hold {
+    /// The ledger had no free units: answer from the ledger's orders only.
+    Dry,
+    /// The ledger failed: answer `503` until the backoff ends.
+    Down,
+}
+
+pub(crate) struct VoucherActor {
+    code: String,
+    core: Arc<Core>,
+    shared: Arc<VoucherShared>,
+    /// Tells this actor's registry entry apart from a successor's when it leaves.
+    generation: u64,
+    voucher: Option<Voucher>,
+    leases: VecDeque<LocalLease>,
+    pending: VecDeque<Pending>,
+    warm_waiters: Vec<oneshot::Sender<Result<(), EngineError>>>,
+    /// The lease of the batch in flight, if one is.
+    committing: Option<i64>,
+    granting: bool,
+    renewing: bool,
+    /// What the ledger last said was free: drives end-game sizing.
+    free_hint: Option<i64>,
+    hold: Option<(Hold, Millis)>,
+    rate: RateEstimator,
+    last_activity: Millis,
+    next_probe: Millis,
+}
+
+impl VoucherActor {
+    pub(crate) fn new(code: String, core: Arc<Core>, shared: Arc<VoucherShared>, generation: u64) -> Self {
+        let now = core.clock.now_ms();
+        Self {
+            code,
+            core,
+            shared,
+            generation,
+            voucher: None,
+            leases: VecDeque::new(),
+            pending: VecDeque::new(),
+            warm_waiters: Vec::new(),
+            committing: None,
+            granting: false,
+            renewing: false,
+            free_hint: None,
+            hold: None,
+            rate: RateEstimator::new(now),
+            last_activity: now,
+            next_probe: now,
+        }
+    }
+
+    fn now(&self) -> Millis {
+        self.core.clock.now_ms()
+    }
+
+    fn room(&self) -> i64 {
+        self.leases.iter().map(LocalLease::room).sum()
+    }
+
+    /// Answers every waiting reserve and warm-up with `err`.
+    fn fail_all(&mut self, err: EngineError) {
+        for p in self.pending.drain(..) {
+            let _ = p.reply.send(Reply::Failed(err.clone()));
+        }
+        for w in self.warm_waiters.drain(..) {
+            let _ = w.send(Err(err.clone()));
+        }
+    }
+
+    fn on_loaded(&mut self, res: Result<Option<Voucher>, LedgerError>, ctx: &mut Context<Self>) {
+        match res {
+            Ok(Some(v)) => {
+                self.voucher = Some(v);
+                let now = self.now();
+                let pending = std::mem::take(&mut self.pending);
+                for p in pending {
+                    self.admit(p, now);
+                }
+                self.pump(ctx);
+            }
+            Ok(None) => {
+                self.fail_all(EngineError::NotFound);
+                ctx.stop();
+            }
+            Err(e) => {
+                tracing::warn!(code = %self.code, error = %e, "load voucher");
+                m::ledger_error("load_voucher");
+                self.fail_all(EngineError::Unavailable);
+                ctx.stop();
+            }
+        }
+    }
+
+    /// Queues a reserve that passed eligibility, or answers it at once.
+    fn admit(&mut self, p: Pending, now: Millis) {
+        let Some(v) = &self.voucher else {
+            self.pending.push_back(p);
+            return;
+        };
+        if let Err(reason) = v.check_eligible(now, p.req.order_amount) {
+            let _ = p.reply.send(Reply::Failed(EngineError::NotEligible(reason)));
+            return;
+        }
+        self.pending.push_back(p);
+    }
+
+    /// The scheduler: starts a batch if none is in flight, asks for units when short, and answers
+    /// what cannot be served while the ledger is empty or down.
+    fn pump(&mut self, ctx: &mut Context<Self>) {
+        if self.voucher.is_none() {
+            return;
+        }
+        let now = self.now();
+        self.drop_unservable_leases(now);
+        if self.committing.is_none() && !self.pending.is_empty() {
+            self.start_batch(ctx);
+        }
+        if let Some((_, until)) = self.hold {
+            if now >= until {
+                self.hold = None;
+            }
+        }
+        let rate = self.rate.per_sec(now);
+        let room = self.room();
+        let short = (self.pending.len() as i64) > room
+            || (room < low_water(&self.core.sizing, rate) && rate > 0.0)
+            || !self.warm_waiters.is_empty();
+        match self.hold {
+            None if short && !self.granting => self.start_grant(ctx),
+            Some((hold, _)) if room == 0 && self.committing.is_none() && !self.granting => {
+                let waiting: Vec<Pending> = self.pending.drain(..).collect();
+                match hold {
+                    Hold::Dry => self.answer_without_units(waiting, ctx),
+                    Hold::Down => waiting.into_iter().for_each(|p| {
+                        let _ = p.reply.send(Reply::Failed(EngineError::Unavailable));
+                    }),
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Stops serving from leases that are used up or too close to expiry (the node must stop
+    /// before a reaper may take the lease); units left in expiring ones are handed back.
+    fn drop_unservable_leases(&mut self, now: Millis) {
+        let safety = self.core.settings.lease_safety_ms;
+        let in_flight = self.committing;
+        let mut keep = VecDeque::with_capacity(self.leases.len());
+        for l in self.leases.drain(..) {
+            let expiring = l.expires_at - safety <= now;
+            if Some(l.id) == in_flight || (l.room() > 0 && !expiring) {
+                keep.push_back(l);
+            } else if l.room() > 0 {
+                m::lease(LeaseEvent::Lost);
+                spawn_return(&self.core, l.id, now);
+            }
+        }
+        self.leases = keep;
+    }
+
+    fn start_batch(&mut self, ctx: &mut Context<Self>) {
+        let max_batch = self.core.settings.max_batch.max(1) as i64;
+        let Some(lease) = self.leases.iter_mut().find(|l| l.room() > 0) else {
+            return;
+        };
+        let n = (self.pending.len() as i64).min(lease.room()).min(max_batch) as usize;
+        if n == 0 {
+            return;
+        }
+        lease.used += n as i64;
+        let lease_id = lease.id;
+        let taken: Vec<Pending> = self.pending.drain(..n).collect();
+        let now = self.now();
+        let batch = Batch {
+            voucher_code: self.code.clone(),
+            lease_id,
+            now,
+            expires_at: now + self.core.settings.reservation_ttl_ms,
+            rows: taken
+                .iter()
+                .map(|p| BatchRow { order_id: p.req.order_id.clone(), customer_id: p.req.customer_id })
+                .collect(),
+        };
+        self.committing = Some(lease_id);
+        let ledger = self.core.ledger.clone();
+        let fut = async move {
+            let started = Instant::now();
+            let res = ledger.commit_batch(&batch).await;
+            (res, started.elapsed())
+        };
+        ctx.spawn(fut.into_actor(self).map(move |(res, took), act, ctx| {
+            m::batch(n, took);
+            act.on_committed(lease_id, taken, res, ctx);
+        }));
+    }
+
+    fn on_committed(
+        &mut self,
+        lease_id: i64,
+        taken: Vec<Pending>,
+        res: Result<Vec<RowOutcome>, LedgerError>,
+        ctx: &mut Context<Self>,
+    ) {
+        self.committing = None;
+        let n = taken.len() as i64;
+        match res {
+            Ok(outcomes) => {
+                let mut consumed = 0;
+                for (p, o) in taken.into_iter().zip(outcomes) {
+                    let reply = match o {
+                        RowOutcome::Created(r) => {
+                            consumed += 1;
+                            Reply::Created(r)
+                        }
+                        RowOutcome::Replayed(r) => Reply::Replayed(r),
+                        RowOutcome::AlreadyUsed => Reply::Failed(EngineError::AlreadyUsed),
+                    };
+                    let _ = p.reply.send(reply);
+                }
+                if let Some(l) = self.leases.iter_mut().find(|l| l.id == lease_id) {
+                    l.used -= n - consumed;
+                }
+            }
+            Err(e) => {
+                // No 201 without a commit: every request of the batch gets 503 and may retry
+                // (idempotently). The lease is no longer trusted.
+                for p in taken {
+                    let _ = p.reply.send(Reply::Failed(EngineError::Unavailable));
+                }
+                self.leases.retain(|l| l.id != lease_id);
+                if matches!(e, LedgerError::Fenced) {
+                    m::lease(LeaseEvent::Fenced);
+                    tracing::warn!(code = %self.code, lease_id, "batch fenced: lease no longer active");
+                } else {
+                    m::ledger_error("commit_batch");
+                    tracing::warn!(code = %self.code, lease_id, error = %e, "batch commit failed");
+                    spawn_return(&self.core, lease_id, self.now());
+                    self.hold_for(Hold::Down, 200);
+                }
+            }
+        }
+        self.pump(ctx);
+    }
+
+    fn hold_for(&mut self, hold: Hold, ms: i64) {
+        self.hold = Some((hold, self.now() + ms));
+    }
+
+    fn start_grant(&mut self, ctx: &mut Context<Self>) {
+        let now = self.now();
+        let rate = self.rate.per_sec(now);
+        let waiting = (self.pending.len() as i64 - self.room()).max(0) as usize;
+        let want = block_size(&self.core.sizing, rate, waiting, self.free_hint);
+        self.granting = true;
+        let epoch = self.shared.restock_epoch();
+        let (ledger, code, node, ttl) = (
+            self.core.ledger.clone(),
+            self.code.clone(),
+            self.core.node_id.clone(),
+            self.core.settings.lease_ttl_ms,
+        );
+        let fut = async move { ledger.grant(&code, &node, want, now, ttl).await };
+        ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| act.on_granted(res, epoch, ctx)));
+    }
+
+    fn on_granted(&mut self, res: Result<Grant, LedgerError>, epoch: u64, ctx: &mut Context<Self>) {
+        self.granting = false;
+        match res {
+            Ok(grant) => {
+                self.free_hint = Some(grant.free_after);
+                if let Some(lease) = grant.lease {
+                    m::lease(LeaseEvent::Granted);
+                    m::lease_granted_units(lease.granted);
+                    self.leases.push_back(LocalLease {
+                        id: lease.id,
+                        granted: lease.granted,
+                        used: 0,
+                        expires_at: lease.expires_at,
+                    });
+                    self.hold = None;
+                    if self.shared.is_sold_out() {
+                        self.shared.restock();
+                    }
+                } else {
+                    m::lease(LeaseEvent::Empty);
+                    self.hold_for(Hold::Dry, self.core.settings.soldout_probe_ms);
+                    self.next_probe = self.now() + self.core.settings.soldout_probe_ms;
+                    if grant.leased_unused == 0 && self.room() == 0 {
+                        self.declare_sold_out(epoch, ctx);
+                    }
+                }
+                for w in self.warm_waiters.drain(..) {
+                    let _ = w.send(Ok(()));
+                }
+            }
+            Err(LedgerError::NotFound) => {
+                self.fail_all(EngineError::NotFound);
+                ctx.stop();
+                return;
+            }
+            Err(e) => {
+                m::ledger_error("grant");
+                tracing::warn!(code = %self.code, error = %e, "lease grant failed");
+                self.hold_for(Hold::Down, 200);
+                for w in self.warm_waiters.drain(..) {
+                    let _ = w.send(Err(EngineError::Unavailable));
+                }
+            }
+        }
+        self.pump(ctx);
+    }
+
+    /// The ledger is empty everywhere: load the winners and raise the flag (unless units came
+    /// back meanwhile).
+    fn declare_sold_out(&mut self, epoch: u64, ctx: &mut Context<Self>) {
+        let (ledger, code) = (self.core.ledger.clone(), self.code.clone());
+        let exact_max = self.core.settings.won_set_exact_max;
+        let fut = async move { ledger.won_orders(&code).await };
+        ctx.spawn(fut.into_actor(self).map(move |res, act, _| match res {
+            Ok(won) => {
+                if act.shared.set_sold_out(epoch, won, exact_max) {
+                    tracing::info!(code = %act.code, "sold out");
+                }
+            }
+            Err(e) => {
+                m::ledger_error("won_orders");
+                tracing::warn!(code = %act.code, error = %e, "load winning orders");
+            }
+        }));
+    }
+
+    /// Without units, a reserve can still be a retry of an order that won: one ledger lookup for
+    /// all of them, then `201` for those, `409 OUT_OF_STOCK` for the rest.
+    fn answer_without_units(&mut self, waiting: Vec<Pending>, ctx: &mut Context<Self>) {
+        if waiting.is_empty() {
+            return;
+        }
+        let ledger = self.core.ledger.clone();
+        let ids: Vec<String> = waiting.iter().map(|p| p.req.order_id.clone()).collect();
+        let code = self.code.clone();
+        let fut = async move { ledger.find_orders(&ids).await };
+        ctx.spawn(fut.into_actor(self).map(move |res, _, _| {
+            let found: HashMap<String, Reservation> = match res {
+                Ok(rows) => rows.into_iter().map(|r| (r.order_id.clone(), r)).collect(),
+                Err(_) => {
+                    m::ledger_error("find_orders");
+                    for p in waiting {
+                        let _ = p.reply.send(Reply::Failed(EngineError::Unavailable));
+                    }
+                    return;
+                }
+            };
+            for p in waiting {
+                let reply = match found.get(&p.req.order_id) {
+                    Some(r) if r.is_retry_of(&code, p.req.customer_id) => Reply::Replayed(r.clone()),
+                    Some(_) => Reply::Failed(EngineError::AlreadyUsed),
+                    None => Reply::Failed(EngineError::OutOfStock),
+                };
+                let _ = p.reply.send(reply);
+            }
+        }));
+    }
+
+    /// The periodic chores: renewal, idle return, the sold-out probe and idle stop.
+    fn tick(&mut self, ctx: &mut Context<Self>) {
+        let now = self.now();
+        let core = self.core.clone();
+        let s = &core.settings;
+        let idle = now - self.last_activity;
+        if idle >= s.lease_idle_timeout_ms && self.committing.is_none() && self.pending.is_empty() {
+            for l in self.leases.drain(..) {
+                m::lease(LeaseEvent::Returned);
+                spawn_return(&self.core, l.id, now);
+            }
+        }
+        self.renew_if_due(now, ctx);
+        if self.shared.is_sold_out() && now >= self.next_probe && !self.granting {
+            // The probe is a grant: if units came back it takes them and lowers the flag.
+            self.next_probe = now + s.soldout_probe_ms;
+            self.start_grant(ctx);
+        }
+        if idle >= s.actor_idle_stop_ms
+            && self.leases.is_empty()
+            && self.committing.is_none()
+            && !self.granting
+            && self.pending.is_empty()
+        {
+            ctx.stop();
+            return;
+        }
+        self.pump(ctx);
+    }
+
+    fn renew_if_due(&mut self, now: Millis, ctx: &mut Context<Self>) {
+        let ttl = self.core.settings.lease_ttl_ms;
+        if self.renewing {
+            return;
+        }
+        let due: Vec<i64> = self
+            .leases
+            .iter()
+            .filter(|l| l.expires_at - now < ttl / 2)
+            .map(|l| l.id)
+            .collect();
+        if due.is_empty() {
+            return;
+        }
+        self.renewing = true;
+        let (ledger, node) = (self.core.ledger.clone(), self.core.node_id.clone());
+        let fut = async move { ledger.renew(&due, &node, now, ttl).await.map(|alive| (due, alive)) };
+        ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| {
+            act.renewing = false;
+            match res {
+                Ok((due, alive)) => {
+                    for l in act.leases.iter_mut().filter(|l| due.contains(&l.id)) {
+                        if alive.contains(&l.id) {
+                            m::lease(LeaseEvent::Renewed);
+                            l.expires_at = now + ttl;
+                        } else {
+                            // Reaped or returned behind our back: stop serving from it.
+                            m::lease(LeaseEvent::Lost);
+                            l.granted = l.used;
+                        }
+                    }
+                }
+                Err(e) => {
+                    m::ledger_error("renew");
+                    tracing::warn!(code = %act.code, error = %e, "lease renewal failed");
+                }
+            }
+            act.pump(ctx);
+        }));
+    }
+}
+
+/// Hands a lease's unused units back to `free` in the background; the ledger makes it idempotent.
+fn spawn_return(core: &Arc<Core>, lease_id: i64, now: Millis) {
+    actix::spawn(return_lease(core.clone(), lease_id, now));
+}
+
+async fn return_lease(core: Arc<Core>, lease_id: i64, now: Millis) {
+    {
+        match core.ledger.return_lease(lease_id, now).await {
+            Ok(Some(restock)) => core.restocked(&restock.voucher_code),
+            Ok(None) => {}
+            Err(e) => {
+                m::ledger_error("return_lease");
+                tracing::warn!(lease_id, error = %e, "lease return failed; the reaper will take it");
+            }
+        }
+    }
+}
+
+impl Actor for VoucherActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        m::actors(1.0);
+        ctx.set_mailbox_capacity(self.core.settings.mailbox_capacity.max(16));
+        let (ledger, code) = (self.core.ledger.clone(), self.code.clone());
+        let fut = async move { ledger.voucher(&code).await };
+        ctx.spawn(fut.into_actor(self).map(|res, act, ctx| act.on_loaded(res, ctx)));
+        let every = std::time::Duration::from_millis(250);
+        ctx.run_interval(every, |act, ctx| act.tick(ctx));
+    }
+
+    fn stopped(&mut self, _: &mut Context<Self>) {
+        m::actors(-1.0);
+        self.fail_all(EngineError::Unavailable);
+        self.core.forget(&self.code, self.generation);
+        let now = self.now();
+        for l in self.leases.drain(..) {
+            spawn_return(&self.core, l.id, now);
+        }
+    }
+}
+
+impl Handler<Reserve> for VoucherActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Reserve, ctx: &mut Context<Self>) {
+        let now = self.now();
+        self.last_activity = now;
+        self.rate.record(now, 1);
+        if self.pending.len() >= self.core.settings.max_pending {
+            m::mailbox_full();
+            let _ = msg.reply.send(Reply::Failed(EngineError::Unavailable));
+            return;
+        }
+        self.admit(Pending { req: msg.req, reply: msg.reply }, now);
+        self.pump(ctx);
+    }
+}
+
+impl Handler<Restocked> for VoucherActor {
+    type Result = ();
+
+    fn handle(&mut self, _: Restocked, ctx: &mut Context<Self>) {
+        if matches!(self.hold, Some((Hold::Dry, _))) {
+            self.hold = None;
+        }
+        self.free_hint = None;
+        self.pump(ctx);
+    }
+}
+
+impl Handler<Reload> for VoucherActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Reload, ctx: &mut Context<Self>) {
+        self.voucher = Some(msg.0);
+        self.pump(ctx);
+    }
+}
+
+impl Handler<Warm> for VoucherActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Warm, ctx: &mut Context<Self>) {
+        self.last_activity = self.now();
+        if self.room() > 0 {
+            let _ = msg.0.send(Ok(()));
+            return;
+        }
+        self.warm_waiters.push(msg.0);
+        self.hold = None;
+        self.pump(ctx);
+    }
+}
+
+impl Handler<Recall> for VoucherActor {
+    type Result = ();
+
+    fn handle(&mut self, _: Recall, _: &mut Context<Self>) {
+        let now = self.now();
+        let quiet = now - self.last_activity >= self.core.settings.lease_idle_timeout_ms / 5;
+        if !quiet {
+            return;
+        }
+        let in_flight = self.committing;
+        let mut keep = VecDeque::new();
+        for l in self.leases.drain(..) {
+            if Some(l.id) == in_flight {
+                keep.push_back(l);
+            } else if l.room() > 0 {
+                m::lease(LeaseEvent::Returned);
+                spawn_return(&self.core, l.id, now);
+            }
+        }
+        self.leases = keep;
+    }
+}
+
+impl Handler<Drain> for VoucherActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Drain, ctx: &mut Context<Self>) {
+        let now = self.now();
+        let in_flight = self.committing;
+        let mut returns = Vec::new();
+        let mut keep = VecDeque::new();
+        for l in self.leases.drain(..) {
+            if Some(l.id) == in_flight {
+                keep.push_back(l);
+            } else {
+                returns.push(return_lease(self.core.clone(), l.id, now));
+            }
+        }
+        self.leases = keep;
+        // Nothing more is served from here on.
+        self.hold_for(Hold::Down, i64::MAX / 4);
+        let all = futures_util::future::join_all(returns);
+        ctx.spawn(all.into_actor(self).map(move |_, _, _| {
+            let _ = msg.0.send(());
+        }));
+    }
+}

@@ -1,0 +1,393 @@
+//! The engine: everything between the HTTP routes and the ledger.
+//!
+//! [`EngineHandle`] is the cloneable front door routes call. Behind it a registry maps each voucher
+//! code to its owner [`actor::VoucherActor`] on this node; actors are spread over shards (one actix
+//! `Arbiter` each, chosen by hash of the code), started lazily on first use or by warm-up, and stop
+//! after idleness. Reserves go to the actor through a bounded mailbox (`try_send`; full → `503`);
+//! everything else (confirm, release, reads, admin) goes to the ledger directly. Restocks from any
+//! source pass through [`Core::restocked`], which lowers the sold-out flag and tells the actor.
+
+mod actor;
+pub mod sizing;
+pub mod soldout;
+
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::prelude::*;
+use actix::dev::SendError;
+use dashmap::DashMap;
+use tokio::sync::oneshot;
+
+use crate::clock::SharedClock;
+use crate::config::EngineSettings;
+use crate::domain::{Ineligible, Reservation, ReserveRequest, Voucher, VoucherPatch};
+use crate::ledger::{Counters, LedgerError, Restock, SharedLedger};
+use crate::metrics::{self as m, Outcome};
+use actor::{Drain, Reload, Reply, Reserve, Restocked, VoucherActor, Warm};
+use sizing::SizingParams;
+use soldout::VoucherShared;
+
+/// What the engine answers when it cannot do what was asked. Mapped to HTTP in `api::error`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EngineError {
+    #[error("not found")]
+    NotFound,
+    #[error("out of stock")]
+    OutOfStock,
+    #[error("already used")]
+    AlreadyUsed,
+    #[error("not eligible: {0:?}")]
+    NotEligible(Ineligible),
+    #[error("temporarily unavailable")]
+    Unavailable,
+    #[error("already exists")]
+    AlreadyExists,
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    #[error("reservation was released")]
+    ReservationReleased,
+    #[error("reservation is already confirmed")]
+    AlreadyConfirmed,
+}
+
+impl From<LedgerError> for EngineError {
+    fn from(e: LedgerError) -> Self {
+        match e {
+            LedgerError::AlreadyExists => Self::AlreadyExists,
+            LedgerError::NotFound => Self::NotFound,
+            LedgerError::Released => Self::ReservationReleased,
+            LedgerError::AlreadyConfirmed => Self::AlreadyConfirmed,
+            LedgerError::Invalid(why) => Self::Invalid(why.to_string()),
+            LedgerError::Fenced | LedgerError::Unavailable(_) => {
+                tracing::warn!(error = %e, "ledger call failed");
+                Self::Unavailable
+            }
+        }
+    }
+}
+
+/// A successful reserve: the reservation and whether it was a retry of an earlier one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reserved {
+    pub reservation: Reservation,
+    pub replayed: bool,
+}
+
+/// A voucher with its live counters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VoucherView {
+    pub voucher: Voucher,
+    pub counters: Counters,
+}
+
+impl VoucherView {
+    pub fn sold_out(&self) -> bool {
+        self.counters.free + self.counters.leased_unused == 0
+    }
+}
+
+/// One registry row: the owner actor of a voucher on this node and the state the frontend reads.
+#[derive(Clone)]
+struct Entry {
+    addr: Addr<VoucherActor>,
+    shared: Arc<VoucherShared>,
+    generation: u64,
+}
+
+/// State shared by the handle, the actors and the jobs.
+pub(crate) struct Core {
+    pub ledger: SharedLedger,
+    pub clock: SharedClock,
+    pub settings: EngineSettings,
+    pub sizing: SizingParams,
+    pub node_id: String,
+    request_timeout: Duration,
+    registry: DashMap<String, Entry>,
+    shards: Vec<ArbiterHandle>,
+    next_generation: AtomicU64,
+}
+
+impl Core {
+    /// Units went back to `free` for `code`: lower the flag and let the actor lease again.
+    pub(crate) fn restocked(&self, code: &str) {
+        if let Some(e) = self.registry.get(code) {
+            e.shared.restock();
+            let _ = e.addr.try_send(Restocked);
+        }
+    }
+
+    /// Removes an actor's registry row when it stops, unless a successor already took it.
+    pub(crate) fn forget(&self, code: &str, generation: u64) {
+        self.registry.remove_if(code, |_, e| e.generation == generation);
+    }
+
+    fn entry(self: &Arc<Self>, code: &str) -> Entry {
+        if let Some(e) = self.registry.get(code) {
+            return e.clone();
+        }
+        self.registry
+            .entry(code.to_string())
+            .or_insert_with(|| {
+                let generation = self.next_generation.fetch_add(1, Ordering::Relaxed);
+                let shared = Arc::new(VoucherShared::default());
+                let mut h = DefaultHasher::new();
+                code.hash(&mut h);
+                let shard = &self.shards[(h.finish() % self.shards.len() as u64) as usize];
+                let (core, c, sh) = (self.clone(), code.to_string(), shared.clone());
+                let addr = VoucherActor::start_in_arbiter(shard, move |_| {
+                    VoucherActor::new(c, core, sh, generation)
+                });
+                Entry { addr, shared, generation }
+            })
+            .clone()
+    }
+}
+
+/// The cloneable front door of the engine; the only thing routes see.
+#[derive(Clone)]
+pub struct EngineHandle {
+    core: Arc<Core>,
+}
+
+/// The shards of an engine; stop them on shutdown.
+pub struct Shards(Vec<Arbiter>);
+
+impl Shards {
+    pub fn stop(self) {
+        for a in self.0 {
+            a.stop();
+            let _ = a.join();
+        }
+    }
+}
+
+impl EngineHandle {
+    /// Starts the shards. Must run inside an actix `System`.
+    pub fn start(
+        ledger: SharedLedger,
+        clock: SharedClock,
+        settings: EngineSettings,
+        node_id: String,
+        request_timeout: Duration,
+    ) -> (Self, Shards) {
+        let n = if settings.shards == 0 {
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        } else {
+            settings.shards
+        };
+        let arbiters: Vec<Arbiter> = (0..n).map(|_| Arbiter::new()).collect();
+        let core = Core {
+            ledger,
+            clock,
+            sizing: SizingParams::from(&settings),
+            settings,
+            node_id,
+            request_timeout,
+            registry: DashMap::new(),
+            shards: arbiters.iter().map(Arbiter::handle).collect(),
+            next_generation: AtomicU64::new(0),
+        };
+        (Self { core: Arc::new(core) }, Shards(arbiters))
+    }
+
+    pub fn node_id(&self) -> &str {
+        &self.core.node_id
+    }
+
+    pub fn now_ms(&self) -> i64 {
+        self.core.clock.now_ms()
+    }
+
+    /// Reserves one unit for an order. A sold-out voucher is answered from memory, except for
+    /// orders that may have won, which the ledger answers.
+    pub async fn reserve(&self, code: &str, req: ReserveRequest) -> Result<Reserved, EngineError> {
+        let res = self.reserve_inner(code, req).await;
+        m::reservation(match &res {
+            Ok(r) if r.replayed => Outcome::Replayed,
+            Ok(_) => Outcome::Created,
+            Err(EngineError::OutOfStock) => Outcome::OutOfStock,
+            Err(EngineError::AlreadyUsed) => Outcome::AlreadyUsed,
+            Err(EngineError::NotEligible(_)) => Outcome::NotEligible,
+            Err(EngineError::NotFound) => Outcome::NotFound,
+            Err(EngineError::Invalid(_)) => Outcome::Invalid,
+            Err(_) => Outcome::Unavailable,
+        });
+        res
+    }
+
+    async fn reserve_inner(&self, code: &str, req: ReserveRequest) -> Result<Reserved, EngineError> {
+        for _ in 0..3 {
+            let entry = self.core.entry(code);
+            if entry.shared.is_sold_out() {
+                m::sold_out_short_circuit();
+                return self.answer_sold_out(code, &req, &entry.shared).await;
+            }
+            let (tx, rx) = oneshot::channel();
+            match entry.addr.try_send(Reserve { req: req.clone(), reply: tx }) {
+                Ok(()) => {}
+                Err(SendError::Full(_)) => {
+                    m::mailbox_full();
+                    return Err(EngineError::Unavailable);
+                }
+                Err(SendError::Closed(_)) => {
+                    // The actor stopped after idleness: start a fresh one.
+                    self.core.forget(code, entry.generation);
+                    continue;
+                }
+            }
+            return match tokio::time::timeout(self.core.request_timeout, rx).await {
+                Ok(Ok(Reply::Created(r))) => Ok(Reserved { reservation: r, replayed: false }),
+                Ok(Ok(Reply::Replayed(r))) => Ok(Reserved { reservation: r, replayed: true }),
+                Ok(Ok(Reply::Failed(e))) => Err(e),
+                Ok(Err(_)) | Err(_) => Err(EngineError::Unavailable),
+            };
+        }
+        Err(EngineError::Unavailable)
+    }
+
+    async fn answer_sold_out(
+        &self,
+        code: &str,
+        req: &ReserveRequest,
+        shared: &VoucherShared,
+    ) -> Result<Reserved, EngineError> {
+        if !shared.may_have_won(&req.order_id) {
+            return Err(EngineError::OutOfStock);
+        }
+        let found = self.core.ledger.find_orders(std::slice::from_ref(&req.order_id)).await?;
+        match found.into_iter().next() {
+            Some(r) if r.is_retry_of(code, req.customer_id) => {
+                Ok(Reserved { reservation: r, replayed: true })
+            }
+            Some(_) => Err(EngineError::AlreadyUsed),
+            None => Err(EngineError::OutOfStock),
+        }
+    }
+
+    /// Whether the frontend answers this voucher from memory now (tests and diagnostics).
+    pub fn is_sold_out_locally(&self, code: &str) -> bool {
+        self.core.registry.get(code).is_some_and(|e| e.shared.is_sold_out())
+    }
+
+    pub async fn confirm(&self, code: &str, order_id: &str) -> Result<Reservation, EngineError> {
+        Ok(self.core.ledger.confirm(code, order_id, self.now_ms()).await?)
+    }
+
+    pub async fn release(&self, code: &str, order_id: &str) -> Result<Reservation, EngineError> {
+        let (r, restock) = self.core.ledger.release(code, order_id, self.now_ms()).await?;
+        self.after_restocks(restock.into_iter());
+        Ok(r)
+    }
+
+    pub async fn reservation(&self, code: &str, order_id: &str) -> Result<Reservation, EngineError> {
+        let found = self.core.ledger.find_orders(&[order_id.to_string()]).await?;
+        found
+            .into_iter()
+            .find(|r| r.voucher_code == code)
+            .ok_or(EngineError::NotFound)
+    }
+
+    pub async fn voucher(&self, code: &str) -> Result<VoucherView, EngineError> {
+        let voucher = self.core.ledger.voucher(code).await?.ok_or(EngineError::NotFound)?;
+        let counters = self.core.ledger.counters(code).await?.ok_or(EngineError::NotFound)?;
+        Ok(VoucherView { voucher, counters })
+    }
+
+    pub async fn create_voucher(&self, v: &Voucher) -> Result<(), EngineError> {
+        Ok(self.core.ledger.create_voucher(v, self.now_ms()).await?)
+    }
+
+    pub async fn update_voucher(&self, code: &str, patch: &VoucherPatch) -> Result<Voucher, EngineError> {
+        let (voucher, restock) = self.core.ledger.update_voucher(code, patch).await?;
+        if let Some(e) = self.core.registry.get(code) {
+            let _ = e.addr.try_send(Reload(voucher.clone()));
+        }
+        self.after_restocks(restock.into_iter());
+        Ok(voucher)
+    }
+
+    /// Starts the voucher's actor on this node and waits until it holds its first lease.
+    pub async fn warm(&self, code: &str) -> Result<(), EngineError> {
+        if self.core.ledger.voucher(code).await?.is_none() {
+            return Err(EngineError::NotFound);
+        }
+        let entry = self.core.entry(code);
+        let (tx, rx) = oneshot::channel();
+        entry.addr.try_send(Warm(tx)).map_err(|_| EngineError::Unavailable)?;
+        match tokio::time::timeout(self.core.request_timeout, rx).await {
+            Ok(Ok(res)) => res,
+            _ => Err(EngineError::Unavailable),
+        }
+    }
+
+    /// Graceful stop: every actor hands its unused units back before the process exits.
+    pub async fn drain(&self) {
+        let addrs: Vec<Addr<VoucherActor>> =
+            self.core.registry.iter().map(|e| e.addr.clone()).collect();
+        let waits = addrs.into_iter().filter_map(|addr| {
+            let (tx, rx) = oneshot::channel();
+            addr.try_send(Drain(tx)).ok().map(|_| rx)
+        });
+        let all = futures_util::future::join_all(waits);
+        let _ = tokio::time::timeout(Duration::from_secs(5), all).await;
+    }
+
+    pub async fn ready(&self) -> bool {
+        self.core.ledger.ping().await.is_ok()
+    }
+
+    fn after_restocks(&self, restocks: impl Iterator<Item = Restock>) {
+        for r in restocks {
+            self.core.restocked(&r.voucher_code);
+        }
+    }
+
+    /// Releases unconfirmed reservations whose time ran out. Returns how many were released.
+    pub async fn expire_due(&self, batch: i64) -> Result<i64, EngineError> {
+        let batch = batch.max(1);
+        let mut total = 0;
+        loop {
+            let restocks = self.core.ledger.expire_due(self.now_ms(), batch).await?;
+            let n: i64 = restocks.iter().map(|r| r.units).sum();
+            total += n;
+            self.after_restocks(restocks.into_iter());
+            if n < batch {
+                break;
+            }
+        }
+        if total > 0 {
+            m::expired(total as u64);
+        }
+        Ok(total)
+    }
+
+    /// Reaps leases whose node stopped renewing them. Returns the units given back.
+    pub async fn reap_expired(&self) -> Result<i64, EngineError> {
+        let restocks = self.core.ledger.reap_expired(self.now_ms()).await?;
+        let units = restocks.iter().map(|r| r.units).sum();
+        for _ in &restocks {
+            m::lease(m::LeaseEvent::Reaped);
+        }
+        self.after_restocks(restocks.into_iter());
+        Ok(units)
+    }
+
+    /// Recomputes every voucher's counters from the rows; returns the codes that do not balance.
+    pub async fn reconcile(&self) -> Result<Vec<String>, EngineError> {
+        let mut unbalanced = Vec::new();
+        for code in self.core.ledger.voucher_codes().await? {
+            if let Some(c) = self.core.ledger.counters(&code).await? {
+                m::voucher_units(&code, &c);
+                if !c.balanced {
+                    tracing::error!(code = %code, counters = ?c, "ledger does not balance");
+                    unbalanced.push(code);
+                }
+            }
+        }
+        Ok(unbalanced)
+    }
+}

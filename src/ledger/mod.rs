@@ -1,0 +1,393 @@
+//! The ledger: the transactional source of truth and central allocator (DESIGN §3). Vouchers,
+//! leases, reservations and per-customer usage live here, so a batch of reservations and the lease
+//! it draws on change together.
+//!
+//! [`Ledger`] is the one interface; [`sqlite::SqliteLedger`] (embedded default) and
+//! [`postgres::PostgresLedger`] (cluster) implement it and pass the same conformance suite
+//! (`tests/api/ledger.rs`). The decision of which rows of a batch win is the pure function
+//! [`plan_batch`], shared by both, so the two stores cannot disagree on it.
+
+pub mod sqlite;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+
+use crate::clock::Millis;
+use crate::domain::{Reservation, Voucher, VoucherPatch};
+
+/// What can go wrong at the ledger. Small and concrete: the engine decides on each variant.
+#[derive(Debug, thiserror::Error)]
+pub enum LedgerError {
+    #[error("voucher already exists")]
+    AlreadyExists,
+    #[error("not found")]
+    NotFound,
+    /// The lease is no longer ACTIVE (returned or reaped) or has too few units left: the batch
+    /// must not commit (DESIGN §3, the fence).
+    #[error("lease fenced")]
+    Fenced,
+    #[error("reservation was released")]
+    Released,
+    #[error("reservation is already confirmed")]
+    AlreadyConfirmed,
+    #[error("invalid change: {0}")]
+    Invalid(&'static str),
+    #[error("ledger unavailable: {0}")]
+    Unavailable(#[from] sqlx::Error),
+}
+
+/// A block of units taken off `free` for one node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    pub id: i64,
+    pub granted: i64,
+    pub expires_at: Millis,
+}
+
+/// The answer to a grant request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grant {
+    /// `None` when `free` was zero.
+    pub lease: Option<Lease>,
+    /// Units still free after this grant: feeds block sizing and end-game.
+    pub free_after: i64,
+    /// Unused units in other active leases of this voucher: zero with `free_after == 0` means the
+    /// voucher is sold out everywhere, not just dry on this node.
+    pub leased_unused: i64,
+}
+
+/// One reserve inside a batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchRow {
+    pub order_id: String,
+    pub customer_id: i64,
+}
+
+/// A group commit: every row draws on one lease.
+#[derive(Debug, Clone)]
+pub struct Batch {
+    pub voucher_code: String,
+    pub lease_id: i64,
+    pub now: Millis,
+    /// When the reservations of this batch expire unless confirmed.
+    pub expires_at: Millis,
+    pub rows: Vec<BatchRow>,
+}
+
+/// The ledger's answer for one row of a batch, in the batch's order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RowOutcome {
+    Created(Reservation),
+    /// The same order (same voucher and customer) was already reserved: the original result.
+    Replayed(Reservation),
+    /// Duplicate `orderId` of another voucher or customer, or the customer is at their limit.
+    AlreadyUsed,
+}
+
+/// Units of a voucher as the ledger's counters and rows see them (`GET /admin/vouchers/{code}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Counters {
+    pub total_limit: i64,
+    pub free: i64,
+    pub leased_unused: i64,
+    pub reserved: i64,
+    pub confirmed: i64,
+    pub released: i64,
+    /// Every term recomputed from the rows agrees with the counters and
+    /// `total = free + leased_unused + reserved + confirmed`.
+    pub balanced: bool,
+}
+
+/// Units that went back to `free` for one voucher (release, expiry, return, reap, total raised).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Restock {
+    pub voucher_code: String,
+    pub units: i64,
+}
+
+#[async_trait]
+pub trait Ledger: Send + Sync + 'static {
+    /// A cheap round trip, for readiness.
+    async fn ping(&self) -> Result<(), LedgerError>;
+    async fn create_voucher(&self, voucher: &Voucher, now: Millis) -> Result<(), LedgerError>;
+    async fn voucher(&self, code: &str) -> Result<Option<Voucher>, LedgerError>;
+    /// Applies a patch; `total_limit` may only grow, and what it grows by becomes `free`.
+    async fn update_voucher(
+        &self,
+        code: &str,
+        patch: &VoucherPatch,
+    ) -> Result<(Voucher, Option<Restock>), LedgerError>;
+    /// Moves `min(want, free)` units into a new ACTIVE lease for `node`.
+    async fn grant(
+        &self,
+        code: &str,
+        node: &str,
+        want: i64,
+        now: Millis,
+        ttl_ms: i64,
+    ) -> Result<Grant, LedgerError>;
+    /// Pushes the expiry of the given ACTIVE leases of `node`; returns the ids still ACTIVE.
+    async fn renew(
+        &self,
+        lease_ids: &[i64],
+        node: &str,
+        now: Millis,
+        ttl_ms: i64,
+    ) -> Result<Vec<i64>, LedgerError>;
+    /// Gives the unused part of a lease back to `free` and marks it RETURNED; a no-op (0) twice.
+    async fn return_lease(&self, lease_id: i64, now: Millis) -> Result<Option<Restock>, LedgerError>;
+    /// Commits a batch in one transaction, behind the fence. Outcomes are in row order.
+    async fn commit_batch(&self, batch: &Batch) -> Result<Vec<RowOutcome>, LedgerError>;
+    /// The reservations with these order ids (any voucher), for answering repeats without a lease.
+    async fn find_orders(&self, order_ids: &[String]) -> Result<Vec<Reservation>, LedgerError>;
+    /// Order ids of a voucher's live (reserved or confirmed) reservations: the won set of §5.
+    async fn won_orders(&self, code: &str) -> Result<Vec<String>, LedgerError>;
+    /// RESERVED → CONFIRMED, idempotent.
+    async fn confirm(&self, code: &str, order_id: &str, now: Millis) -> Result<Reservation, LedgerError>;
+    /// RESERVED → RELEASED, idempotent; the unit goes back to `free` exactly once.
+    async fn release(
+        &self,
+        code: &str,
+        order_id: &str,
+        now: Millis,
+    ) -> Result<(Reservation, Option<Restock>), LedgerError>;
+    /// Releases up to `limit` unconfirmed reservations whose expiry passed, each exactly once even
+    /// when several sweepers run at once.
+    async fn expire_due(&self, now: Millis, limit: i64) -> Result<Vec<Restock>, LedgerError>;
+    /// Reaps ACTIVE leases whose expiry passed: unused units go back to `free`.
+    async fn reap_expired(&self, now: Millis) -> Result<Vec<Restock>, LedgerError>;
+    /// Counters of one voucher, with the reconciliation verdict.
+    async fn counters(&self, code: &str) -> Result<Option<Counters>, LedgerError>;
+    /// Codes of every voucher, for the reconciler.
+    async fn voucher_codes(&self) -> Result<Vec<String>, LedgerError>;
+}
+
+pub type SharedLedger = Arc<dyn Ledger>;
+
+/// What [`plan_batch`] decided for one row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Planned {
+    Insert,
+    /// An existing reservation answers this row (a retry), as the original result.
+    Replay(Reservation),
+    AlreadyUsed,
+    /// A repeat of row `usize` of the same batch (same order and customer): it gets that row's
+    /// result.
+    SameAs(usize),
+}
+
+/// Decides which rows of a batch become new reservations (DESIGN §4).
+///
+/// `existing` holds the reservations already stored under the batch's order ids, `used` each
+/// batch customer's current usage of this voucher. Rows that lose consume nothing.
+pub fn plan_batch(
+    code: &str,
+    rows: &[BatchRow],
+    existing: &[Reservation],
+    used: &HashMap<i64, i64>,
+    per_user_limit: i64,
+) -> Vec<Planned> {
+    let existing: HashMap<&str, &Reservation> =
+        existing.iter().map(|r| (r.order_id.as_str(), r)).collect();
+    let mut used = used.clone();
+    let mut first_seen: HashMap<&str, usize> = HashMap::new();
+    rows.iter()
+        .enumerate()
+        .map(|(i, row)| {
+            if let Some(found) = existing.get(row.order_id.as_str()) {
+                return if found.is_retry_of(code, row.customer_id) {
+                    Planned::Replay((*found).clone())
+                } else {
+                    Planned::AlreadyUsed
+                };
+            }
+            if let Some(&j) = first_seen.get(row.order_id.as_str()) {
+                return if rows[j].customer_id == row.customer_id {
+                    Planned::SameAs(j)
+                } else {
+                    Planned::AlreadyUsed
+                };
+            }
+            first_seen.insert(row.order_id.as_str(), i);
+            let n = used.entry(row.customer_id).or_insert(0);
+            if *n >= per_user_limit {
+                Planned::AlreadyUsed
+            } else {
+                *n += 1;
+                Planned::Insert
+            }
+        })
+        .collect()
+}
+
+/// Turns a plan into outcomes once the inserts are known. `created[i]` is the reservation row `i`
+/// inserted, for rows planned as [`Planned::Insert`].
+pub fn resolve_plan(plan: Vec<Planned>, created: &HashMap<usize, Reservation>) -> Vec<RowOutcome> {
+    let mut out: Vec<RowOutcome> = Vec::with_capacity(plan.len());
+    for (i, p) in plan.into_iter().enumerate() {
+        let outcome = match p {
+            Planned::Insert => match created.get(&i) {
+                Some(r) => RowOutcome::Created(r.clone()),
+                None => RowOutcome::AlreadyUsed,
+            },
+            Planned::Replay(r) => RowOutcome::Replayed(r),
+            Planned::AlreadyUsed => RowOutcome::AlreadyUsed,
+            Planned::SameAs(j) => match &out[j] {
+                RowOutcome::Created(r) | RowOutcome::Replayed(r) => RowOutcome::Replayed(r.clone()),
+                RowOutcome::AlreadyUsed => RowOutcome::AlreadyUsed,
+            },
+        };
+        out.push(outcome);
+    }
+    out
+}
+
+/// Per-customer usage to add for the inserted rows.
+pub fn usage_deltas(rows: &[BatchRow], inserted: impl Iterator<Item = usize>) -> Vec<(i64, i64)> {
+    let mut deltas: HashMap<i64, i64> = HashMap::new();
+    for i in inserted {
+        *deltas.entry(rows[i].customer_id).or_insert(0) += 1;
+    }
+    let mut v: Vec<(i64, i64)> = deltas.into_iter().collect();
+    v.sort_unstable();
+    v
+}
+
+/// Opens the ledger a URL names: `sqlite://…` or `postgres://…`, and runs its migrations.
+pub async fn connect(url: &str, max_connections: u32) -> anyhow::Result<SharedLedger> {
+    use anyhow::Context;
+    if url.starts_with("sqlite:") {
+        let l = sqlite::SqliteLedger::connect(url, max_connections)
+            .await
+            .context("open sqlite ledger")?;
+        Ok(Arc::new(l))
+    } else if url.starts_with("postgres:") || url.starts_with("postgresql:") {
+        anyhow::bail!("the postgres ledger is not built yet")
+    } else {
+        anyhow::bail!("ledger url must start with sqlite: or postgres:")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::ReservationStatus;
+
+    fn row(o: &str, c: i64) -> BatchRow {
+        BatchRow { order_id: o.into(), customer_id: c }
+    }
+
+    fn resv(o: &str, code: &str, c: i64, status: ReservationStatus) -> Reservation {
+        Reservation {
+            order_id: o.into(),
+            voucher_code: code.into(),
+            customer_id: c,
+            discount_amount: 1,
+            status,
+            expires_at: 0,
+        }
+    }
+
+    #[test]
+    fn per_user_limit_counts_existing_usage_and_the_batch() {
+        let rows = [row("a", 1), row("b", 1), row("c", 1), row("d", 2)];
+        let used = HashMap::from([(1, 1)]);
+        let plan = plan_batch("V", &rows, &[], &used, 2);
+        assert_eq!(
+            plan,
+            vec![Planned::Insert, Planned::AlreadyUsed, Planned::AlreadyUsed, Planned::Insert]
+        );
+    }
+
+    #[test]
+    fn repeats_in_a_batch_follow_the_first_and_clashes_lose() {
+        let rows = [row("a", 1), row("a", 1), row("a", 2)];
+        let plan = plan_batch("V", &rows, &[], &HashMap::new(), 5);
+        assert_eq!(plan, vec![Planned::Insert, Planned::SameAs(0), Planned::AlreadyUsed]);
+        let created = HashMap::from([(0, resv("a", "V", 1, ReservationStatus::Reserved))]);
+        let out = resolve_plan(plan, &created);
+        assert!(matches!(out[0], RowOutcome::Created(_)));
+        assert!(matches!(out[1], RowOutcome::Replayed(_)));
+        assert_eq!(out[2], RowOutcome::AlreadyUsed);
+    }
+
+    #[test]
+    fn existing_orders_replay_only_for_the_same_voucher_and_customer() {
+        let existing = [
+            resv("a", "V", 1, ReservationStatus::Reserved),
+            resv("b", "W", 1, ReservationStatus::Reserved),
+            resv("c", "V", 1, ReservationStatus::Released),
+        ];
+        let rows = [row("a", 1), row("a", 2), row("b", 1), row("c", 1)];
+        let plan = plan_batch("V", &rows, &existing, &HashMap::new(), 5);
+        assert!(matches!(plan[0], Planned::Replay(_)));
+        assert_eq!(plan[1..], [Planned::AlreadyUsed, Planned::AlreadyUsed, Planned::AlreadyUsed]);
+    }
+
+    #[test]
+    fn an_insert_that_lost_a_race_resolves_to_already_used() {
+        let rows = [row("a", 1), row("a", 1)];
+        let plan = plan_batch("V", &rows, &[], &HashMap::new(), 5);
+        let out = resolve_plan(plan, &HashMap::new());
+        assert_eq!(out, vec![RowOutcome::AlreadyUsed, RowOutcome::AlreadyUsed]);
+    }
+
+    #[test]
+    fn usage_deltas_group_by_customer() {
+        let rows = [row("a", 2), row("b", 1), row("c", 2)];
+        assert_eq!(usage_deltas(&rows, [0, 1, 2].into_iter()), vec![(1, 1), (2, 2)]);
+    }
+}
+
+/// Applies an operator's patch to a voucher; returns the new voucher and the units the total grew
+/// by (they become `free`). The total may only grow and the window must stay non-empty.
+pub fn apply_patch(current: &Voucher, patch: &VoucherPatch) -> Result<(Voucher, i64), LedgerError> {
+    let mut next = current.clone();
+    if let Some(status) = patch.status {
+        next.status = status;
+    }
+    if let Some(ends_at) = patch.ends_at {
+        if ends_at <= next.starts_at {
+            return Err(LedgerError::Invalid("endsAt must be after startsAt"));
+        }
+        next.ends_at = ends_at;
+    }
+    let mut added = 0;
+    if let Some(total) = patch.total_limit {
+        if total < current.total_limit {
+            return Err(LedgerError::Invalid("totalLimit may only grow"));
+        }
+        added = total - current.total_limit;
+        next.total_limit = total;
+    }
+    Ok((next, added))
+}
+
+/// The reconciliation verdict: recomputes each term from the rows and compares it with the
+/// counters (DESIGN §3). `by_status` counts reservation rows per status, `consumed` sums
+/// `consumed` over every lease of the voucher, `usage` sums the per-customer usage rows.
+pub fn reconcile(
+    mut c: Counters,
+    by_status: &[(String, i64)],
+    consumed: i64,
+    usage: i64,
+) -> Counters {
+    let count = |s: &str| {
+        by_status
+            .iter()
+            .find(|(status, _)| status == s)
+            .map_or(0, |(_, n)| *n)
+    };
+    let (rows_reserved, rows_confirmed, rows_released) =
+        (count("RESERVED"), count("CONFIRMED"), count("RELEASED"));
+    c.balanced = c.total_limit == c.free + c.leased_unused + c.reserved + c.confirmed
+        && c.reserved == rows_reserved
+        && c.confirmed == rows_confirmed
+        && c.released == rows_released
+        && consumed == rows_reserved + rows_confirmed + rows_released
+        && usage == rows_reserved + rows_confirmed
+        && c.reserved + c.confirmed <= c.total_limit;
+    c
+}

@@ -1,0 +1,26 @@
+//! Flash-sale voucher engine: never oversells, answers fast under the flood, loses nothing it
+//! acknowledged. See `../shared/DESIGN.md` for the invariants and the HTTP contract.
+//!
+//! The map of the crate, from the outside in:
+//!
+//! - [`startup`]: `Application` wires everything and shuts it down in order.
+//! - [`config`]: layered settings (`config/default.toml` → `--config FILE` → `VOUCHERS__…`).
+//! - [`api`]: the HTTP routes; they call [`engine::EngineHandle`] and nothing else.
+//! - [`engine`]: registry, shards and the per-voucher actor that serves reserves from leases and
+//!   group-commits them; [`engine::sizing`] is the pure lease-sizing logic.
+//! - [`ledger`]: the transactional source of truth (SQLite embedded, PostgreSQL in a cluster)
+//!   behind one trait, with the batch planner both stores share.
+//! - [`jobs`]: expiry sweeper, lease reaper, reconciler.
+//! - [`metrics`]: every metric name and the helpers that record them.
+//! - [`domain`]: vouchers, reservations, eligibility and input rules.
+//! - [`clock`]: the injected clock that lease and expiry logic read.
+
+pub mod api;
+pub mod clock;
+pub mod config;
+pub mod domain;
+pub mod engine;
+pub mod jobs;
+pub mod ledger;
+pub mod metrics;
+pub mod startup;

@@ -1,0 +1,167 @@
+//! Every metric name and label the service exports lives here, with the helpers that record them.
+//! Labels are bounded: outcomes, routes and event kinds, never codes of customers or orders.
+//! Per-voucher gauges carry the voucher code, bounded by the number of live vouchers.
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use metrics::{counter, gauge, histogram};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+pub const RESERVATIONS: &str = "vouchers_reservations_total";
+pub const REQUEST_SECONDS: &str = "vouchers_http_request_duration_seconds";
+pub const SOLD_OUT_SHORT_CIRCUITS: &str = "vouchers_sold_out_short_circuits_total";
+pub const LEASE_EVENTS: &str = "vouchers_lease_events_total";
+pub const LEASE_GRANTED_UNITS: &str = "vouchers_lease_granted_units_total";
+pub const BATCH_SIZE: &str = "vouchers_batch_size";
+pub const BATCH_COMMIT_SECONDS: &str = "vouchers_batch_commit_duration_seconds";
+pub const LEDGER_ERRORS: &str = "vouchers_ledger_errors_total";
+pub const MAILBOX_FULL: &str = "vouchers_mailbox_full_total";
+pub const VOUCHER_UNITS: &str = "vouchers_units";
+pub const RECONCILE_MISMATCHES: &str = "vouchers_reconcile_mismatches_total";
+pub const RECONCILE_BALANCED: &str = "vouchers_reconcile_balanced";
+pub const EXPIRED: &str = "vouchers_expired_reservations_total";
+pub const ACTIVE_ACTORS: &str = "vouchers_active_actors";
+
+/// Outcome label of [`RESERVATIONS`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Created,
+    Replayed,
+    OutOfStock,
+    AlreadyUsed,
+    NotEligible,
+    Invalid,
+    RateLimited,
+    Unavailable,
+    NotFound,
+}
+
+impl Outcome {
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Created => "created",
+            Self::Replayed => "replayed",
+            Self::OutOfStock => "out_of_stock",
+            Self::AlreadyUsed => "already_used",
+            Self::NotEligible => "not_eligible",
+            Self::Invalid => "invalid",
+            Self::RateLimited => "rate_limited",
+            Self::Unavailable => "unavailable",
+            Self::NotFound => "not_found",
+        }
+    }
+}
+
+/// Lease event label of [`LEASE_EVENTS`].
+#[derive(Debug, Clone, Copy)]
+pub enum LeaseEvent {
+    Granted,
+    Empty,
+    Returned,
+    Reaped,
+    Renewed,
+    Lost,
+    Fenced,
+}
+
+impl LeaseEvent {
+    fn label(self) -> &'static str {
+        match self {
+            Self::Granted => "granted",
+            Self::Empty => "empty",
+            Self::Returned => "returned",
+            Self::Reaped => "reaped",
+            Self::Renewed => "renewed",
+            Self::Lost => "lost",
+            Self::Fenced => "fenced",
+        }
+    }
+}
+
+const LATENCY_BUCKETS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+];
+const SIZE_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0];
+
+static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// Installs the process-wide Prometheus recorder once and returns its handle.
+pub fn install() -> PrometheusHandle {
+    HANDLE
+        .get_or_init(|| {
+            let builder = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)
+                .and_then(|b| b.set_buckets_for_metric(Matcher::Full(BATCH_SIZE.into()), SIZE_BUCKETS));
+            match builder.and_then(|b| b.install_recorder()) {
+                Ok(handle) => handle,
+                // Another recorder is installed (only in odd embeddings): render an empty one.
+                Err(_) => PrometheusBuilder::new().build_recorder().handle(),
+            }
+        })
+        .clone()
+}
+
+pub fn reservation(outcome: Outcome) {
+    counter!(RESERVATIONS, "outcome" => outcome.label()).increment(1);
+}
+
+pub fn reservations(outcome: Outcome, n: u64) {
+    if n > 0 {
+        counter!(RESERVATIONS, "outcome" => outcome.label()).increment(n);
+    }
+}
+
+pub fn request_latency(route: &'static str, elapsed: Duration) {
+    histogram!(REQUEST_SECONDS, "route" => route).record(elapsed.as_secs_f64());
+}
+
+pub fn sold_out_short_circuit() {
+    counter!(SOLD_OUT_SHORT_CIRCUITS).increment(1);
+}
+
+pub fn lease(event: LeaseEvent) {
+    counter!(LEASE_EVENTS, "event" => event.label()).increment(1);
+}
+
+pub fn lease_granted_units(units: i64) {
+    counter!(LEASE_GRANTED_UNITS).increment(units.max(0) as u64);
+}
+
+pub fn batch(size: usize, elapsed: Duration) {
+    histogram!(BATCH_SIZE).record(size as f64);
+    histogram!(BATCH_COMMIT_SECONDS).record(elapsed.as_secs_f64());
+}
+
+pub fn ledger_error(op: &'static str) {
+    counter!(LEDGER_ERRORS, "op" => op).increment(1);
+}
+
+pub fn mailbox_full() {
+    counter!(MAILBOX_FULL).increment(1);
+}
+
+pub fn expired(n: u64) {
+    counter!(EXPIRED).increment(n);
+}
+
+pub fn actors(delta: f64) {
+    gauge!(ACTIVE_ACTORS).increment(delta);
+}
+
+/// Per-voucher unit gauges, set by the reconciler.
+pub fn voucher_units(code: &str, c: &crate::ledger::Counters) {
+    for (kind, v) in [
+        ("free", c.free),
+        ("leased_unused", c.leased_unused),
+        ("reserved", c.reserved),
+        ("confirmed", c.confirmed),
+        ("total", c.total_limit),
+    ] {
+        gauge!(VOUCHER_UNITS, "voucher" => code.to_string(), "kind" => kind).set(v as f64);
+    }
+    gauge!(RECONCILE_BALANCED, "voucher" => code.to_string()).set(if c.balanced { 1.0 } else { 0.0 });
+    if !c.balanced {
+        counter!(RECONCILE_MISMATCHES).increment(1);
+    }
+}

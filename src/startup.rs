@@ -1,0 +1,101 @@
+//! `Application`: wires configuration, ledger, engine, jobs and the HTTP server together, and
+//! shuts them down in order (stop taking requests, return leases, stop jobs and shards).
+
+use std::net::TcpListener;
+use std::time::Duration;
+
+use actix_web::dev::Server;
+use actix_web::HttpServer;
+use anyhow::Context;
+
+use crate::api::{self, AppState};
+use crate::clock::SharedClock;
+use crate::config::Settings;
+use crate::engine::{EngineHandle, Shards};
+use crate::jobs::{self, Jobs};
+use crate::ledger;
+
+pub struct Application {
+    port: u16,
+    server: Server,
+    engine: EngineHandle,
+    shards: Shards,
+    jobs: Jobs,
+    /// The admin token in force (configured or generated).
+    pub admin_token: String,
+}
+
+/// A random hex string from the OS generator.
+pub fn random_hex(bytes: usize) -> String {
+    let mut buf = vec![0u8; bytes];
+    // Start-up only: without an OS random source the process cannot make a safe token anyway.
+    getrandom::getrandom(&mut buf).expect("OS random source");
+    buf.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl Application {
+    /// Builds everything and binds the listener; must run inside an actix `System`.
+    pub async fn build(settings: Settings, clock: SharedClock) -> anyhow::Result<Self> {
+        let ledger = ledger::connect(&settings.ledger.url, settings.ledger.max_connections)
+            .await
+            .context("connect ledger")?;
+        let node_id = if settings.node.id.is_empty() {
+            format!("node-{}", random_hex(4))
+        } else {
+            settings.node.id.clone()
+        };
+        let admin_token = if settings.admin.token.is_empty() {
+            let token = random_hex(16);
+            println!("admin token (generated, set VOUCHERS__ADMIN__TOKEN to choose one): {token}");
+            token
+        } else {
+            settings.admin.token.clone()
+        };
+        let (engine, shards) = EngineHandle::start(
+            ledger,
+            clock,
+            settings.engine.clone(),
+            node_id,
+            Duration::from_millis(settings.http.request_timeout_ms),
+        );
+        let jobs = jobs::start(&engine, &settings.jobs);
+        let listener = TcpListener::bind((settings.http.host.as_str(), settings.http.port))
+            .with_context(|| format!("bind {}:{}", settings.http.host, settings.http.port))?;
+        let port = listener.local_addr().context("local address")?.port();
+        let state = AppState {
+            engine: engine.clone(),
+            admin_token: admin_token.clone(),
+            metrics: crate::metrics::install(),
+            body_limit: settings.http.body_limit_bytes,
+        };
+        let mut server = HttpServer::new(move || api::app(state.clone()))
+            .listen(listener)
+            .context("listen")?
+            .backlog(4096)
+            .max_connection_rate(4096)
+            .shutdown_timeout(10);
+        if settings.http.workers > 0 {
+            server = server.workers(settings.http.workers);
+        }
+        tracing::info!(port, node = engine.node_id(), "listening");
+        Ok(Self { port, server: server.run(), engine, shards, jobs, admin_token })
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn engine(&self) -> EngineHandle {
+        self.engine.clone()
+    }
+
+    /// Serves until the server stops (SIGINT/SIGTERM), then returns leases and stops the rest.
+    pub async fn run_until_stopped(self) -> anyhow::Result<()> {
+        let Self { server, engine, shards, jobs, .. } = self;
+        let result = server.await;
+        engine.drain().await;
+        jobs.stop();
+        shards.stop();
+        result.context("http server")
+    }
+}
