@@ -118,7 +118,10 @@ mod tests {
     #[test]
     fn config_flag_is_found() {
         let args = ["bin", "--config", "x.toml"].map(String::from);
-        assert_eq!(config_file_from_args(args.into_iter()), Some("x.toml".into()));
+        assert_eq!(
+            config_file_from_args(args.into_iter()),
+            Some("x.toml".into())
+        );
         let args = ["bin"].map(String::from);
         assert_eq!(config_file_from_args(args.into_iter()), None);
     }

@@ -175,9 +175,15 @@ mod tests {
         let v = voucher();
         assert_eq!(v.check_eligible(999, 500), Err(Ineligible::NotStarted));
         assert_eq!(v.check_eligible(2_000, 500), Err(Ineligible::Ended));
-        assert_eq!(v.check_eligible(1_500, 499), Err(Ineligible::MinOrderAmount));
+        assert_eq!(
+            v.check_eligible(1_500, 499),
+            Err(Ineligible::MinOrderAmount)
+        );
         assert_eq!(v.check_eligible(1_000, 500), Ok(()));
-        let paused = Voucher { status: VoucherStatus::Paused, ..v };
+        let paused = Voucher {
+            status: VoucherStatus::Paused,
+            ..v
+        };
         assert_eq!(paused.check_eligible(1_500, 500), Err(Ineligible::Paused));
     }
 

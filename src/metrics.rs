@@ -82,7 +82,9 @@ impl LeaseEvent {
 const LATENCY_BUCKETS: &[f64] = &[
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
 ];
-const SIZE_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0];
+const SIZE_BUCKETS: &[f64] = &[
+    1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0,
+];
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 
@@ -92,7 +94,9 @@ pub fn install() -> PrometheusHandle {
         .get_or_init(|| {
             let builder = PrometheusBuilder::new()
                 .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)
-                .and_then(|b| b.set_buckets_for_metric(Matcher::Full(BATCH_SIZE.into()), SIZE_BUCKETS));
+                .and_then(|b| {
+                    b.set_buckets_for_metric(Matcher::Full(BATCH_SIZE.into()), SIZE_BUCKETS)
+                });
             match builder.and_then(|b| b.install_recorder()) {
                 Ok(handle) => handle,
                 // Another recorder is installed (only in odd embeddings): render an empty one.
@@ -160,7 +164,11 @@ pub fn voucher_units(code: &str, c: &crate::ledger::Counters) {
     ] {
         gauge!(VOUCHER_UNITS, "voucher" => code.to_string(), "kind" => kind).set(v as f64);
     }
-    gauge!(RECONCILE_BALANCED, "voucher" => code.to_string()).set(if c.balanced { 1.0 } else { 0.0 });
+    gauge!(RECONCILE_BALANCED, "voucher" => code.to_string()).set(if c.balanced {
+        1.0
+    } else {
+        0.0
+    });
     if !c.balanced {
         counter!(RECONCILE_MISMATCHES).increment(1);
     }

@@ -78,7 +78,14 @@ impl Application {
             server = server.workers(settings.http.workers);
         }
         tracing::info!(port, node = engine.node_id(), "listening");
-        Ok(Self { port, server: server.run(), engine, shards, jobs, admin_token })
+        Ok(Self {
+            port,
+            server: server.run(),
+            engine,
+            shards,
+            jobs,
+            admin_token,
+        })
     }
 
     pub fn port(&self) -> u16 {
@@ -91,7 +98,13 @@ impl Application {
 
     /// Serves until the server stops (SIGINT/SIGTERM), then returns leases and stops the rest.
     pub async fn run_until_stopped(self) -> anyhow::Result<()> {
-        let Self { server, engine, shards, jobs, .. } = self;
+        let Self {
+            server,
+            engine,
+            shards,
+            jobs,
+            ..
+        } = self;
         let result = server.await;
         engine.drain().await;
         jobs.stop();

@@ -20,7 +20,9 @@ fn authorize(req: &HttpRequest, state: &AppState) -> Result<(), ApiError> {
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .unwrap_or("");
-    if !state.admin_token.is_empty() && constant_time_eq(given.as_bytes(), state.admin_token.as_bytes()) {
+    if !state.admin_token.is_empty()
+        && constant_time_eq(given.as_bytes(), state.admin_token.as_bytes())
+    {
         Ok(())
     } else {
         Err(ApiError::Unauthorized)
@@ -60,7 +62,9 @@ impl CreateBody {
             return Err(ApiError::invalid("minOrderAmount must not be negative"));
         }
         if !(1..=MAX_TOTAL_LIMIT).contains(&self.total_limit) {
-            return Err(ApiError::invalid("totalLimit must be between 1 and 1000000000"));
+            return Err(ApiError::invalid(
+                "totalLimit must be between 1 and 1000000000",
+            ));
         }
         if !(1..=MAX_TOTAL_LIMIT).contains(&self.per_user_limit) {
             return Err(ApiError::invalid("perUserLimit must be at least 1"));
@@ -204,7 +208,9 @@ pub async fn patch(
     let body: PatchBody = json_body(payload, state.body_limit).await?;
     if let Some(total) = body.total_limit {
         if !(1..=MAX_TOTAL_LIMIT).contains(&total) {
-            return Err(ApiError::invalid("totalLimit must be between 1 and 1000000000"));
+            return Err(ApiError::invalid(
+                "totalLimit must be between 1 and 1000000000",
+            ));
         }
     }
     let patch = VoucherPatch {

@@ -36,8 +36,14 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
             .route("", web::get().to(vouchers::get))
             .route("/reservations", web::post().to(reservations::reserve))
             .route("/reservations/{order_id}", web::get().to(reservations::get))
-            .route("/reservations/{order_id}", web::delete().to(reservations::release))
-            .route("/reservations/{order_id}/confirm", web::post().to(reservations::confirm)),
+            .route(
+                "/reservations/{order_id}",
+                web::delete().to(reservations::release),
+            )
+            .route(
+                "/reservations/{order_id}/confirm",
+                web::post().to(reservations::confirm),
+            ),
     )
     .service(
         web::scope("/admin/vouchers")
@@ -66,7 +72,9 @@ pub fn app(
     actix_web::App::new()
         .app_data(web::Data::new(state))
         .configure(configure)
-        .default_service(web::to(|| async { ApiError::NotFound.error_response_owned() }))
+        .default_service(web::to(|| async {
+            ApiError::NotFound.error_response_owned()
+        }))
         .wrap_fn(|req, srv| {
             let started = Instant::now();
             let fut = srv.call(req);
@@ -130,7 +138,9 @@ pub fn check_code(code: &str) -> Result<(), ApiError> {
     if crate::domain::valid_code(code) {
         Ok(())
     } else {
-        Err(ApiError::invalid("code must be 1-32 characters of A-Z a-z 0-9 _ -"))
+        Err(ApiError::invalid(
+            "code must be 1-32 characters of A-Z a-z 0-9 _ -",
+        ))
     }
 }
 
@@ -138,6 +148,8 @@ pub fn check_order_id(order_id: &str) -> Result<(), ApiError> {
     if crate::domain::valid_order_id(order_id) {
         Ok(())
     } else {
-        Err(ApiError::invalid("orderId must be 1-64 printable ASCII characters"))
+        Err(ApiError::invalid(
+            "orderId must be 1-64 printable ASCII characters",
+        ))
     }
 }

@@ -76,9 +76,11 @@ pub async fn reserve(
 ) -> Result<HttpResponse, ApiError> {
     let code = path.into_inner();
     check_code(&code)?;
-    let body: ReserveBody = json_body(payload, state.body_limit).await.inspect_err(|_| {
-        crate::metrics::reservation(crate::metrics::Outcome::Invalid);
-    })?;
+    let body: ReserveBody = json_body(payload, state.body_limit)
+        .await
+        .inspect_err(|_| {
+            crate::metrics::reservation(crate::metrics::Outcome::Invalid);
+        })?;
     let req = body.validate().inspect_err(|_| {
         crate::metrics::reservation(crate::metrics::Outcome::Invalid);
     })?;
@@ -112,7 +114,10 @@ pub async fn confirm(
 ) -> Result<HttpResponse, ApiError> {
     let (code, order_id) = ids(path)?;
     let r = state.engine.confirm(&code, &order_id).await?;
-    Ok(HttpResponse::Ok().json(StatusBody { order_id: &r.order_id, status: r.status.as_str() }))
+    Ok(HttpResponse::Ok().json(StatusBody {
+        order_id: &r.order_id,
+        status: r.status.as_str(),
+    }))
 }
 
 pub async fn release(
@@ -121,5 +126,8 @@ pub async fn release(
 ) -> Result<HttpResponse, ApiError> {
     let (code, order_id) = ids(path)?;
     let r = state.engine.release(&code, &order_id).await?;
-    Ok(HttpResponse::Ok().json(StatusBody { order_id: &r.order_id, status: r.status.as_str() }))
+    Ok(HttpResponse::Ok().json(StatusBody {
+        order_id: &r.order_id,
+        status: r.status.as_str(),
+    }))
 }

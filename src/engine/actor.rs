@@ -111,7 +111,12 @@ pub(crate) struct VoucherActor {
 }
 
 impl VoucherActor {
-    pub(crate) fn new(code: String, core: Arc<Core>, shared: Arc<VoucherShared>, generation: u64) -> Self {
+    pub(crate) fn new(
+        code: String,
+        core: Arc<Core>,
+        shared: Arc<VoucherShared>,
+        generation: u64,
+    ) -> Self {
         let now = core.clock.now_ms();
         Self {
             code,
@@ -182,9 +187,13 @@ impl VoucherActor {
             return;
         };
         if let Err(reason) = v.check_eligible(now, p.req.order_amount) {
-            let _ = p.reply.send(Reply::Failed(EngineError::NotEligible(reason)));
+            let _ = p
+                .reply
+                .send(Reply::Failed(EngineError::NotEligible(reason)));
             return;
         }
+        // Only eligible demand drives lease sizing: refused requests leave no trace.
+        self.rate.record(now, 1);
         self.pending.push_back(p);
     }
 
@@ -262,7 +271,10 @@ impl VoucherActor {
             expires_at: now + self.core.settings.reservation_ttl_ms,
             rows: taken
                 .iter()
-                .map(|p| BatchRow { order_id: p.req.order_id.clone(), customer_id: p.req.customer_id })
+                .map(|p| BatchRow {
+                    order_id: p.req.order_id.clone(),
+                    customer_id: p.req.customer_id,
+                })
                 .collect(),
         };
         self.committing = Some(lease_id);
@@ -344,7 +356,10 @@ impl VoucherActor {
             self.core.settings.lease_ttl_ms,
         );
         let fut = async move { ledger.grant(&code, &node, want, now, ttl).await };
-        ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| act.on_granted(res, epoch, ctx)));
+        ctx.spawn(
+            fut.into_actor(self)
+                .map(move |res, act, ctx| act.on_granted(res, epoch, ctx)),
+        );
     }
 
     fn on_granted(&mut self, res: Result<Grant, LedgerError>, epoch: u64, ctx: &mut Context<Self>) {
@@ -436,7 +451,9 @@ impl VoucherActor {
             };
             for p in waiting {
                 let reply = match found.get(&p.req.order_id) {
-                    Some(r) if r.is_retry_of(&code, p.req.customer_id) => Reply::Replayed(r.clone()),
+                    Some(r) if r.is_retry_of(&code, p.req.customer_id) => {
+                        Reply::Replayed(r.clone())
+                    }
                     Some(_) => Reply::Failed(EngineError::AlreadyUsed),
                     None => Reply::Failed(EngineError::OutOfStock),
                 };
@@ -491,7 +508,12 @@ impl VoucherActor {
         }
         self.renewing = true;
         let (ledger, node) = (self.core.ledger.clone(), self.core.node_id.clone());
-        let fut = async move { ledger.renew(&due, &node, now, ttl).await.map(|alive| (due, alive)) };
+        let fut = async move {
+            ledger
+                .renew(&due, &node, now, ttl)
+                .await
+                .map(|alive| (due, alive))
+        };
         ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| {
             act.renewing = false;
             match res {
@@ -543,7 +565,10 @@ impl Actor for VoucherActor {
         ctx.set_mailbox_capacity(self.core.settings.mailbox_capacity.max(16));
         let (ledger, code) = (self.core.ledger.clone(), self.code.clone());
         let fut = async move { ledger.voucher(&code).await };
-        ctx.spawn(fut.into_actor(self).map(|res, act, ctx| act.on_loaded(res, ctx)));
+        ctx.spawn(
+            fut.into_actor(self)
+                .map(|res, act, ctx| act.on_loaded(res, ctx)),
+        );
         let every = std::time::Duration::from_millis(250);
         ctx.run_interval(every, |act, ctx| act.tick(ctx));
     }
@@ -565,13 +590,18 @@ impl Handler<Reserve> for VoucherActor {
     fn handle(&mut self, msg: Reserve, ctx: &mut Context<Self>) {
         let now = self.now();
         self.last_activity = now;
-        self.rate.record(now, 1);
         if self.pending.len() >= self.core.settings.max_pending {
             m::mailbox_full();
             let _ = msg.reply.send(Reply::Failed(EngineError::Unavailable));
             return;
         }
-        self.admit(Pending { req: msg.req, reply: msg.reply }, now);
+        self.admit(
+            Pending {
+                req: msg.req,
+                reply: msg.reply,
+            },
+            now,
+        );
         self.pump(ctx);
     }
 }

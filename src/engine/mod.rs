@@ -17,8 +17,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use actix::prelude::*;
 use actix::dev::SendError;
+use actix::prelude::*;
 use dashmap::DashMap;
 use tokio::sync::oneshot;
 
@@ -122,7 +122,8 @@ impl Core {
 
     /// Removes an actor's registry row when it stops, unless a successor already took it.
     pub(crate) fn forget(&self, code: &str, generation: u64) {
-        self.registry.remove_if(code, |_, e| e.generation == generation);
+        self.registry
+            .remove_if(code, |_, e| e.generation == generation);
     }
 
     fn entry(self: &Arc<Self>, code: &str) -> Entry {
@@ -141,7 +142,11 @@ impl Core {
                 let addr = VoucherActor::start_in_arbiter(shard, move |_| {
                     VoucherActor::new(c, core, sh, generation)
                 });
-                Entry { addr, shared, generation }
+                Entry {
+                    addr,
+                    shared,
+                    generation,
+                }
             })
             .clone()
     }
@@ -191,7 +196,12 @@ impl EngineHandle {
             shards: arbiters.iter().map(Arbiter::handle).collect(),
             next_generation: AtomicU64::new(0),
         };
-        (Self { core: Arc::new(core) }, Shards(arbiters))
+        (
+            Self {
+                core: Arc::new(core),
+            },
+            Shards(arbiters),
+        )
     }
 
     pub fn node_id(&self) -> &str {
@@ -219,15 +229,23 @@ impl EngineHandle {
         res
     }
 
-    async fn reserve_inner(&self, code: &str, req: ReserveRequest) -> Result<Reserved, EngineError> {
+    async fn reserve_inner(
+        &self,
+        code: &str,
+        req: ReserveRequest,
+    ) -> Result<Reserved, EngineError> {
         for _ in 0..3 {
             let entry = self.core.entry(code);
             if entry.shared.is_sold_out() {
                 m::sold_out_short_circuit();
+                entry.shared.count_short_circuit();
                 return self.answer_sold_out(code, &req, &entry.shared).await;
             }
             let (tx, rx) = oneshot::channel();
-            match entry.addr.try_send(Reserve { req: req.clone(), reply: tx }) {
+            match entry.addr.try_send(Reserve {
+                req: req.clone(),
+                reply: tx,
+            }) {
                 Ok(()) => {}
                 Err(SendError::Full(_)) => {
                     m::mailbox_full();
@@ -240,8 +258,14 @@ impl EngineHandle {
                 }
             }
             return match tokio::time::timeout(self.core.request_timeout, rx).await {
-                Ok(Ok(Reply::Created(r))) => Ok(Reserved { reservation: r, replayed: false }),
-                Ok(Ok(Reply::Replayed(r))) => Ok(Reserved { reservation: r, replayed: true }),
+                Ok(Ok(Reply::Created(r))) => Ok(Reserved {
+                    reservation: r,
+                    replayed: false,
+                }),
+                Ok(Ok(Reply::Replayed(r))) => Ok(Reserved {
+                    reservation: r,
+                    replayed: true,
+                }),
                 Ok(Ok(Reply::Failed(e))) => Err(e),
                 Ok(Err(_)) | Err(_) => Err(EngineError::Unavailable),
             };
@@ -258,11 +282,16 @@ impl EngineHandle {
         if !shared.may_have_won(&req.order_id) {
             return Err(EngineError::OutOfStock);
         }
-        let found = self.core.ledger.find_orders(std::slice::from_ref(&req.order_id)).await?;
+        let found = self
+            .core
+            .ledger
+            .find_orders(std::slice::from_ref(&req.order_id))
+            .await?;
         match found.into_iter().next() {
-            Some(r) if r.is_retry_of(code, req.customer_id) => {
-                Ok(Reserved { reservation: r, replayed: true })
-            }
+            Some(r) if r.is_retry_of(code, req.customer_id) => Ok(Reserved {
+                reservation: r,
+                replayed: true,
+            }),
             Some(_) => Err(EngineError::AlreadyUsed),
             None => Err(EngineError::OutOfStock),
         }
@@ -270,21 +299,48 @@ impl EngineHandle {
 
     /// Whether the frontend answers this voucher from memory now (tests and diagnostics).
     pub fn is_sold_out_locally(&self, code: &str) -> bool {
-        self.core.registry.get(code).is_some_and(|e| e.shared.is_sold_out())
+        self.core
+            .registry
+            .get(code)
+            .is_some_and(|e| e.shared.is_sold_out())
+    }
+
+    /// How many reserves of `code` this node answered from memory while it was sold out.
+    pub fn short_circuits(&self, code: &str) -> u64 {
+        self.core
+            .registry
+            .get(code)
+            .map_or(0, |e| e.shared.short_circuits())
     }
 
     pub async fn confirm(&self, code: &str, order_id: &str) -> Result<Reservation, EngineError> {
-        Ok(self.core.ledger.confirm(code, order_id, self.now_ms()).await?)
+        Ok(self
+            .core
+            .ledger
+            .confirm(code, order_id, self.now_ms())
+            .await?)
     }
 
     pub async fn release(&self, code: &str, order_id: &str) -> Result<Reservation, EngineError> {
-        let (r, restock) = self.core.ledger.release(code, order_id, self.now_ms()).await?;
+        let (r, restock) = self
+            .core
+            .ledger
+            .release(code, order_id, self.now_ms())
+            .await?;
         self.after_restocks(restock.into_iter());
         Ok(r)
     }
 
-    pub async fn reservation(&self, code: &str, order_id: &str) -> Result<Reservation, EngineError> {
-        let found = self.core.ledger.find_orders(&[order_id.to_string()]).await?;
+    pub async fn reservation(
+        &self,
+        code: &str,
+        order_id: &str,
+    ) -> Result<Reservation, EngineError> {
+        let found = self
+            .core
+            .ledger
+            .find_orders(&[order_id.to_string()])
+            .await?;
         found
             .into_iter()
             .find(|r| r.voucher_code == code)
@@ -292,8 +348,18 @@ impl EngineHandle {
     }
 
     pub async fn voucher(&self, code: &str) -> Result<VoucherView, EngineError> {
-        let voucher = self.core.ledger.voucher(code).await?.ok_or(EngineError::NotFound)?;
-        let counters = self.core.ledger.counters(code).await?.ok_or(EngineError::NotFound)?;
+        let voucher = self
+            .core
+            .ledger
+            .voucher(code)
+            .await?
+            .ok_or(EngineError::NotFound)?;
+        let counters = self
+            .core
+            .ledger
+            .counters(code)
+            .await?
+            .ok_or(EngineError::NotFound)?;
         Ok(VoucherView { voucher, counters })
     }
 
@@ -301,7 +367,11 @@ impl EngineHandle {
         Ok(self.core.ledger.create_voucher(v, self.now_ms()).await?)
     }
 
-    pub async fn update_voucher(&self, code: &str, patch: &VoucherPatch) -> Result<Voucher, EngineError> {
+    pub async fn update_voucher(
+        &self,
+        code: &str,
+        patch: &VoucherPatch,
+    ) -> Result<Voucher, EngineError> {
         let (voucher, restock) = self.core.ledger.update_voucher(code, patch).await?;
         if let Some(e) = self.core.registry.get(code) {
             let _ = e.addr.try_send(Reload(voucher.clone()));
@@ -317,7 +387,10 @@ impl EngineHandle {
         }
         let entry = self.core.entry(code);
         let (tx, rx) = oneshot::channel();
-        entry.addr.try_send(Warm(tx)).map_err(|_| EngineError::Unavailable)?;
+        entry
+            .addr
+            .try_send(Warm(tx))
+            .map_err(|_| EngineError::Unavailable)?;
         match tokio::time::timeout(self.core.request_timeout, rx).await {
             Ok(Ok(res)) => res,
             _ => Err(EngineError::Unavailable),

@@ -34,7 +34,12 @@ fn demand(p: &SizingParams, rate_per_sec: f64) -> i64 {
 /// clamped to `[min_block, max_block]`, and in the end-game never more than
 /// `free / endgame_divisor` (but at least one unit), so the last units spread over the nodes
 /// that still have demand instead of stranding in one lease.
-pub fn block_size(p: &SizingParams, rate_per_sec: f64, waiting: usize, free_hint: Option<i64>) -> i64 {
+pub fn block_size(
+    p: &SizingParams,
+    rate_per_sec: f64,
+    waiting: usize,
+    free_hint: Option<i64>,
+) -> i64 {
     let mut want = demand(p, rate_per_sec)
         .max(waiting as i64)
         .clamp(p.min_block, p.max_block.max(p.min_block));
@@ -62,7 +67,12 @@ pub struct RateEstimator {
 
 impl RateEstimator {
     pub fn new(now: Millis) -> Self {
-        Self { window_ms: 1000, start: now, count: 0, prev: 0.0 }
+        Self {
+            window_ms: 1000,
+            start: now,
+            count: 0,
+            prev: 0.0,
+        }
     }
 
     fn roll(&mut self, now: Millis) {
@@ -86,7 +96,8 @@ impl RateEstimator {
     /// The larger of the last full window's rate and the current window's count so far.
     pub fn per_sec(&mut self, now: Millis) -> f64 {
         self.roll(now);
-        self.prev.max(self.count as f64 * 1000.0 / self.window_ms as f64)
+        self.prev
+            .max(self.count as f64 * 1000.0 / self.window_ms as f64)
     }
 }
 
@@ -94,8 +105,12 @@ impl RateEstimator {
 mod tests {
     use super::*;
 
-    const P: SizingParams =
-        SizingParams { target_interval_ms: 1000, min_block: 4, max_block: 1000, endgame_divisor: 4 };
+    const P: SizingParams = SizingParams {
+        target_interval_ms: 1000,
+        min_block: 4,
+        max_block: 1000,
+        endgame_divisor: 4,
+    };
 
     #[test]
     fn blocks_follow_demand_within_bounds() {

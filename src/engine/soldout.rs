@@ -16,6 +16,8 @@ pub struct VoucherShared {
     /// saw the ledger empty, so a release racing the sold-out decision is never lost.
     restock_epoch: AtomicU64,
     won: RwLock<WonSet>,
+    /// Reserves answered here without a message to the actor, for tests and diagnostics.
+    short_circuits: AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -62,6 +64,14 @@ impl VoucherShared {
         *guard = WonSet::Empty;
     }
 
+    pub fn count_short_circuit(&self) {
+        self.short_circuits.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn short_circuits(&self) -> u64 {
+        self.short_circuits.load(Ordering::Relaxed)
+    }
+
     /// Whether `order_id` may be a winner of this voucher: false is certain, true needs the ledger.
     pub fn may_have_won(&self, order_id: &str) -> bool {
         match &*self.won.read().unwrap_or_else(|e| e.into_inner()) {
@@ -83,7 +93,9 @@ const BLOOM_PROBES: u64 = 7;
 impl Bloom {
     fn with_capacity(n: usize) -> Self {
         let words = (n.max(1) * 10).div_ceil(64);
-        Self { bits: vec![0; words] }
+        Self {
+            bits: vec![0; words],
+        }
     }
 
     fn probes(&self, item: &str) -> impl Iterator<Item = usize> {
@@ -106,7 +118,8 @@ impl Bloom {
     }
 
     fn may_contain(&self, item: &str) -> bool {
-        self.probes(item).all(|bit| self.bits[bit / 64] & (1 << (bit % 64)) != 0)
+        self.probes(item)
+            .all(|bit| self.bits[bit / 64] & (1 << (bit % 64)) != 0)
     }
 }
 
@@ -142,7 +155,9 @@ mod tests {
         let won: Vec<String> = (0..5000).map(|i| format!("order-{i}")).collect();
         assert!(s.set_sold_out(0, won.clone(), 100));
         assert!(won.iter().all(|o| s.may_have_won(o)));
-        let false_hits = (0..5000).filter(|i| s.may_have_won(&format!("other-{i}"))).count();
+        let false_hits = (0..5000)
+            .filter(|i| s.may_have_won(&format!("other-{i}")))
+            .count();
         assert!(false_hits < 250, "{false_hits} false positives of 5000");
     }
 }

@@ -137,7 +137,11 @@ pub trait Ledger: Send + Sync + 'static {
         ttl_ms: i64,
     ) -> Result<Vec<i64>, LedgerError>;
     /// Gives the unused part of a lease back to `free` and marks it RETURNED; a no-op (0) twice.
-    async fn return_lease(&self, lease_id: i64, now: Millis) -> Result<Option<Restock>, LedgerError>;
+    async fn return_lease(
+        &self,
+        lease_id: i64,
+        now: Millis,
+    ) -> Result<Option<Restock>, LedgerError>;
     /// Commits a batch in one transaction, behind the fence. Outcomes are in row order.
     async fn commit_batch(&self, batch: &Batch) -> Result<Vec<RowOutcome>, LedgerError>;
     /// The reservations with these order ids (any voucher), for answering repeats without a lease.
@@ -145,7 +149,12 @@ pub trait Ledger: Send + Sync + 'static {
     /// Order ids of a voucher's live (reserved or confirmed) reservations: the won set of §5.
     async fn won_orders(&self, code: &str) -> Result<Vec<String>, LedgerError>;
     /// RESERVED → CONFIRMED, idempotent.
-    async fn confirm(&self, code: &str, order_id: &str, now: Millis) -> Result<Reservation, LedgerError>;
+    async fn confirm(
+        &self,
+        code: &str,
+        order_id: &str,
+        now: Millis,
+    ) -> Result<Reservation, LedgerError>;
     /// RESERVED → RELEASED, idempotent; the unit goes back to `free` exactly once.
     async fn release(
         &self,
@@ -276,7 +285,10 @@ mod tests {
     use crate::domain::ReservationStatus;
 
     fn row(o: &str, c: i64) -> BatchRow {
-        BatchRow { order_id: o.into(), customer_id: c }
+        BatchRow {
+            order_id: o.into(),
+            customer_id: c,
+        }
     }
 
     fn resv(o: &str, code: &str, c: i64, status: ReservationStatus) -> Reservation {
@@ -297,7 +309,12 @@ mod tests {
         let plan = plan_batch("V", &rows, &[], &used, 2);
         assert_eq!(
             plan,
-            vec![Planned::Insert, Planned::AlreadyUsed, Planned::AlreadyUsed, Planned::Insert]
+            vec![
+                Planned::Insert,
+                Planned::AlreadyUsed,
+                Planned::AlreadyUsed,
+                Planned::Insert
+            ]
         );
     }
 
@@ -305,7 +322,10 @@ mod tests {
     fn repeats_in_a_batch_follow_the_first_and_clashes_lose() {
         let rows = [row("a", 1), row("a", 1), row("a", 2)];
         let plan = plan_batch("V", &rows, &[], &HashMap::new(), 5);
-        assert_eq!(plan, vec![Planned::Insert, Planned::SameAs(0), Planned::AlreadyUsed]);
+        assert_eq!(
+            plan,
+            vec![Planned::Insert, Planned::SameAs(0), Planned::AlreadyUsed]
+        );
         let created = HashMap::from([(0, resv("a", "V", 1, ReservationStatus::Reserved))]);
         let out = resolve_plan(plan, &created);
         assert!(matches!(out[0], RowOutcome::Created(_)));
@@ -323,7 +343,14 @@ mod tests {
         let rows = [row("a", 1), row("a", 2), row("b", 1), row("c", 1)];
         let plan = plan_batch("V", &rows, &existing, &HashMap::new(), 5);
         assert!(matches!(plan[0], Planned::Replay(_)));
-        assert_eq!(plan[1..], [Planned::AlreadyUsed, Planned::AlreadyUsed, Planned::AlreadyUsed]);
+        assert_eq!(
+            plan[1..],
+            [
+                Planned::AlreadyUsed,
+                Planned::AlreadyUsed,
+                Planned::AlreadyUsed
+            ]
+        );
     }
 
     #[test]
@@ -337,7 +364,10 @@ mod tests {
     #[test]
     fn usage_deltas_group_by_customer() {
         let rows = [row("a", 2), row("b", 1), row("c", 2)];
-        assert_eq!(usage_deltas(&rows, [0, 1, 2].into_iter()), vec![(1, 1), (2, 2)]);
+        assert_eq!(
+            usage_deltas(&rows, [0, 1, 2].into_iter()),
+            vec![(1, 1), (2, 2)]
+        );
     }
 }
 

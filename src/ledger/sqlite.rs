@@ -128,7 +128,10 @@ fn group_restocks(rows: Vec<(String, i64)>) -> Vec<Restock> {
     let mut out: Vec<Restock> = by_code
         .into_iter()
         .filter(|(_, units)| *units > 0)
-        .map(|(voucher_code, units)| Restock { voucher_code, units })
+        .map(|(voucher_code, units)| Restock {
+            voucher_code,
+            units,
+        })
         .collect();
     out.sort_by(|a, b| a.voucher_code.cmp(&b.voucher_code));
     out
@@ -169,10 +172,12 @@ impl Ledger for SqliteLedger {
     }
 
     async fn voucher(&self, code: &str) -> Result<Option<Voucher>, LedgerError> {
-        let row = sqlx::query(&format!("SELECT {VOUCHER_COLUMNS} FROM vouchers WHERE code = ?"))
-            .bind(code)
-            .fetch_optional(&self.reader)
-            .await?;
+        let row = sqlx::query(&format!(
+            "SELECT {VOUCHER_COLUMNS} FROM vouchers WHERE code = ?"
+        ))
+        .bind(code)
+        .fetch_optional(&self.reader)
+        .await?;
         Ok(row.as_ref().map(voucher_from).transpose()?)
     }
 
@@ -182,11 +187,13 @@ impl Ledger for SqliteLedger {
         patch: &VoucherPatch,
     ) -> Result<(Voucher, Option<Restock>), LedgerError> {
         let mut tx = self.writer.begin().await?;
-        let row = sqlx::query(&format!("SELECT {VOUCHER_COLUMNS} FROM vouchers WHERE code = ?"))
-            .bind(code)
-            .fetch_optional(&mut *tx)
-            .await?
-            .ok_or(LedgerError::NotFound)?;
+        let row = sqlx::query(&format!(
+            "SELECT {VOUCHER_COLUMNS} FROM vouchers WHERE code = ?"
+        ))
+        .bind(code)
+        .fetch_optional(&mut *tx)
+        .await?
+        .ok_or(LedgerError::NotFound)?;
         let current = voucher_from(&row)?;
         let (next, added) = super::apply_patch(&current, patch)?;
         sqlx::query(
@@ -201,7 +208,10 @@ impl Ledger for SqliteLedger {
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;
-        let restock = (added > 0).then(|| Restock { voucher_code: code.into(), units: added });
+        let restock = (added > 0).then(|| Restock {
+            voucher_code: code.into(),
+            units: added,
+        });
         Ok((next, restock))
     }
 
@@ -245,12 +255,20 @@ impl Ledger for SqliteLedger {
             .bind(expires_at)
             .fetch_one(&mut *tx)
             .await?;
-            Some(Lease { id, granted: units, expires_at })
+            Some(Lease {
+                id,
+                granted: units,
+                expires_at,
+            })
         } else {
             None
         };
         tx.commit().await?;
-        Ok(Grant { lease, free_after: free - units, leased_unused })
+        Ok(Grant {
+            lease,
+            free_after: free - units,
+            leased_unused,
+        })
     }
 
     async fn renew(
@@ -272,7 +290,11 @@ impl Ledger for SqliteLedger {
         Ok(ids)
     }
 
-    async fn return_lease(&self, lease_id: i64, now: Millis) -> Result<Option<Restock>, LedgerError> {
+    async fn return_lease(
+        &self,
+        lease_id: i64,
+        now: Millis,
+    ) -> Result<Option<Restock>, LedgerError> {
         let mut tx = self.writer.begin().await?;
         let row: Option<(String, i64)> = sqlx::query_as(
             "UPDATE leases SET state = 'RETURNED', closed_at = ? WHERE id = ? AND state = 'ACTIVE' \
@@ -412,7 +434,10 @@ impl Ledger for SqliteLedger {
         .bind(json_list(order_ids))
         .fetch_all(&self.reader)
         .await?;
-        Ok(rows.iter().map(reservation_from).collect::<Result<_, _>>()?)
+        Ok(rows
+            .iter()
+            .map(reservation_from)
+            .collect::<Result<_, _>>()?)
     }
 
     async fn won_orders(&self, code: &str) -> Result<Vec<String>, LedgerError> {
@@ -424,7 +449,12 @@ impl Ledger for SqliteLedger {
         .await?)
     }
 
-    async fn confirm(&self, code: &str, order_id: &str, now: Millis) -> Result<Reservation, LedgerError> {
+    async fn confirm(
+        &self,
+        code: &str,
+        order_id: &str,
+        now: Millis,
+    ) -> Result<Reservation, LedgerError> {
         let mut tx = self.writer.begin().await?;
         let row = sqlx::query(&format!(
             "UPDATE reservations SET status = 'CONFIRMED', updated_at = ? \
@@ -474,7 +504,8 @@ impl Ledger for SqliteLedger {
         .await?;
         if let Some(row) = row {
             let r = reservation_from(&row)?;
-            let restocks = release_units(&mut tx, &[(r.voucher_code.clone(), r.customer_id)]).await?;
+            let restocks =
+                release_units(&mut tx, &[(r.voucher_code.clone(), r.customer_id)]).await?;
             tx.commit().await?;
             return Ok((r, restocks.into_iter().next()));
         }
@@ -551,7 +582,15 @@ impl Ledger for SqliteLedger {
         .await?;
         tx.commit().await?;
         Ok(Some(super::reconcile(
-            Counters { total_limit, free, leased_unused, reserved, confirmed, released, balanced: false },
+            Counters {
+                total_limit,
+                free,
+                leased_unused,
+                reserved,
+                confirmed,
+                released,
+                balanced: false,
+            },
             &by_status,
             consumed,
             usage,
@@ -559,9 +598,11 @@ impl Ledger for SqliteLedger {
     }
 
     async fn voucher_codes(&self) -> Result<Vec<String>, LedgerError> {
-        Ok(sqlx::query_scalar("SELECT code FROM vouchers ORDER BY code")
-            .fetch_all(&self.reader)
-            .await?)
+        Ok(
+            sqlx::query_scalar("SELECT code FROM vouchers ORDER BY code")
+                .fetch_all(&self.reader)
+                .await?,
+        )
     }
 }
 
@@ -588,8 +629,10 @@ async fn give_back(
 ) -> Result<Vec<Restock>, LedgerError> {
     let restocks = group_restocks(rows);
     if !restocks.is_empty() {
-        let list: Vec<(String, i64)> =
-            restocks.iter().map(|r| (r.voucher_code.clone(), r.units)).collect();
+        let list: Vec<(String, i64)> = restocks
+            .iter()
+            .map(|r| (r.voucher_code.clone(), r.units))
+            .collect();
         sqlx::query(
             "UPDATE vouchers SET free = free + d.units FROM \
              (SELECT json_extract(value, '$[0]') AS code, json_extract(value, '$[1]') AS units \
@@ -612,8 +655,10 @@ async fn release_units(
         return Ok(Vec::new());
     }
     let restocks = group_restocks(released.iter().map(|(c, _)| (c.clone(), 1)).collect());
-    let list: Vec<(String, i64)> =
-        restocks.iter().map(|r| (r.voucher_code.clone(), r.units)).collect();
+    let list: Vec<(String, i64)> = restocks
+        .iter()
+        .map(|r| (r.voucher_code.clone(), r.units))
+        .collect();
     sqlx::query(
         "UPDATE vouchers SET free = free + d.n, reserved = reserved - d.n, released = released + d.n \
          FROM (SELECT json_extract(value, '$[0]') AS code, json_extract(value, '$[1]') AS n \
@@ -626,8 +671,10 @@ async fn release_units(
     for (code, customer) in released {
         *per_customer.entry((code.clone(), *customer)).or_insert(0) += 1;
     }
-    let list: Vec<(String, i64, i64)> =
-        per_customer.into_iter().map(|((c, cu), n)| (c, cu, n)).collect();
+    let list: Vec<(String, i64, i64)> = per_customer
+        .into_iter()
+        .map(|((c, cu), n)| (c, cu, n))
+        .collect();
     sqlx::query(
         "UPDATE customer_usage SET used = used - d.n \
          FROM (SELECT json_extract(value, '$[0]') AS code, json_extract(value, '$[1]') AS customer, \

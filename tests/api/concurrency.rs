@@ -1,0 +1,101 @@
+//! Races: a flood for a few units, copies of one order, one customer with many orders, and the
+//! sold-out short-circuit that must still honour retries of winning orders.
+
+use std::time::Duration;
+
+use futures_util::future::join_all;
+use serde_json::json;
+
+use crate::helpers::{eventually, spawn_app, tally};
+
+#[actix_web::test]
+async fn two_hundred_customers_race_for_ten_units() {
+    let app = spawn_app().await;
+    assert_eq!(app.create_voucher("RACE10", 10, 1).await.0, 201);
+    let answers = join_all((1..=200).map(|i| app.reserve("RACE10", i, format!("race-{i}")))).await;
+    let t = tally(&answers);
+    assert_eq!(t.get("201"), Some(&10), "{t:?}");
+    assert_eq!(t.get("409 OUT_OF_STOCK"), Some(&190), "{t:?}");
+    let c = app.balanced_counters("RACE10").await;
+    assert_eq!(c["reserved"], json!(10));
+    assert_eq!(
+        c["free"].as_i64().unwrap() + c["leasedUnused"].as_i64().unwrap(),
+        0
+    );
+    // Every 201 is a row in the ledger.
+    for (status, body) in answers.iter().filter(|(s, _)| *s == 201) {
+        assert_eq!(*status, 201);
+        let order = body["orderId"].as_str().unwrap();
+        let (s, r) = app
+            .call("GET", &format!("/vouchers/RACE10/reservations/{order}"))
+            .await;
+        assert_eq!((s, r["status"].as_str()), (200, Some("RESERVED")));
+    }
+}
+
+#[actix_web::test]
+async fn copies_of_one_order_take_one_unit_and_retries_survive_sold_out() {
+    let app = spawn_app().await;
+    assert_eq!(app.create_voucher("ONCE", 1, 5).await.0, 201);
+    let answers = join_all((0..100).map(|_| app.reserve("ONCE", 7, "order-7"))).await;
+    assert!(
+        answers.iter().all(|(s, _)| *s == 201),
+        "{:?}",
+        tally(&answers)
+    );
+    let first = &answers[0].1;
+    assert!(
+        answers.iter().all(|(_, b)| b == first),
+        "every copy gets the same body"
+    );
+    let c = app.balanced_counters("ONCE").await;
+    assert_eq!(c["reserved"], json!(1));
+
+    // The only unit is gone: the frontend answers from memory once the flag is up.
+    let engine = app.engine.clone();
+    eventually("sold-out flag", Duration::from_secs(10), || {
+        let e = engine.clone();
+        async move {
+            let _ = &e;
+            e.is_sold_out_locally("ONCE")
+        }
+    })
+    .await;
+    let before = app.engine.short_circuits("ONCE");
+    let retry = app.reserve("ONCE", 7, "order-7").await;
+    assert_eq!(
+        (retry.0, &retry.1),
+        (201, first),
+        "a retry of the winner still gets its 201"
+    );
+    let others = join_all((100..120).map(|i| app.reserve("ONCE", i, format!("late-{i}")))).await;
+    assert_eq!(tally(&others).get("409 OUT_OF_STOCK"), Some(&20));
+    assert_eq!(
+        app.engine.short_circuits("ONCE") - before,
+        21,
+        "the retry and the 20 late orders were answered without messaging the actor"
+    );
+    // The same order id from another customer is a clash, not a retry.
+    let clash = app.reserve("ONCE", 8, "order-7").await;
+    assert_eq!(clash.1["error"], json!("ALREADY_USED"));
+    app.balanced_counters("ONCE").await;
+}
+
+#[actix_web::test]
+async fn one_customer_many_orders_respects_the_per_user_limit() {
+    let app = spawn_app().await;
+    assert_eq!(app.create_voucher("LIMIT1", 100, 1).await.0, 201);
+    assert_eq!(app.create_voucher("LIMIT3", 100, 3).await.0, 201);
+    for (code, limit) in [("LIMIT1", 1usize), ("LIMIT3", 3)] {
+        let answers = join_all((0..50).map(|i| app.reserve(code, 42, format!("{code}-{i}")))).await;
+        let t = tally(&answers);
+        assert_eq!(t.get("201"), Some(&limit), "{code}: {t:?}");
+        assert_eq!(
+            t.get("409 ALREADY_USED"),
+            Some(&(50 - limit)),
+            "{code}: {t:?}"
+        );
+        let c = app.balanced_counters(code).await;
+        assert_eq!(c["reserved"], json!(limit));
+    }
+}

@@ -1,0 +1,203 @@
+//! Test harness: spawn an app on a fresh SQLite file with a manual clock, create vouchers, send
+//! requests, read the admin view, poll with deadlines.
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use vouchers::clock::ManualClock;
+use vouchers::config::Settings;
+use vouchers::engine::EngineHandle;
+use vouchers::ledger::{self, SharedLedger};
+use vouchers::startup::Application;
+
+pub const TOKEN: &str = "test-admin-token";
+
+static COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// A fresh directory under the system temp dir.
+pub fn temp_dir(tag: &str) -> PathBuf {
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("vouchers-{tag}-{}-{n}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("create temp dir");
+    dir
+}
+
+pub fn test_settings(db_url: &str) -> Settings {
+    let mut s = Settings::defaults();
+    s.http.port = 0;
+    s.http.workers = 1;
+    s.admin.token = TOKEN.into();
+    s.ledger.url = db_url.into();
+    s.ledger.max_connections = 4;
+    s.engine.shards = 2;
+    // Background jobs stay quiet; tests run them by hand at the moment they choose.
+    s.jobs.expiry_interval_ms = 3_600_000;
+    s.jobs.reaper_interval_ms = 3_600_000;
+    s.jobs.reconcile_interval_ms = 3_600_000;
+    s
+}
+
+pub struct TestApp {
+    pub base: String,
+    pub engine: EngineHandle,
+    pub clock: ManualClock,
+    /// A second connection to the same ledger, as another node or an operator would have.
+    pub ledger: SharedLedger,
+    pub client: awc::Client,
+    pub db_url: String,
+}
+
+pub async fn spawn_app() -> TestApp {
+    spawn_app_with(|_| {}).await
+}
+
+pub async fn spawn_app_with(tweak: impl FnOnce(&mut Settings)) -> TestApp {
+    let dir = temp_dir("app");
+    let db_url = format!("sqlite://{}/ledger.db", dir.display());
+    let mut settings = test_settings(&db_url);
+    tweak(&mut settings);
+    let clock = ManualClock::starting_now();
+    let app = Application::build(settings, Arc::new(clock.clone()))
+        .await
+        .expect("build app");
+    let base = format!("http://127.0.0.1:{}", app.port());
+    let engine = app.engine();
+    actix_rt::spawn(app.run_until_stopped());
+    let ledger = ledger::connect(&db_url, 2)
+        .await
+        .expect("second ledger handle");
+    TestApp {
+        base,
+        engine,
+        clock,
+        ledger,
+        client: client(),
+        db_url,
+    }
+}
+
+pub fn client() -> awc::Client {
+    awc::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .connector(awc::Connector::new().limit(256))
+        .finish()
+}
+
+/// A status and JSON body (Null when the body is not JSON).
+pub type Answer = (u16, Value);
+
+pub async fn send(
+    client: &awc::Client,
+    method: &str,
+    url: &str,
+    token: Option<&str>,
+    body: Option<&Value>,
+) -> Answer {
+    let mut req = client.request(method.parse().expect("method"), url);
+    if let Some(t) = token {
+        req = req.insert_header(("Authorization", format!("Bearer {t}")));
+    }
+    let mut res = match body {
+        Some(b) => req.send_json(b).await,
+        None => req.send().await,
+    }
+    .expect("request sent");
+    let status = res.status().as_u16();
+    let bytes = res.body().limit(1 << 20).await.expect("body");
+    (
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+    )
+}
+
+impl TestApp {
+    pub async fn create_voucher(&self, code: &str, total: i64, per_user: i64) -> Answer {
+        self.create_voucher_with(json!({
+            "code": code, "discountAmount": 100, "minOrderAmount": 1000,
+            "totalLimit": total, "perUserLimit": per_user,
+            "startsAt": "2020-01-01T00:00:00Z", "endsAt": "2099-01-01T00:00:00Z"
+        }))
+        .await
+    }
+
+    pub async fn create_voucher_with(&self, body: Value) -> Answer {
+        let url = format!("{}/admin/vouchers", self.base);
+        let answer = send(&self.client, "POST", &url, Some(TOKEN), Some(&body)).await;
+        answer
+    }
+
+    pub async fn reserve(&self, code: &str, customer: i64, order: impl AsRef<str>) -> Answer {
+        reserve(&self.client, &self.base, code, customer, order.as_ref()).await
+    }
+
+    pub async fn admin(&self, code: &str) -> Answer {
+        let url = format!("{}/admin/vouchers/{code}", self.base);
+        send(&self.client, "GET", &url, Some(TOKEN), None).await
+    }
+
+    /// The admin view, asserting it exists and balances.
+    pub async fn balanced_counters(&self, code: &str) -> Value {
+        let (status, body) = self.admin(code).await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(
+            body["balanced"],
+            json!(true),
+            "ledger does not balance: {body}"
+        );
+        body
+    }
+
+    pub async fn call(&self, method: &str, path: &str) -> Answer {
+        send(
+            &self.client,
+            method,
+            &format!("{}{path}", self.base),
+            None,
+            None,
+        )
+        .await
+    }
+}
+
+pub async fn reserve(
+    client: &awc::Client,
+    base: &str,
+    code: &str,
+    customer: i64,
+    order: &str,
+) -> Answer {
+    let url = format!("{base}/vouchers/{code}/reservations");
+    let body = json!({ "customerId": customer, "orderId": order, "orderAmount": 5000 });
+    send(client, "POST", &url, None, Some(&body)).await
+}
+
+/// Polls `check` until it returns true, failing after `deadline`.
+pub async fn eventually<F, Fut>(what: &str, deadline: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let start = Instant::now();
+    while !check().await {
+        assert!(start.elapsed() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Counts answers by (status, error code).
+pub fn tally(answers: &[Answer]) -> std::collections::BTreeMap<String, usize> {
+    let mut t = std::collections::BTreeMap::new();
+    for (status, body) in answers {
+        let key = match body.get("error").and_then(Value::as_str) {
+            Some(code) => format!("{status} {code}"),
+            None => status.to_string(),
+        };
+        *t.entry(key).or_insert(0) += 1;
+    }
+    t
+}

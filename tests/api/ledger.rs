@@ -1,0 +1,419 @@
+//! The ledger conformance suite: the same checks against every ledger implementation.
+
+use std::collections::HashMap;
+
+use futures_util::future::join_all;
+use vouchers::domain::{ReservationStatus, Voucher, VoucherPatch, VoucherStatus};
+use vouchers::ledger::{self, Batch, BatchRow, LedgerError, RowOutcome, SharedLedger};
+
+use crate::helpers::temp_dir;
+
+const NOW: i64 = 1_800_000_000_000;
+const TTL: i64 = 30_000;
+
+fn voucher(code: &str, total: i64, per_user: i64) -> Voucher {
+    Voucher {
+        code: code.into(),
+        discount_amount: 100,
+        min_order_amount: 0,
+        total_limit: total,
+        per_user_limit: per_user,
+        starts_at: NOW - 1000,
+        ends_at: NOW + 86_400_000,
+        status: VoucherStatus::Active,
+    }
+}
+
+fn rows(spec: &[(&str, i64)]) -> Vec<BatchRow> {
+    spec.iter()
+        .map(|(o, c)| BatchRow {
+            order_id: o.to_string(),
+            customer_id: *c,
+        })
+        .collect()
+}
+
+fn batch(code: &str, lease_id: i64, rows: Vec<BatchRow>) -> Batch {
+    Batch {
+        voucher_code: code.into(),
+        lease_id,
+        now: NOW,
+        expires_at: NOW + 900_000,
+        rows,
+    }
+}
+
+async fn balanced(l: &SharedLedger, code: &str) -> ledger::Counters {
+    let c = l.counters(code).await.unwrap().expect("voucher exists");
+    assert!(c.balanced, "{code} does not balance: {c:?}");
+    c
+}
+
+/// Runs every check against one ledger.
+pub async fn conformance(l: SharedLedger) {
+    grants_never_exceed_free(&l).await;
+    batches_apply_idempotency_and_limits(&l).await;
+    the_fence_stops_batches_on_dead_or_full_leases(&l).await;
+    returns_and_reaps_give_units_back_once(&l).await;
+    release_confirm_and_expiry_move_units_exactly_once(&l).await;
+    concurrent_grants_and_batches_never_oversell(&l).await;
+    edits_follow_the_rules(&l).await;
+}
+
+async fn grants_never_exceed_free(l: &SharedLedger) {
+    l.create_voucher(&voucher("G", 10, 1), NOW).await.unwrap();
+    assert!(matches!(
+        l.create_voucher(&voucher("G", 10, 1), NOW).await,
+        Err(LedgerError::AlreadyExists)
+    ));
+    let g1 = l.grant("G", "n1", 7, NOW, TTL).await.unwrap();
+    assert_eq!((g1.lease.as_ref().unwrap().granted, g1.free_after), (7, 3));
+    let g2 = l.grant("G", "n2", 7, NOW, TTL).await.unwrap();
+    assert_eq!(
+        (
+            g2.lease.as_ref().unwrap().granted,
+            g2.free_after,
+            g2.leased_unused
+        ),
+        (3, 0, 7)
+    );
+    let g3 = l.grant("G", "n3", 7, NOW, TTL).await.unwrap();
+    assert_eq!((g3.lease, g3.free_after, g3.leased_unused), (None, 0, 10));
+    assert!(matches!(
+        l.grant("NOPE", "n1", 1, NOW, TTL).await,
+        Err(LedgerError::NotFound)
+    ));
+    let c = balanced(l, "G").await;
+    assert_eq!((c.free, c.leased_unused), (0, 10));
+}
+
+async fn batches_apply_idempotency_and_limits(l: &SharedLedger) {
+    l.create_voucher(&voucher("B", 10, 2), NOW).await.unwrap();
+    l.create_voucher(&voucher("B2", 10, 2), NOW).await.unwrap();
+    let lease = l
+        .grant("B", "n1", 10, NOW, TTL)
+        .await
+        .unwrap()
+        .lease
+        .unwrap();
+    let out = l
+        .commit_batch(&batch(
+            "B",
+            lease.id,
+            rows(&[
+                ("b1", 1),
+                ("b1", 1),
+                ("b2", 1),
+                ("b3", 1),
+                ("b1", 2),
+                ("b4", 2),
+            ]),
+        ))
+        .await
+        .unwrap();
+    assert!(matches!(out[0], RowOutcome::Created(_)));
+    assert!(matches!(out[1], RowOutcome::Replayed(_)));
+    assert!(matches!(out[2], RowOutcome::Created(_)));
+    assert_eq!(
+        out[3],
+        RowOutcome::AlreadyUsed,
+        "customer 1 is at the limit of 2"
+    );
+    assert_eq!(
+        out[4],
+        RowOutcome::AlreadyUsed,
+        "same order id, other customer"
+    );
+    assert!(matches!(out[5], RowOutcome::Created(_)));
+    // A later retry replays the stored row, byte for byte.
+    let again = l
+        .commit_batch(&batch("B", lease.id, rows(&[("b1", 1)])))
+        .await
+        .unwrap();
+    match (&out[0], &again[0]) {
+        (RowOutcome::Created(a), RowOutcome::Replayed(b)) => assert_eq!(a, b),
+        other => panic!("expected a replay, got {other:?}"),
+    }
+    // The same order id under another voucher is a clash.
+    let lease2 = l
+        .grant("B2", "n1", 5, NOW, TTL)
+        .await
+        .unwrap()
+        .lease
+        .unwrap();
+    let out = l
+        .commit_batch(&batch("B2", lease2.id, rows(&[("b1", 1)])))
+        .await
+        .unwrap();
+    assert_eq!(out[0], RowOutcome::AlreadyUsed);
+    let c = balanced(l, "B").await;
+    assert_eq!((c.reserved, c.leased_unused), (3, 7));
+    let found = l
+        .find_orders(&["b1".into(), "b2".into(), "zz".into()])
+        .await
+        .unwrap();
+    assert_eq!(found.len(), 2);
+    let mut won = l.won_orders("B").await.unwrap();
+    won.sort();
+    assert_eq!(won, vec!["b1", "b2", "b4"]);
+}
+
+async fn the_fence_stops_batches_on_dead_or_full_leases(l: &SharedLedger) {
+    l.create_voucher(&voucher("F", 10, 5), NOW).await.unwrap();
+    let lease = l
+        .grant("F", "n1", 2, NOW, TTL)
+        .await
+        .unwrap()
+        .lease
+        .unwrap();
+    let res = l
+        .commit_batch(&batch(
+            "F",
+            lease.id,
+            rows(&[("f1", 1), ("f2", 2), ("f3", 3)]),
+        ))
+        .await;
+    assert!(
+        matches!(res, Err(LedgerError::Fenced)),
+        "three rows on a two-unit lease"
+    );
+    let reaped = l.reap_expired(NOW + TTL).await.unwrap();
+    assert_eq!(
+        reaped
+            .iter()
+            .find(|r| r.voucher_code == "F")
+            .map(|r| r.units),
+        Some(2)
+    );
+    let res = l
+        .commit_batch(&batch("F", lease.id, rows(&[("f1", 1)])))
+        .await;
+    assert!(
+        matches!(res, Err(LedgerError::Fenced)),
+        "a reaped lease is fenced"
+    );
+    assert!(
+        l.find_orders(&["f1".into(), "f2".into()])
+            .await
+            .unwrap()
+            .is_empty(),
+        "nothing of a fenced batch is stored"
+    );
+    assert!(
+        l.renew(&[lease.id], "n1", NOW, TTL)
+            .await
+            .unwrap()
+            .is_empty(),
+        "a reaped lease cannot be renewed"
+    );
+    let c = balanced(l, "F").await;
+    assert_eq!((c.free, c.reserved, c.leased_unused), (10, 0, 0));
+}
+
+async fn returns_and_reaps_give_units_back_once(l: &SharedLedger) {
+    l.create_voucher(&voucher("R", 10, 5), NOW).await.unwrap();
+    let a = l
+        .grant("R", "n1", 4, NOW, TTL)
+        .await
+        .unwrap()
+        .lease
+        .unwrap();
+    let b = l
+        .grant("R", "n2", 4, NOW, TTL)
+        .await
+        .unwrap()
+        .lease
+        .unwrap();
+    l.commit_batch(&batch("R", a.id, rows(&[("r1", 1)])))
+        .await
+        .unwrap();
+    let back = l.return_lease(a.id, NOW).await.unwrap();
+    assert_eq!(back.map(|r| r.units), Some(3));
+    assert_eq!(
+        l.return_lease(a.id, NOW).await.unwrap(),
+        None,
+        "returning twice is a no-op"
+    );
+    // The live node renews; the other one does not and is reaped.
+    assert_eq!(
+        l.renew(&[b.id], "n2", NOW + TTL - 1, TTL).await.unwrap(),
+        vec![b.id]
+    );
+    assert!(
+        l.renew(&[b.id], "other-node", NOW, TTL)
+            .await
+            .unwrap()
+            .is_empty(),
+        "only the owner renews"
+    );
+    assert!(l
+        .reap_expired(NOW + TTL)
+        .await
+        .unwrap()
+        .iter()
+        .all(|r| r.voucher_code != "R"));
+    let reaped = l.reap_expired(NOW + 2 * TTL).await.unwrap();
+    assert_eq!(
+        reaped
+            .iter()
+            .find(|r| r.voucher_code == "R")
+            .map(|r| r.units),
+        Some(4)
+    );
+    assert!(l
+        .reap_expired(NOW + 3 * TTL)
+        .await
+        .unwrap()
+        .iter()
+        .all(|r| r.voucher_code != "R"));
+    let c = balanced(l, "R").await;
+    assert_eq!((c.free, c.reserved), (9, 1));
+}
+
+async fn release_confirm_and_expiry_move_units_exactly_once(l: &SharedLedger) {
+    l.create_voucher(&voucher("L", 5, 5), NOW).await.unwrap();
+    let lease = l
+        .grant("L", "n1", 5, NOW, TTL)
+        .await
+        .unwrap()
+        .lease
+        .unwrap();
+    l.commit_batch(&batch(
+        "L",
+        lease.id,
+        rows(&[("l1", 1), ("l2", 1), ("l3", 1), ("l4", 1)]),
+    ))
+    .await
+    .unwrap();
+    assert_eq!(
+        l.confirm("L", "l1", NOW).await.unwrap().status,
+        ReservationStatus::Confirmed
+    );
+    assert_eq!(
+        l.confirm("L", "l1", NOW).await.unwrap().status,
+        ReservationStatus::Confirmed
+    );
+    assert!(matches!(
+        l.release("L", "l1", NOW).await,
+        Err(LedgerError::AlreadyConfirmed)
+    ));
+    let (r, restock) = l.release("L", "l2", NOW).await.unwrap();
+    assert_eq!(
+        (r.status, restock.map(|r| r.units)),
+        (ReservationStatus::Released, Some(1))
+    );
+    let (_, restock) = l.release("L", "l2", NOW).await.unwrap();
+    assert_eq!(restock, None, "a second release gives nothing back");
+    assert!(matches!(
+        l.confirm("L", "l2", NOW).await,
+        Err(LedgerError::Released)
+    ));
+    assert!(matches!(
+        l.confirm("L", "zz", NOW).await,
+        Err(LedgerError::NotFound)
+    ));
+    assert!(matches!(
+        l.release("OTHER", "l3", NOW).await,
+        Err(LedgerError::NotFound)
+    ));
+    // Expiry: two sweepers at once release each due reservation once.
+    let due = NOW + 900_000;
+    let sweeps = join_all([l.expire_due(due, 1000), l.expire_due(due, 1000)]).await;
+    let released: i64 = sweeps
+        .into_iter()
+        .flat_map(|r| r.unwrap())
+        .filter(|r| r.voucher_code == "L")
+        .map(|r| r.units)
+        .sum();
+    assert_eq!(released, 2);
+    let c = balanced(l, "L").await;
+    assert_eq!(
+        (c.reserved, c.confirmed, c.released, c.free, c.leased_unused),
+        (0, 1, 3, 3, 1)
+    );
+    // A released customer's usage went down: they may reserve again.
+    let out = l
+        .commit_batch(&batch("L", lease.id, rows(&[("l5", 1)])))
+        .await
+        .unwrap();
+    assert!(matches!(out[0], RowOutcome::Created(_)));
+    balanced(l, "L").await;
+}
+
+async fn concurrent_grants_and_batches_never_oversell(l: &SharedLedger) {
+    l.create_voucher(&voucher("C", 100, 1), NOW).await.unwrap();
+    let work = (0..8).map(|node| {
+        let l = l.clone();
+        async move {
+            let mut won = 0;
+            for round in 0..10 {
+                let Some(lease) = l
+                    .grant("C", &format!("n{node}"), 3, NOW, TTL)
+                    .await
+                    .unwrap()
+                    .lease
+                else {
+                    break;
+                };
+                let rs: Vec<BatchRow> = (0..lease.granted)
+                    .map(|i| BatchRow {
+                        order_id: format!("c-{node}-{round}-{i}"),
+                        customer_id: node * 1000 + round * 10 + i + 1,
+                    })
+                    .collect();
+                let out = l.commit_batch(&batch("C", lease.id, rs)).await.unwrap();
+                won += out
+                    .iter()
+                    .filter(|o| matches!(o, RowOutcome::Created(_)))
+                    .count();
+            }
+            won
+        }
+    });
+    let won: usize = join_all(work).await.into_iter().sum();
+    assert_eq!(won, 100);
+    let c = balanced(l, "C").await;
+    assert_eq!((c.reserved, c.free), (100, 0));
+}
+
+async fn edits_follow_the_rules(l: &SharedLedger) {
+    l.create_voucher(&voucher("E", 5, 1), NOW).await.unwrap();
+    let shrink = VoucherPatch {
+        total_limit: Some(4),
+        ..Default::default()
+    };
+    assert!(matches!(
+        l.update_voucher("E", &shrink).await,
+        Err(LedgerError::Invalid(_))
+    ));
+    let grow = VoucherPatch {
+        total_limit: Some(8),
+        status: Some(VoucherStatus::Paused),
+        ..Default::default()
+    };
+    let (v, restock) = l.update_voucher("E", &grow).await.unwrap();
+    assert_eq!(
+        (v.total_limit, v.status, restock.map(|r| r.units)),
+        (8, VoucherStatus::Paused, Some(3))
+    );
+    assert_eq!(l.voucher("E").await.unwrap().unwrap(), v);
+    assert!(matches!(
+        l.update_voucher("NOPE", &grow).await,
+        Err(LedgerError::NotFound)
+    ));
+    let c = balanced(l, "E").await;
+    assert_eq!(c.free, 8);
+    let mut codes = l.voucher_codes().await.unwrap();
+    codes.retain(|c| c == "E");
+    assert_eq!(codes, vec!["E"]);
+    let _: HashMap<(), ()> = HashMap::new();
+}
+
+#[tokio::test]
+async fn sqlite_ledger_conforms() {
+    let dir = temp_dir("ledger");
+    let l = ledger::connect(&format!("sqlite://{}/l.db", dir.display()), 4)
+        .await
+        .unwrap();
+    conformance(l).await;
+}

@@ -1,0 +1,10 @@
+//! Integration tests: one binary, one module per capability. In-process apps run on a temporary
+//! SQLite file and a manual clock; PostgreSQL and Redis tests read `TEST_DATABASE_URL` and
+//! `TEST_REDIS_URL`.
+
+mod bad_input;
+mod concurrency;
+mod durability;
+mod helpers;
+mod ledger;
+mod lifecycle;
