@@ -1,1 +1,104 @@
-//! Durability: every `201` survives a SIGKILL of the real binary, and the ledger still balances.
+//! Durability: every `201` survives a SIGKILL of the real binary; after restart the ledger
+//! balances, the dead process's leases come back after their TTL, and retries are idempotent.
+
+use std::cell::Cell;
+use std::rc::Rc;
+use std::time::Duration;
+
+use futures_util::future::join_all;
+use serde_json::json;
+
+use crate::helpers::{client, eventually, send, temp_dir, try_reserve, Node, TOKEN};
+
+const FAST_LEASES: [(&str, &str); 4] = [
+    ("VOUCHERS__ENGINE__LEASE_TTL_MS", "2000"),
+    ("VOUCHERS__ENGINE__LEASE_SAFETY_MS", "800"),
+    ("VOUCHERS__JOBS__REAPER_INTERVAL_MS", "200"),
+    ("VOUCHERS__ENGINE__MIN_BLOCK", "50"),
+];
+
+#[actix_web::test]
+async fn acknowledged_reservations_survive_sigkill() {
+    let dir = temp_dir("durability");
+    let db = format!("sqlite://{}/ledger.db", dir.display());
+    let mut node = Node::start(&db, &FAST_LEASES).await;
+    let c = client();
+    let body = json!({"code": "DUR", "discountAmount": 100, "totalLimit": 1000, "perUserLimit": 1,
+                      "startsAt": "2020-01-01T00:00:00Z", "endsAt": "2099-01-01T00:00:00Z"});
+    let (s, _) = send(&c, "POST", &format!("{}/admin/vouchers", node.base), Some(TOKEN), Some(&body)).await;
+    assert_eq!(s, 201);
+
+    // 600 customers in flight; the process dies after the 100th acknowledgement.
+    let acked = Rc::new(Cell::new(0usize));
+    let kill_after = 100;
+    let base = node.base.clone();
+    let requests = (1..=600).map(|i| {
+        let (c, base, acked) = (c.clone(), base.clone(), acked.clone());
+        async move {
+            let order = format!("dur-{i}");
+            let answer = try_reserve(&c, &base, "DUR", i, &order).await;
+            if matches!(answer, Some((201, _))) {
+                acked.set(acked.get() + 1);
+            }
+            (i, order, answer)
+        }
+    });
+    let killer = async {
+        eventually("100 acknowledgements", Duration::from_secs(60), || {
+            let n = acked.get();
+            async move { n >= kill_after }
+        })
+        .await;
+        node.kill();
+    };
+    let (results, ()) = tokio::join!(join_all(requests), killer);
+    let acknowledged: Vec<&(i64, String, _)> =
+        results.iter().filter(|(_, _, a)| matches!(a, Some((201, _)))).collect();
+    assert!(acknowledged.len() >= kill_after);
+    assert!(
+        results.iter().any(|(_, _, a)| a.is_none()),
+        "some requests were in flight when the process died"
+    );
+
+    let node = Node::start(&db, &FAST_LEASES).await;
+    for (_, order, answer) in &acknowledged {
+        let (s, r) = send(&c, "GET", &format!("{}/vouchers/DUR/reservations/{order}", node.base), None, None).await;
+        assert_eq!((s, r["status"].as_str()), (200, Some("RESERVED")), "{order} was acknowledged");
+        let original = &answer.as_ref().unwrap().1;
+        assert_eq!(r["expiresAt"], original["expiresAt"]);
+    }
+    let admin = format!("{}/admin/vouchers/DUR", node.base);
+    let (_, v) = send(&c, "GET", &admin, Some(TOKEN), None).await;
+    assert_eq!(v["balanced"], json!(true), "{v}");
+    let reserved = v["reserved"].as_i64().unwrap();
+    assert!(reserved >= acknowledged.len() as i64, "{v}");
+
+    // The dead process's leases are reaped after their TTL: no unit is lost.
+    eventually("dead leases reaped", Duration::from_secs(30), || {
+        let (c, admin) = (c.clone(), admin.clone());
+        async move {
+            let (_, v) = send(&c, "GET", &admin, Some(TOKEN), None).await;
+            v["leasedUnused"] == json!(0)
+        }
+    })
+    .await;
+    let (_, v) = send(&c, "GET", &admin, Some(TOKEN), None).await;
+    assert_eq!(v["balanced"], json!(true), "{v}");
+    assert_eq!(v["free"].as_i64().unwrap() + v["reserved"].as_i64().unwrap(), 1000, "{v}");
+
+    // Every client retries: acknowledged ones replay, the rest are served now, each once.
+    let retries = join_all(results.iter().map(|(i, order, _)| {
+        let (c, base) = (c.clone(), node.base.clone());
+        async move { (order.clone(), try_reserve(&c, &base, "DUR", *i, order).await) }
+    }))
+    .await;
+    for (order, answer) in &retries {
+        assert!(matches!(answer, Some((201, _))), "{order}: {answer:?}");
+    }
+    for (_, order, answer) in &acknowledged {
+        let again = retries.iter().find(|(o, _)| o == order).and_then(|(_, a)| a.as_ref()).unwrap();
+        assert_eq!(&again.1, &answer.as_ref().unwrap().1, "a retry gets the original 201");
+    }
+    let (_, v) = send(&c, "GET", &admin, Some(TOKEN), None).await;
+    assert_eq!((v["reserved"].clone(), v["balanced"].clone()), (json!(600), json!(true)), "{v}");
+}

@@ -201,3 +201,68 @@ pub fn tally(answers: &[Answer]) -> std::collections::BTreeMap<String, usize> {
     }
     t
 }
+
+/// A real process of the built binary, for crash and multi-node tests.
+pub struct Node {
+    child: std::process::Child,
+    pub base: String,
+}
+
+/// A loopback port that was free a moment ago.
+pub fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind port 0");
+    l.local_addr().expect("local addr").port()
+}
+
+impl Node {
+    /// Starts the binary with the ledger at `db_url` and extra `VOUCHERS__…` settings, and waits
+    /// until it is ready.
+    pub async fn start(db_url: &str, env: &[(&str, &str)]) -> Node {
+        let port = free_port();
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_vouchers"));
+        cmd.env("VOUCHERS__HTTP__PORT", port.to_string())
+            .env("VOUCHERS__HTTP__WORKERS", "1")
+            .env("VOUCHERS__LEDGER__URL", db_url)
+            .env("VOUCHERS__ADMIN__TOKEN", TOKEN)
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::null());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let child = cmd.spawn().expect("start the vouchers binary");
+        let node = Node { child, base: format!("http://127.0.0.1:{port}") };
+        let c = client();
+        let url = format!("{}/health/ready", node.base);
+        eventually("node ready", Duration::from_secs(30), || {
+            let req = c.get(url.clone()).send();
+            async move { matches!(req.await, Ok(r) if r.status().as_u16() == 200) }
+        })
+        .await;
+        node
+    }
+
+    /// SIGKILL: no graceful shutdown, no lease returns.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A reserve that may fail in transit (the node died): `None` then.
+pub async fn try_reserve(client: &awc::Client, base: &str, code: &str, customer: i64, order: &str) -> Option<Answer> {
+    let url = format!("{base}/vouchers/{code}/reservations");
+    let body = json!({ "customerId": customer, "orderId": order, "orderAmount": 5000 });
+    let mut res = client.post(url).send_json(&body).await.ok()?;
+    let bytes = res.body().limit(1 << 20).await.ok()?;
+    Some((res.status().as_u16(), serde_json::from_slice(&bytes).unwrap_or(Value::Null)))
+}
