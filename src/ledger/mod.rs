@@ -7,6 +7,8 @@
 //! (`tests/api/ledger.rs`). The decision of which rows of a batch win is the pure function
 //! [`plan_batch`], shared by both, so the two stores cannot disagree on it.
 
+pub mod postgres;
+mod rows;
 pub mod sqlite;
 
 use std::collections::HashMap;
@@ -273,7 +275,10 @@ pub async fn connect(url: &str, max_connections: u32) -> anyhow::Result<SharedLe
             .context("open sqlite ledger")?;
         Ok(Arc::new(l))
     } else if url.starts_with("postgres:") || url.starts_with("postgresql:") {
-        anyhow::bail!("the postgres ledger is not built yet")
+        let l = postgres::PostgresLedger::connect(url, max_connections)
+            .await
+            .context("open postgres ledger")?;
+        Ok(Arc::new(l))
     } else {
         anyhow::bail!("ledger url must start with sqlite: or postgres:")
     }

@@ -12,24 +12,21 @@ use std::time::Duration;
 use async_trait::async_trait;
 use serde_json::json;
 use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
-    SqliteSynchronous,
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
-use sqlx::Row;
 
+use super::rows::{
+    group_restocks, per_customer, reservation_from, voucher_from, RESERVATION_COLUMNS,
+    VOUCHER_COLUMNS,
+};
 use super::{
     plan_batch, resolve_plan, usage_deltas, Batch, Counters, Grant, Lease, Ledger, LedgerError,
     Planned, Restock, RowOutcome,
 };
 use crate::clock::Millis;
-use crate::domain::{Reservation, ReservationStatus, Voucher, VoucherPatch, VoucherStatus};
+use crate::domain::{Reservation, ReservationStatus, Voucher, VoucherPatch};
 
 const MIGRATIONS: &[(i64, &str)] = &[(1, include_str!("../../migrations/sqlite/0001_init.sql"))];
-
-const RESERVATION_COLUMNS: &str =
-    "order_id, voucher_code, customer_id, discount_amount, status, expires_at";
-const VOUCHER_COLUMNS: &str = "code, discount_amount, min_order_amount, total_limit, \
-     per_user_limit, starts_at, ends_at, status";
 
 pub struct SqliteLedger {
     /// The one connection every write goes through.
@@ -87,54 +84,8 @@ async fn migrate(pool: &SqlitePool) -> Result<(), sqlx::Error> {
     Ok(())
 }
 
-fn reservation_from(row: &SqliteRow) -> Result<Reservation, sqlx::Error> {
-    let status: String = row.try_get("status")?;
-    Ok(Reservation {
-        order_id: row.try_get("order_id")?,
-        voucher_code: row.try_get("voucher_code")?,
-        customer_id: row.try_get("customer_id")?,
-        discount_amount: row.try_get("discount_amount")?,
-        status: ReservationStatus::parse(&status)
-            .ok_or_else(|| sqlx::Error::Decode("reservation status".into()))?,
-        expires_at: row.try_get("expires_at")?,
-    })
-}
-
-fn voucher_from(row: &SqliteRow) -> Result<Voucher, sqlx::Error> {
-    let status: String = row.try_get("status")?;
-    Ok(Voucher {
-        code: row.try_get("code")?,
-        discount_amount: row.try_get("discount_amount")?,
-        min_order_amount: row.try_get("min_order_amount")?,
-        total_limit: row.try_get("total_limit")?,
-        per_user_limit: row.try_get("per_user_limit")?,
-        starts_at: row.try_get("starts_at")?,
-        ends_at: row.try_get("ends_at")?,
-        status: VoucherStatus::parse(&status)
-            .ok_or_else(|| sqlx::Error::Decode("voucher status".into()))?,
-    })
-}
-
 fn json_list<T: serde::Serialize>(items: &[T]) -> String {
     serde_json::to_string(items).unwrap_or_else(|_| "[]".into())
-}
-
-/// Sums restocked units per voucher from `(code, units)` rows, dropping zeros.
-fn group_restocks(rows: Vec<(String, i64)>) -> Vec<Restock> {
-    let mut by_code: HashMap<String, i64> = HashMap::new();
-    for (code, units) in rows {
-        *by_code.entry(code).or_insert(0) += units;
-    }
-    let mut out: Vec<Restock> = by_code
-        .into_iter()
-        .filter(|(_, units)| *units > 0)
-        .map(|(voucher_code, units)| Restock {
-            voucher_code,
-            units,
-        })
-        .collect();
-    out.sort_by(|a, b| a.voucher_code.cmp(&b.voucher_code));
-    out
 }
 
 #[async_trait]
@@ -667,14 +618,7 @@ async fn release_units(
     .bind(json_list(&list))
     .execute(&mut **tx)
     .await?;
-    let mut per_customer: HashMap<(String, i64), i64> = HashMap::new();
-    for (code, customer) in released {
-        *per_customer.entry((code.clone(), *customer)).or_insert(0) += 1;
-    }
-    let list: Vec<(String, i64, i64)> = per_customer
-        .into_iter()
-        .map(|((c, cu), n)| (c, cu, n))
-        .collect();
+    let list = per_customer(released);
     sqlx::query(
         "UPDATE customer_usage SET used = used - d.n \
          FROM (SELECT json_extract(value, '$[0]') AS code, json_extract(value, '$[1]') AS customer, \

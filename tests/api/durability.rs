@@ -25,7 +25,14 @@ async fn acknowledged_reservations_survive_sigkill() {
     let c = client();
     let body = json!({"code": "DUR", "discountAmount": 100, "totalLimit": 1000, "perUserLimit": 1,
                       "startsAt": "2020-01-01T00:00:00Z", "endsAt": "2099-01-01T00:00:00Z"});
-    let (s, _) = send(&c, "POST", &format!("{}/admin/vouchers", node.base), Some(TOKEN), Some(&body)).await;
+    let (s, _) = send(
+        &c,
+        "POST",
+        &format!("{}/admin/vouchers", node.base),
+        Some(TOKEN),
+        Some(&body),
+    )
+    .await;
     assert_eq!(s, 201);
 
     // 600 customers in flight; the process dies after the 100th acknowledgement.
@@ -52,8 +59,10 @@ async fn acknowledged_reservations_survive_sigkill() {
         node.kill();
     };
     let (results, ()) = tokio::join!(join_all(requests), killer);
-    let acknowledged: Vec<&(i64, String, _)> =
-        results.iter().filter(|(_, _, a)| matches!(a, Some((201, _)))).collect();
+    let acknowledged: Vec<&(i64, String, _)> = results
+        .iter()
+        .filter(|(_, _, a)| matches!(a, Some((201, _))))
+        .collect();
     assert!(acknowledged.len() >= kill_after);
     assert!(
         results.iter().any(|(_, _, a)| a.is_none()),
@@ -62,8 +71,19 @@ async fn acknowledged_reservations_survive_sigkill() {
 
     let node = Node::start(&db, &FAST_LEASES).await;
     for (_, order, answer) in &acknowledged {
-        let (s, r) = send(&c, "GET", &format!("{}/vouchers/DUR/reservations/{order}", node.base), None, None).await;
-        assert_eq!((s, r["status"].as_str()), (200, Some("RESERVED")), "{order} was acknowledged");
+        let (s, r) = send(
+            &c,
+            "GET",
+            &format!("{}/vouchers/DUR/reservations/{order}", node.base),
+            None,
+            None,
+        )
+        .await;
+        assert_eq!(
+            (s, r["status"].as_str()),
+            (200, Some("RESERVED")),
+            "{order} was acknowledged"
+        );
         let original = &answer.as_ref().unwrap().1;
         assert_eq!(r["expiresAt"], original["expiresAt"]);
     }
@@ -84,21 +104,42 @@ async fn acknowledged_reservations_survive_sigkill() {
     .await;
     let (_, v) = send(&c, "GET", &admin, Some(TOKEN), None).await;
     assert_eq!(v["balanced"], json!(true), "{v}");
-    assert_eq!(v["free"].as_i64().unwrap() + v["reserved"].as_i64().unwrap(), 1000, "{v}");
+    assert_eq!(
+        v["free"].as_i64().unwrap() + v["reserved"].as_i64().unwrap(),
+        1000,
+        "{v}"
+    );
 
     // Every client retries: acknowledged ones replay, the rest are served now, each once.
     let retries = join_all(results.iter().map(|(i, order, _)| {
         let (c, base) = (c.clone(), node.base.clone());
-        async move { (order.clone(), try_reserve(&c, &base, "DUR", *i, order).await) }
+        async move {
+            (
+                order.clone(),
+                try_reserve(&c, &base, "DUR", *i, order).await,
+            )
+        }
     }))
     .await;
     for (order, answer) in &retries {
         assert!(matches!(answer, Some((201, _))), "{order}: {answer:?}");
     }
     for (_, order, answer) in &acknowledged {
-        let again = retries.iter().find(|(o, _)| o == order).and_then(|(_, a)| a.as_ref()).unwrap();
-        assert_eq!(&again.1, &answer.as_ref().unwrap().1, "a retry gets the original 201");
+        let again = retries
+            .iter()
+            .find(|(o, _)| o == order)
+            .and_then(|(_, a)| a.as_ref())
+            .unwrap();
+        assert_eq!(
+            &again.1,
+            &answer.as_ref().unwrap().1,
+            "a retry gets the original 201"
+        );
     }
     let (_, v) = send(&c, "GET", &admin, Some(TOKEN), None).await;
-    assert_eq!((v["reserved"].clone(), v["balanced"].clone()), (json!(600), json!(true)), "{v}");
+    assert_eq!(
+        (v["reserved"].clone(), v["balanced"].clone()),
+        (json!(600), json!(true)),
+        "{v}"
+    );
 }

@@ -230,7 +230,10 @@ impl Node {
             cmd.env(k, v);
         }
         let child = cmd.spawn().expect("start the vouchers binary");
-        let node = Node { child, base: format!("http://127.0.0.1:{port}") };
+        let node = Node {
+            child,
+            base: format!("http://127.0.0.1:{port}"),
+        };
         let c = client();
         let url = format!("{}/health/ready", node.base);
         eventually("node ready", Duration::from_secs(30), || {
@@ -259,10 +262,19 @@ impl Drop for Node {
 }
 
 /// A reserve that may fail in transit (the node died): `None` then.
-pub async fn try_reserve(client: &awc::Client, base: &str, code: &str, customer: i64, order: &str) -> Option<Answer> {
+pub async fn try_reserve(
+    client: &awc::Client,
+    base: &str,
+    code: &str,
+    customer: i64,
+    order: &str,
+) -> Option<Answer> {
     let url = format!("{base}/vouchers/{code}/reservations");
     let body = json!({ "customerId": customer, "orderId": order, "orderAmount": 5000 });
     let mut res = client.post(url).send_json(&body).await.ok()?;
     let bytes = res.body().limit(1 << 20).await.ok()?;
-    Some((res.status().as_u16(), serde_json::from_slice(&bytes).unwrap_or(Value::Null)))
+    Some((
+        res.status().as_u16(),
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+    ))
 }

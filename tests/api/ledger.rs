@@ -417,3 +417,33 @@ async fn sqlite_ledger_conforms() {
         .unwrap();
     conformance(l).await;
 }
+
+/// A fresh PostgreSQL schema for one test: its URL (search_path set through `options`).
+pub async fn fresh_pg_schema(tag: &str) -> Option<String> {
+    let Ok(base) = std::env::var("TEST_DATABASE_URL") else {
+        eprintln!(
+            "skipped: TEST_DATABASE_URL is not set (PostgreSQL tests need it; .ci/run sets it)"
+        );
+        return None;
+    };
+    let schema = format!("t_{tag}_{}", vouchers::startup::random_hex(6));
+    let pool = sqlx::PgPool::connect(&base)
+        .await
+        .expect("connect TEST_DATABASE_URL");
+    sqlx::query(&format!("CREATE SCHEMA {schema}"))
+        .execute(&pool)
+        .await
+        .expect("create schema");
+    pool.close().await;
+    let sep = if base.contains('?') { '&' } else { '?' };
+    Some(format!("{base}{sep}options=-c%20search_path%3D{schema}"))
+}
+
+#[tokio::test]
+async fn postgres_ledger_conforms() {
+    let Some(url) = fresh_pg_schema("conf").await else {
+        return;
+    };
+    let l = ledger::connect(&url, 8).await.unwrap();
+    conformance(l).await;
+}

@@ -1,0 +1,677 @@
+//! The cluster ledger: PostgreSQL through sqlx. Every node talks to the same database.
+//!
+//! Concurrency: every mutating transaction first locks the voucher row(s) it touches
+//! (`FOR UPDATE`, in code order when several), then leases, reservations and usage. All writers of
+//! one voucher are therefore serialized by the database and the same batch planner as SQLite
+//! decides each batch; the only cross-voucher race left, two vouchers claiming one order id, is
+//! settled by the primary key (`ON CONFLICT DO NOTHING`, the loser's row becomes `ALREADY_USED`).
+//! A batch costs a fixed number of round trips however many rows it holds: the rows travel as
+//! arrays and every statement works on the whole set (`UNNEST`, `= ANY`).
+
+use std::collections::{HashMap, HashSet};
+use std::str::FromStr;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::{Postgres, Transaction};
+
+use super::rows::{
+    group_restocks, per_customer, reservation_from, voucher_from, RESERVATION_COLUMNS,
+    VOUCHER_COLUMNS,
+};
+use super::{
+    plan_batch, resolve_plan, usage_deltas, Batch, Counters, Grant, Lease, Ledger, LedgerError,
+    Planned, Restock, RowOutcome,
+};
+use crate::clock::Millis;
+use crate::domain::{Reservation, ReservationStatus, Voucher, VoucherPatch};
+
+const MIGRATIONS: &[(i64, &str)] = &[(1, include_str!("../../migrations/postgres/0001_init.sql"))];
+
+/// An arbitrary constant that names this schema's migration lock.
+const MIGRATION_LOCK: i64 = 0x766f_7563_6865_7273;
+
+pub struct PostgresLedger {
+    pool: PgPool,
+}
+
+impl PostgresLedger {
+    pub async fn connect(url: &str, max_connections: u32) -> Result<Self, sqlx::Error> {
+        let options = PgConnectOptions::from_str(url)?;
+        let pool = PgPoolOptions::new()
+            .max_connections(max_connections.max(2))
+            .acquire_timeout(Duration::from_secs(3))
+            .connect_with(options)
+            .await?;
+        migrate(&pool).await?;
+        Ok(Self { pool })
+    }
+}
+
+async fn migrate(pool: &PgPool) -> Result<(), sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    // Nodes that start together migrate one after the other.
+    sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        .bind(MIGRATION_LOCK)
+        .execute(&mut *tx)
+        .await?;
+    sqlx::raw_sql("CREATE TABLE IF NOT EXISTS schema_migrations (version BIGINT PRIMARY KEY)")
+        .execute(&mut *tx)
+        .await?;
+    for (version, sql) in MIGRATIONS {
+        let done = sqlx::query("SELECT 1 FROM schema_migrations WHERE version = $1")
+            .bind(version)
+            .fetch_optional(&mut *tx)
+            .await?;
+        if done.is_none() {
+            sqlx::raw_sql(sql).execute(&mut *tx).await?;
+            sqlx::query("INSERT INTO schema_migrations (version) VALUES ($1)")
+                .bind(version)
+                .execute(&mut *tx)
+                .await?;
+        }
+    }
+    tx.commit().await
+}
+
+type Tx = Transaction<'static, Postgres>;
+
+/// Locks the voucher rows of `codes` in code order; returns the codes that exist.
+async fn lock_vouchers(tx: &mut Tx, codes: &[String]) -> Result<Vec<String>, sqlx::Error> {
+    sqlx::query_scalar("SELECT code FROM vouchers WHERE code = ANY($1) ORDER BY code FOR UPDATE")
+        .bind(codes)
+        .fetch_all(&mut **tx)
+        .await
+}
+
+#[async_trait]
+impl Ledger for PostgresLedger {
+    async fn ping(&self) -> Result<(), LedgerError> {
+        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        Ok(())
+    }
+
+    async fn create_voucher(&self, v: &Voucher, now: Millis) -> Result<(), LedgerError> {
+        let res = sqlx::query(
+            "INSERT INTO vouchers (code, discount_amount, min_order_amount, total_limit, \
+             per_user_limit, starts_at, ends_at, status, free, created_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $4, $9)",
+        )
+        .bind(&v.code)
+        .bind(v.discount_amount)
+        .bind(v.min_order_amount)
+        .bind(v.total_limit)
+        .bind(v.per_user_limit)
+        .bind(v.starts_at)
+        .bind(v.ends_at)
+        .bind(v.status.as_str())
+        .bind(now)
+        .execute(&self.pool)
+        .await;
+        match res {
+            Ok(_) => Ok(()),
+            Err(sqlx::Error::Database(e)) if e.is_unique_violation() => {
+                Err(LedgerError::AlreadyExists)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn voucher(&self, code: &str) -> Result<Option<Voucher>, LedgerError> {
+        let row = sqlx::query(&format!(
+            "SELECT {VOUCHER_COLUMNS} FROM vouchers WHERE code = $1"
+        ))
+        .bind(code)
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(row.as_ref().map(voucher_from).transpose()?)
+    }
+
+    async fn update_voucher(
+        &self,
+        code: &str,
+        patch: &VoucherPatch,
+    ) -> Result<(Voucher, Option<Restock>), LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        let row = sqlx::query(&format!(
+            "SELECT {VOUCHER_COLUMNS} FROM vouchers WHERE code = $1 FOR UPDATE"
+        ))
+        .bind(code)
+        .fetch_optional(&mut *tx)
+        .await?
+        .ok_or(LedgerError::NotFound)?;
+        let current = voucher_from(&row)?;
+        let (next, added) = super::apply_patch(&current, patch)?;
+        sqlx::query(
+            "UPDATE vouchers SET status = $1, ends_at = $2, total_limit = $3, free = free + $4 \
+             WHERE code = $5",
+        )
+        .bind(next.status.as_str())
+        .bind(next.ends_at)
+        .bind(next.total_limit)
+        .bind(added)
+        .bind(code)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        let restock = (added > 0).then(|| Restock {
+            voucher_code: code.into(),
+            units: added,
+        });
+        Ok((next, restock))
+    }
+
+    async fn grant(
+        &self,
+        code: &str,
+        node: &str,
+        want: i64,
+        now: Millis,
+        ttl_ms: i64,
+    ) -> Result<Grant, LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        let free: i64 = sqlx::query_scalar("SELECT free FROM vouchers WHERE code = $1 FOR UPDATE")
+            .bind(code)
+            .fetch_optional(&mut *tx)
+            .await?
+            .ok_or(LedgerError::NotFound)?;
+        let units = want.max(1).min(free);
+        let (leased_unused, lease): (i64, Option<Lease>) = if units > 0 {
+            let expires_at = now + ttl_ms;
+            let (unused, id): (i64, i64) = sqlx::query_as(
+                "WITH taken AS (UPDATE vouchers SET free = free - $2 WHERE code = $1), \
+                      unused AS (SELECT COALESCE(SUM(granted - consumed), 0)::BIGINT AS n \
+                                 FROM leases WHERE voucher_code = $1 AND state = 'ACTIVE') \
+                 INSERT INTO leases (voucher_code, node_id, granted, consumed, state, granted_at, \
+                                     expires_at) \
+                 SELECT $1, $3, $2, 0, 'ACTIVE', $4, $5 FROM unused RETURNING (SELECT n FROM unused), id",
+            )
+            .bind(code)
+            .bind(units)
+            .bind(node)
+            .bind(now)
+            .bind(expires_at)
+            .fetch_one(&mut *tx)
+            .await?;
+            (
+                unused,
+                Some(Lease {
+                    id,
+                    granted: units,
+                    expires_at,
+                }),
+            )
+        } else {
+            let unused: i64 = sqlx::query_scalar(
+                "SELECT COALESCE(SUM(granted - consumed), 0)::BIGINT FROM leases \
+                 WHERE voucher_code = $1 AND state = 'ACTIVE'",
+            )
+            .bind(code)
+            .fetch_one(&mut *tx)
+            .await?;
+            (unused, None)
+        };
+        tx.commit().await?;
+        Ok(Grant {
+            lease,
+            free_after: free - units,
+            leased_unused,
+        })
+    }
+
+    async fn renew(
+        &self,
+        lease_ids: &[i64],
+        node: &str,
+        now: Millis,
+        ttl_ms: i64,
+    ) -> Result<Vec<i64>, LedgerError> {
+        Ok(sqlx::query_scalar(
+            "UPDATE leases SET expires_at = $1 \
+             WHERE id = ANY($2) AND node_id = $3 AND state = 'ACTIVE' RETURNING id",
+        )
+        .bind(now + ttl_ms)
+        .bind(lease_ids)
+        .bind(node)
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
+    async fn return_lease(
+        &self,
+        lease_id: i64,
+        now: Millis,
+    ) -> Result<Option<Restock>, LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        let code: Option<String> = sqlx::query_scalar(
+            "SELECT voucher_code FROM leases WHERE id = $1 AND state = 'ACTIVE'",
+        )
+        .bind(lease_id)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(code) = code else {
+            return Ok(None);
+        };
+        lock_vouchers(&mut tx, std::slice::from_ref(&code)).await?;
+        let rows: Vec<(String, i64)> = sqlx::query_as(
+            "UPDATE leases SET state = 'RETURNED', closed_at = $2 WHERE id = $1 AND state = 'ACTIVE' \
+             RETURNING voucher_code, granted - consumed",
+        )
+        .bind(lease_id)
+        .bind(now)
+        .fetch_all(&mut *tx)
+        .await?;
+        let restocks = give_back(&mut tx, rows).await?;
+        tx.commit().await?;
+        Ok(restocks.into_iter().next())
+    }
+
+    async fn commit_batch(&self, batch: &Batch) -> Result<Vec<RowOutcome>, LedgerError> {
+        let code = batch.voucher_code.as_str();
+        let mut tx = self.pool.begin().await?;
+        let (per_user_limit, discount): (i64, i64) = sqlx::query_as(
+            "SELECT per_user_limit, discount_amount FROM vouchers WHERE code = $1 FOR UPDATE",
+        )
+        .bind(code)
+        .fetch_optional(&mut *tx)
+        .await?
+        .ok_or(LedgerError::NotFound)?;
+        let order_ids: Vec<String> = batch.rows.iter().map(|r| r.order_id.clone()).collect();
+        let customers: Vec<i64> = batch.rows.iter().map(|r| r.customer_id).collect();
+        let existing = sqlx::query(&format!(
+            "SELECT {RESERVATION_COLUMNS} FROM reservations WHERE order_id = ANY($1)"
+        ))
+        .bind(&order_ids)
+        .fetch_all(&mut *tx)
+        .await?
+        .iter()
+        .map(reservation_from)
+        .collect::<Result<Vec<_>, _>>()?;
+        let used: HashMap<i64, i64> = sqlx::query_as(
+            "SELECT customer_id, used FROM customer_usage \
+             WHERE voucher_code = $1 AND customer_id = ANY($2)",
+        )
+        .bind(code)
+        .bind(&customers)
+        .fetch_all(&mut *tx)
+        .await?
+        .into_iter()
+        .collect();
+
+        let plan = plan_batch(code, &batch.rows, &existing, &used, per_user_limit);
+        let planned: Vec<usize> = plan
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| matches!(p, Planned::Insert))
+            .map(|(i, _)| i)
+            .collect();
+        let mut created = HashMap::new();
+        if !planned.is_empty() {
+            let ids: Vec<&str> = planned
+                .iter()
+                .map(|&i| batch.rows[i].order_id.as_str())
+                .collect();
+            let custs: Vec<i64> = planned.iter().map(|&i| batch.rows[i].customer_id).collect();
+            // Sorted by order id so that two vouchers racing for the same ids lock them in one order.
+            let inserted: HashSet<String> = sqlx::query_scalar(
+                "INSERT INTO reservations (order_id, voucher_code, customer_id, lease_id, \
+                 discount_amount, status, created_at, expires_at, updated_at) \
+                 SELECT o, $3, c, $4, $5, 'RESERVED', $6, $7, $6 \
+                 FROM UNNEST($1::text[], $2::bigint[]) AS t (o, c) ORDER BY o \
+                 ON CONFLICT (order_id) DO NOTHING RETURNING order_id",
+            )
+            .bind(&ids)
+            .bind(&custs)
+            .bind(code)
+            .bind(batch.lease_id)
+            .bind(discount)
+            .bind(batch.now)
+            .bind(batch.expires_at)
+            .fetch_all(&mut *tx)
+            .await?
+            .into_iter()
+            .collect();
+            let won: Vec<usize> = planned
+                .into_iter()
+                .filter(|&i| inserted.contains(&batch.rows[i].order_id))
+                .collect();
+            let k = won.len() as i64;
+            if k > 0 {
+                // The fence: only an ACTIVE lease with room may be drawn on. Failing it rolls
+                // the whole batch back (the transaction is dropped uncommitted).
+                let fenced = sqlx::query(
+                    "UPDATE leases SET consumed = consumed + $1 \
+                     WHERE id = $2 AND voucher_code = $3 AND state = 'ACTIVE' \
+                     AND consumed + $1 <= granted",
+                )
+                .bind(k)
+                .bind(batch.lease_id)
+                .bind(code)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected()
+                    != 1;
+                if fenced {
+                    return Err(LedgerError::Fenced);
+                }
+                let (dc, dn): (Vec<i64>, Vec<i64>) = usage_deltas(&batch.rows, won.iter().copied())
+                    .into_iter()
+                    .unzip();
+                sqlx::query(
+                    "WITH usage AS ( \
+                       INSERT INTO customer_usage (voucher_code, customer_id, used) \
+                       SELECT $1, c, n FROM UNNEST($2::bigint[], $3::bigint[]) AS t (c, n) \
+                       ON CONFLICT (voucher_code, customer_id) \
+                       DO UPDATE SET used = customer_usage.used + EXCLUDED.used) \
+                     UPDATE vouchers SET reserved = reserved + $4 WHERE code = $1",
+                )
+                .bind(code)
+                .bind(&dc)
+                .bind(&dn)
+                .bind(k)
+                .execute(&mut *tx)
+                .await?;
+            }
+            for i in won {
+                created.insert(
+                    i,
+                    Reservation {
+                        order_id: batch.rows[i].order_id.clone(),
+                        voucher_code: code.to_string(),
+                        customer_id: batch.rows[i].customer_id,
+                        discount_amount: discount,
+                        status: ReservationStatus::Reserved,
+                        expires_at: batch.expires_at,
+                    },
+                );
+            }
+        }
+        tx.commit().await?;
+        Ok(resolve_plan(plan, &created))
+    }
+
+    async fn find_orders(&self, order_ids: &[String]) -> Result<Vec<Reservation>, LedgerError> {
+        let rows = sqlx::query(&format!(
+            "SELECT {RESERVATION_COLUMNS} FROM reservations WHERE order_id = ANY($1)"
+        ))
+        .bind(order_ids)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .iter()
+            .map(reservation_from)
+            .collect::<Result<_, _>>()?)
+    }
+
+    async fn won_orders(&self, code: &str) -> Result<Vec<String>, LedgerError> {
+        Ok(sqlx::query_scalar(
+            "SELECT order_id FROM reservations WHERE voucher_code = $1 AND status <> 'RELEASED'",
+        )
+        .bind(code)
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
+    async fn confirm(
+        &self,
+        code: &str,
+        order_id: &str,
+        now: Millis,
+    ) -> Result<Reservation, LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        lock_vouchers(&mut tx, &[code.to_string()]).await?;
+        let row = sqlx::query(&format!(
+            "UPDATE reservations SET status = 'CONFIRMED', updated_at = $1 \
+             WHERE order_id = $2 AND voucher_code = $3 AND status = 'RESERVED' AND expires_at > $1 \
+             RETURNING {RESERVATION_COLUMNS}"
+        ))
+        .bind(now)
+        .bind(order_id)
+        .bind(code)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if let Some(row) = row {
+            sqlx::query(
+                "UPDATE vouchers SET reserved = reserved - 1, confirmed = confirmed + 1 WHERE code = $1",
+            )
+            .bind(code)
+            .execute(&mut *tx)
+            .await?;
+            tx.commit().await?;
+            return Ok(reservation_from(&row)?);
+        }
+        let current = load_reservation(&mut tx, code, order_id).await?;
+        match current.status {
+            ReservationStatus::Confirmed => Ok(current),
+            // RESERVED but past its expiry: the sweeper is about to release it.
+            ReservationStatus::Released | ReservationStatus::Reserved => Err(LedgerError::Released),
+        }
+    }
+
+    async fn release(
+        &self,
+        code: &str,
+        order_id: &str,
+        now: Millis,
+    ) -> Result<(Reservation, Option<Restock>), LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        lock_vouchers(&mut tx, &[code.to_string()]).await?;
+        let row = sqlx::query(&format!(
+            "UPDATE reservations SET status = 'RELEASED', updated_at = $1 \
+             WHERE order_id = $2 AND voucher_code = $3 AND status = 'RESERVED' \
+             RETURNING {RESERVATION_COLUMNS}"
+        ))
+        .bind(now)
+        .bind(order_id)
+        .bind(code)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if let Some(row) = row {
+            let r = reservation_from(&row)?;
+            let restocks =
+                release_units(&mut tx, &[(r.voucher_code.clone(), r.customer_id)]).await?;
+            tx.commit().await?;
+            return Ok((r, restocks.into_iter().next()));
+        }
+        let current = load_reservation(&mut tx, code, order_id).await?;
+        match current.status {
+            ReservationStatus::Released => Ok((current, None)),
+            ReservationStatus::Confirmed => Err(LedgerError::AlreadyConfirmed),
+            ReservationStatus::Reserved => Err(LedgerError::NotFound),
+        }
+    }
+
+    async fn expire_due(&self, now: Millis, limit: i64) -> Result<Vec<Restock>, LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        let due: Vec<(String, String)> = sqlx::query_as(
+            "SELECT order_id, voucher_code FROM reservations \
+             WHERE status = 'RESERVED' AND expires_at <= $1 ORDER BY expires_at LIMIT $2",
+        )
+        .bind(now)
+        .bind(limit)
+        .fetch_all(&mut *tx)
+        .await?;
+        if due.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut codes: Vec<String> = due.iter().map(|(_, c)| c.clone()).collect();
+        codes.sort();
+        codes.dedup();
+        lock_vouchers(&mut tx, &codes).await?;
+        let ids: Vec<String> = due.into_iter().map(|(o, _)| o).collect();
+        // Status-guarded: a reservation another sweeper (or a confirm) got first is skipped.
+        let released: Vec<(String, i64)> = sqlx::query_as(
+            "UPDATE reservations SET status = 'RELEASED', updated_at = $1 \
+             WHERE order_id = ANY($2) AND status = 'RESERVED' AND expires_at <= $1 \
+             RETURNING voucher_code, customer_id",
+        )
+        .bind(now)
+        .bind(&ids)
+        .fetch_all(&mut *tx)
+        .await?;
+        let restocks = release_units(&mut tx, &released).await?;
+        tx.commit().await?;
+        Ok(restocks)
+    }
+
+    async fn reap_expired(&self, now: Millis) -> Result<Vec<Restock>, LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        let codes: Vec<String> = sqlx::query_scalar(
+            "SELECT DISTINCT voucher_code FROM leases WHERE state = 'ACTIVE' AND expires_at <= $1 \
+             ORDER BY voucher_code",
+        )
+        .bind(now)
+        .fetch_all(&mut *tx)
+        .await?;
+        if codes.is_empty() {
+            return Ok(Vec::new());
+        }
+        lock_vouchers(&mut tx, &codes).await?;
+        let rows: Vec<(String, i64)> = sqlx::query_as(
+            "UPDATE leases SET state = 'REAPED', closed_at = $1 \
+             WHERE state = 'ACTIVE' AND expires_at <= $1 AND voucher_code = ANY($2) \
+             RETURNING voucher_code, granted - consumed",
+        )
+        .bind(now)
+        .bind(&codes)
+        .fetch_all(&mut *tx)
+        .await?;
+        let restocks = give_back(&mut tx, rows).await?;
+        tx.commit().await?;
+        Ok(restocks)
+    }
+
+    async fn counters(&self, code: &str) -> Result<Option<Counters>, LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            .execute(&mut *tx)
+            .await?;
+        let head: Option<(i64, i64, i64, i64, i64)> = sqlx::query_as(
+            "SELECT total_limit, free, reserved, confirmed, released FROM vouchers WHERE code = $1",
+        )
+        .bind(code)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some((total_limit, free, reserved, confirmed, released)) = head else {
+            return Ok(None);
+        };
+        let by_status: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT status, COUNT(*) FROM reservations WHERE voucher_code = $1 GROUP BY status",
+        )
+        .bind(code)
+        .fetch_all(&mut *tx)
+        .await?;
+        let (leased_unused, consumed): (i64, i64) = sqlx::query_as(
+            "SELECT COALESCE(SUM(CASE WHEN state = 'ACTIVE' THEN granted - consumed ELSE 0 END), 0)::BIGINT, \
+             COALESCE(SUM(consumed), 0)::BIGINT FROM leases WHERE voucher_code = $1",
+        )
+        .bind(code)
+        .fetch_one(&mut *tx)
+        .await?;
+        let usage: i64 = sqlx::query_scalar(
+            "SELECT COALESCE(SUM(used), 0)::BIGINT FROM customer_usage WHERE voucher_code = $1",
+        )
+        .bind(code)
+        .fetch_one(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(Some(super::reconcile(
+            Counters {
+                total_limit,
+                free,
+                leased_unused,
+                reserved,
+                confirmed,
+                released,
+                balanced: false,
+            },
+            &by_status,
+            consumed,
+            usage,
+        )))
+    }
+
+    async fn voucher_codes(&self) -> Result<Vec<String>, LedgerError> {
+        Ok(
+            sqlx::query_scalar("SELECT code FROM vouchers ORDER BY code")
+                .fetch_all(&self.pool)
+                .await?,
+        )
+    }
+}
+
+async fn load_reservation(
+    tx: &mut Tx,
+    code: &str,
+    order_id: &str,
+) -> Result<Reservation, LedgerError> {
+    let row = sqlx::query(&format!(
+        "SELECT {RESERVATION_COLUMNS} FROM reservations WHERE order_id = $1 AND voucher_code = $2"
+    ))
+    .bind(order_id)
+    .bind(code)
+    .fetch_optional(&mut **tx)
+    .await?
+    .ok_or(LedgerError::NotFound)?;
+    Ok(reservation_from(&row)?)
+}
+
+/// Puts the unused units of closed leases back to `free`.
+async fn give_back(tx: &mut Tx, rows: Vec<(String, i64)>) -> Result<Vec<Restock>, LedgerError> {
+    let restocks = group_restocks(rows);
+    if !restocks.is_empty() {
+        let (codes, units): (Vec<String>, Vec<i64>) = restocks
+            .iter()
+            .map(|r| (r.voucher_code.clone(), r.units))
+            .unzip();
+        sqlx::query(
+            "UPDATE vouchers SET free = free + d.units \
+             FROM UNNEST($1::text[], $2::bigint[]) AS d (code, units) WHERE vouchers.code = d.code",
+        )
+        .bind(&codes)
+        .bind(&units)
+        .execute(&mut **tx)
+        .await?;
+    }
+    Ok(restocks)
+}
+
+/// Counter side of releasing reservations (already marked RELEASED): each unit back to `free`,
+/// each customer's usage down by one.
+async fn release_units(
+    tx: &mut Tx,
+    released: &[(String, i64)],
+) -> Result<Vec<Restock>, LedgerError> {
+    if released.is_empty() {
+        return Ok(Vec::new());
+    }
+    let restocks = group_restocks(released.iter().map(|(c, _)| (c.clone(), 1)).collect());
+    let (codes, units): (Vec<String>, Vec<i64>) = restocks
+        .iter()
+        .map(|r| (r.voucher_code.clone(), r.units))
+        .unzip();
+    sqlx::query(
+        "UPDATE vouchers SET free = free + d.n, reserved = reserved - d.n, released = released + d.n \
+         FROM UNNEST($1::text[], $2::bigint[]) AS d (code, n) WHERE vouchers.code = d.code",
+    )
+    .bind(&codes)
+    .bind(&units)
+    .execute(&mut **tx)
+    .await?;
+    let list = per_customer(released);
+    let codes: Vec<&str> = list.iter().map(|(c, _, _)| c.as_str()).collect();
+    let custs: Vec<i64> = list.iter().map(|(_, c, _)| *c).collect();
+    let ns: Vec<i64> = list.iter().map(|(_, _, n)| *n).collect();
+    sqlx::query(
+        "UPDATE customer_usage SET used = used - d.n \
+         FROM UNNEST($1::text[], $2::bigint[], $3::bigint[]) AS d (code, customer, n) \
+         WHERE customer_usage.voucher_code = d.code AND customer_usage.customer_id = d.customer",
+    )
+    .bind(&codes)
+    .bind(&custs)
+    .bind(&ns)
+    .execute(&mut **tx)
+    .await?;
+    Ok(restocks)
+}

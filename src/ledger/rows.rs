@@ -1,0 +1,83 @@
+//! Row decoding and grouping shared by both ledgers.
+
+use std::collections::HashMap;
+
+use sqlx::{ColumnIndex, Decode, Row, Type};
+
+use super::Restock;
+use crate::domain::{Reservation, ReservationStatus, Voucher, VoucherStatus};
+
+pub const RESERVATION_COLUMNS: &str =
+    "order_id, voucher_code, customer_id, discount_amount, status, expires_at";
+pub const VOUCHER_COLUMNS: &str = "code, discount_amount, min_order_amount, total_limit, \
+     per_user_limit, starts_at, ends_at, status";
+
+pub fn reservation_from<'r, R>(row: &'r R) -> Result<Reservation, sqlx::Error>
+where
+    R: Row,
+    &'static str: ColumnIndex<R>,
+    String: Decode<'r, R::Database> + Type<R::Database>,
+    i64: Decode<'r, R::Database> + Type<R::Database>,
+{
+    let status: String = row.try_get("status")?;
+    Ok(Reservation {
+        order_id: row.try_get("order_id")?,
+        voucher_code: row.try_get("voucher_code")?,
+        customer_id: row.try_get("customer_id")?,
+        discount_amount: row.try_get("discount_amount")?,
+        status: ReservationStatus::parse(&status)
+            .ok_or_else(|| sqlx::Error::Decode("reservation status".into()))?,
+        expires_at: row.try_get("expires_at")?,
+    })
+}
+
+pub fn voucher_from<'r, R>(row: &'r R) -> Result<Voucher, sqlx::Error>
+where
+    R: Row,
+    &'static str: ColumnIndex<R>,
+    String: Decode<'r, R::Database> + Type<R::Database>,
+    i64: Decode<'r, R::Database> + Type<R::Database>,
+{
+    let status: String = row.try_get("status")?;
+    Ok(Voucher {
+        code: row.try_get("code")?,
+        discount_amount: row.try_get("discount_amount")?,
+        min_order_amount: row.try_get("min_order_amount")?,
+        total_limit: row.try_get("total_limit")?,
+        per_user_limit: row.try_get("per_user_limit")?,
+        starts_at: row.try_get("starts_at")?,
+        ends_at: row.try_get("ends_at")?,
+        status: VoucherStatus::parse(&status)
+            .ok_or_else(|| sqlx::Error::Decode("voucher status".into()))?,
+    })
+}
+
+/// Sums restocked units per voucher from `(code, units)` rows, dropping zeros, sorted by code.
+pub fn group_restocks(rows: Vec<(String, i64)>) -> Vec<Restock> {
+    let mut by_code: HashMap<String, i64> = HashMap::new();
+    for (code, units) in rows {
+        *by_code.entry(code).or_insert(0) += units;
+    }
+    let mut out: Vec<Restock> = by_code
+        .into_iter()
+        .filter(|(_, units)| *units > 0)
+        .map(|(voucher_code, units)| Restock {
+            voucher_code,
+            units,
+        })
+        .collect();
+    out.sort_by(|a, b| a.voucher_code.cmp(&b.voucher_code));
+    out
+}
+
+/// Counts released reservations per `(voucher, customer)`: `(code, customer, n)`.
+pub fn per_customer(released: &[(String, i64)]) -> Vec<(String, i64, i64)> {
+    let mut counts: HashMap<(String, i64), i64> = HashMap::new();
+    for (code, customer) in released {
+        *counts.entry((code.clone(), *customer)).or_insert(0) += 1;
+    }
+    let mut list: Vec<(String, i64, i64)> =
+        counts.into_iter().map(|((c, cu), n)| (c, cu, n)).collect();
+    list.sort();
+    list
+}
