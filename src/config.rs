@@ -17,6 +17,13 @@ pub struct Settings {
     pub ledger: LedgerSettings,
     pub engine: EngineSettings,
     pub jobs: JobSettings,
+    pub redis: RedisSettings,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct RedisSettings {
+    /// Empty: no cluster signals (the embedded default).
+    pub url: String,
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -11,6 +11,7 @@
 //! - [`ledger`]: the transactional source of truth (SQLite embedded, PostgreSQL in a cluster)
 //!   behind one trait, with the batch planner both stores share.
 //! - [`jobs`]: expiry sweeper, lease reaper, reconciler.
+//! - [`signals`]: Redis pub/sub hints between nodes (sold out, restock, recall, updated).
 //! - [`metrics`]: every metric name and the helpers that record them.
 //! - [`domain`]: vouchers, reservations, eligibility and input rules.
 //! - [`clock`]: the injected clock that lease and expiry logic read.
@@ -23,4 +24,5 @@ pub mod engine;
 pub mod jobs;
 pub mod ledger;
 pub mod metrics;
+pub mod signals;
 pub mod startup;

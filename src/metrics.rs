@@ -173,3 +173,15 @@ pub fn voucher_units(code: &str, c: &crate::ledger::Counters) {
         counter!(RECONCILE_MISMATCHES).increment(1);
     }
 }
+
+pub const SIGNALS: &str = "vouchers_signals_total";
+pub const REDIS_UP: &str = "vouchers_redis_up";
+
+/// A Redis signal `published`, `received` or `dropped`.
+pub fn signal(event: &'static str, kind: &'static str) {
+    counter!(SIGNALS, "event" => event, "kind" => kind).increment(1);
+}
+
+pub fn redis_up(up: bool) {
+    gauge!(REDIS_UP).set(if up { 1.0 } else { 0.0 });
+}

@@ -2,6 +2,7 @@
 //! shuts them down in order (stop taking requests, return leases, stop jobs and shards).
 
 use std::net::TcpListener;
+use std::sync::Arc;
 use std::time::Duration;
 
 use actix_web::dev::Server;
@@ -14,6 +15,7 @@ use crate::config::Settings;
 use crate::engine::{EngineHandle, Shards};
 use crate::jobs::{self, Jobs};
 use crate::ledger;
+use crate::signals::{self, Publisher, RedisSignals};
 
 pub struct Application {
     port: u16,
@@ -21,6 +23,7 @@ pub struct Application {
     engine: EngineHandle,
     shards: Shards,
     jobs: Jobs,
+    signals: RedisSignals,
     /// The admin token in force (configured or generated).
     pub admin_token: String,
 }
@@ -51,13 +54,28 @@ impl Application {
         } else {
             settings.admin.token.clone()
         };
+        let mut signal_tasks = Vec::new();
+        let publisher = if settings.redis.url.is_empty() {
+            Publisher::disabled()
+        } else {
+            let (p, task) = signals::publisher(&settings.redis.url, &node_id).context("redis url")?;
+            signal_tasks.push(task);
+            p
+        };
         let (engine, shards) = EngineHandle::start(
             ledger,
             clock,
             settings.engine.clone(),
-            node_id,
+            node_id.clone(),
             Duration::from_millis(settings.http.request_timeout_ms),
+            publisher,
         );
+        if !settings.redis.url.is_empty() {
+            let e = engine.clone();
+            let handler: signals::Handler = Arc::new(move |code, signal| e.on_signal(code, signal));
+            signal_tasks.push(signals::subscribe(&settings.redis.url, &node_id, handler).context("redis url")?);
+        }
+        let signals = RedisSignals::new(signal_tasks);
         let jobs = jobs::start(&engine, &settings.jobs);
         let listener = TcpListener::bind((settings.http.host.as_str(), settings.http.port))
             .with_context(|| format!("bind {}:{}", settings.http.host, settings.http.port))?;
@@ -84,6 +102,7 @@ impl Application {
             engine,
             shards,
             jobs,
+            signals,
             admin_token,
         })
     }
@@ -98,16 +117,11 @@ impl Application {
 
     /// Serves until the server stops (SIGINT/SIGTERM), then returns leases and stops the rest.
     pub async fn run_until_stopped(self) -> anyhow::Result<()> {
-        let Self {
-            server,
-            engine,
-            shards,
-            jobs,
-            ..
-        } = self;
+        let Self { server, engine, shards, jobs, signals, .. } = self;
         let result = server.await;
         engine.drain().await;
         jobs.stop();
+        signals.stop();
         shards.stop();
         result.context("http server")
     }

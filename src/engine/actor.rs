@@ -17,6 +17,7 @@ use crate::clock::Millis;
 use crate::domain::{Reservation, ReserveRequest, Voucher};
 use crate::ledger::{Batch, BatchRow, Grant, LedgerError, RowOutcome};
 use crate::metrics::{self as m, LeaseEvent};
+use crate::signals::Signal;
 
 /// The actor's answer to one reserve.
 #[derive(Debug)]
@@ -47,6 +48,12 @@ pub(crate) struct Reload(pub Voucher);
 #[derive(Message)]
 #[rtype(result = "()")]
 pub(crate) struct Warm(pub oneshot::Sender<Result<(), EngineError>>);
+
+/// Another node saw the voucher sold out: if this node holds nothing, check with the ledger now
+/// instead of waiting for the next request.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct SoldOutElsewhere;
 
 /// Shutting down: return every unused unit, answer when done.
 #[derive(Message)]
@@ -386,6 +393,9 @@ impl VoucherActor {
                     self.next_probe = self.now() + self.core.settings.soldout_probe_ms;
                     if grant.leased_unused == 0 && self.room() == 0 {
                         self.declare_sold_out(epoch, ctx);
+                    } else if grant.leased_unused > 0 {
+                        // Units sit in other nodes' leases while demand is here.
+                        self.core.signals.publish(&self.code, Signal::Recall);
                     }
                 }
                 for w in self.warm_waiters.drain(..) {
@@ -419,6 +429,7 @@ impl VoucherActor {
             Ok(won) => {
                 if act.shared.set_sold_out(epoch, won, exact_max) {
                     tracing::info!(code = %act.code, "sold out");
+                    act.core.signals.publish(&act.code, Signal::SoldOut);
                 }
             }
             Err(e) => {
@@ -687,5 +698,15 @@ impl Handler<Drain> for VoucherActor {
         ctx.spawn(all.into_actor(self).map(move |_, _, _| {
             let _ = msg.0.send(());
         }));
+    }
+}
+
+impl Handler<SoldOutElsewhere> for VoucherActor {
+    type Result = ();
+
+    fn handle(&mut self, _: SoldOutElsewhere, ctx: &mut Context<Self>) {
+        if self.room() == 0 && !self.granting && self.voucher.is_some() && !self.shared.is_sold_out() {
+            self.start_grant(ctx);
+        }
     }
 }

@@ -27,7 +27,8 @@ use crate::config::EngineSettings;
 use crate::domain::{Ineligible, Reservation, ReserveRequest, Voucher, VoucherPatch};
 use crate::ledger::{Counters, LedgerError, Restock, SharedLedger};
 use crate::metrics::{self as m, Outcome};
-use actor::{Drain, Reload, Reply, Reserve, Restocked, VoucherActor, Warm};
+use crate::signals::{Publisher, Signal};
+use actor::{Drain, Recall, Reload, Reply, Reserve, Restocked, SoldOutElsewhere, VoucherActor, Warm};
 use sizing::SizingParams;
 use soldout::VoucherShared;
 
@@ -106,14 +107,21 @@ pub(crate) struct Core {
     pub sizing: SizingParams,
     pub node_id: String,
     request_timeout: Duration,
+    pub signals: Publisher,
     registry: DashMap<String, Entry>,
     shards: Vec<ArbiterHandle>,
     next_generation: AtomicU64,
 }
 
 impl Core {
-    /// Units went back to `free` for `code`: lower the flag and let the actor lease again.
+    /// Units went back to `free` for `code` on this node: act on it and tell the cluster.
     pub(crate) fn restocked(&self, code: &str) {
+        self.apply_restock(code);
+        self.signals.publish(code, Signal::Restock);
+    }
+
+    /// Lowers the sold-out flag and lets the actor lease again.
+    fn apply_restock(&self, code: &str) {
         if let Some(e) = self.registry.get(code) {
             e.shared.restock();
             let _ = e.addr.try_send(Restocked);
@@ -178,6 +186,7 @@ impl EngineHandle {
         settings: EngineSettings,
         node_id: String,
         request_timeout: Duration,
+        signals: Publisher,
     ) -> (Self, Shards) {
         let n = if settings.shards == 0 {
             std::thread::available_parallelism().map_or(1, |n| n.get())
@@ -192,6 +201,7 @@ impl EngineHandle {
             settings,
             node_id,
             request_timeout,
+            signals,
             registry: DashMap::new(),
             shards: arbiters.iter().map(Arbiter::handle).collect(),
             next_generation: AtomicU64::new(0),
@@ -376,6 +386,7 @@ impl EngineHandle {
         if let Some(e) = self.core.registry.get(code) {
             let _ = e.addr.try_send(Reload(voucher.clone()));
         }
+        self.core.signals.publish(code, Signal::Updated);
         self.after_restocks(restock.into_iter());
         Ok(voucher)
     }
@@ -394,6 +405,38 @@ impl EngineHandle {
         match tokio::time::timeout(self.core.request_timeout, rx).await {
             Ok(Ok(res)) => res,
             _ => Err(EngineError::Unavailable),
+        }
+    }
+
+    /// Acts on a signal another node published.
+    pub fn on_signal(&self, code: &str, signal: Signal) {
+        match signal {
+            Signal::Restock => self.core.apply_restock(code),
+            Signal::SoldOut => {
+                if let Some(e) = self.core.registry.get(code) {
+                    let _ = e.addr.try_send(SoldOutElsewhere);
+                }
+            }
+            Signal::Recall => {
+                if let Some(e) = self.core.registry.get(code) {
+                    let _ = e.addr.try_send(Recall);
+                }
+            }
+            Signal::Updated => {
+                let Some(addr) = self.core.registry.get(code).map(|e| e.addr.clone()) else {
+                    return;
+                };
+                let (ledger, code) = (self.core.ledger.clone(), code.to_string());
+                tokio::spawn(async move {
+                    match ledger.voucher(&code).await {
+                        Ok(Some(v)) => {
+                            let _ = addr.try_send(Reload(v));
+                        }
+                        Ok(None) => {}
+                        Err(e) => tracing::warn!(code = %code, error = %e, "reload voucher"),
+                    }
+                });
+            }
         }
     }
 

@@ -1,0 +1,205 @@
+//! Cluster signals over Redis pub/sub: `SOLD_OUT`, `RESTOCK`, `RECALL`, `UPDATED`.
+//!
+//! Signals are hints that make the cluster converge faster; correctness never depends on them.
+//! Publishing never blocks the caller: a bounded queue feeds one background publisher, and a full
+//! queue or a Redis outage drops the signal (counted). The subscriber reconnects by itself. Nodes
+//! learn the same facts later from the ledger (sold-out probes, dry-hold expiry, lease grants).
+//!
+//! Channel names carry the voucher code in a hash tag, `vouchers:{CODE}:signal`, so the same
+//! scheme maps onto Redis Cluster slots. The payload is `KIND NODE_ID`; a node ignores its own.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use tokio::sync::mpsc;
+
+use crate::metrics as m;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Signal {
+    SoldOut,
+    Restock,
+    Recall,
+    Updated,
+}
+
+impl Signal {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::SoldOut => "SOLD_OUT",
+            Self::Restock => "RESTOCK",
+            Self::Recall => "RECALL",
+            Self::Updated => "UPDATED",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "SOLD_OUT" => Some(Self::SoldOut),
+            "RESTOCK" => Some(Self::Restock),
+            "RECALL" => Some(Self::Recall),
+            "UPDATED" => Some(Self::Updated),
+            _ => None,
+        }
+    }
+}
+
+const PATTERN: &str = "vouchers:{*}:signal";
+const QUEUE: usize = 4096;
+const TIMEOUT: Duration = Duration::from_millis(500);
+const BACKOFF: Duration = Duration::from_millis(500);
+
+pub fn channel(code: &str) -> String {
+    format!("vouchers:{{{code}}}:signal")
+}
+
+/// The code inside a channel name, if it is one of ours.
+pub fn code_of(channel: &str) -> Option<&str> {
+    channel.strip_prefix("vouchers:{")?.strip_suffix("}:signal")
+}
+
+/// The publishing side, held by the engine. Cheap to clone; a no-op without Redis.
+#[derive(Clone, Default)]
+pub struct Publisher {
+    tx: Option<mpsc::Sender<(String, Signal)>>,
+}
+
+impl Publisher {
+    pub fn disabled() -> Self {
+        Self { tx: None }
+    }
+
+    pub fn publish(&self, code: &str, signal: Signal) {
+        if let Some(tx) = &self.tx {
+            if tx.try_send((code.to_string(), signal)).is_err() {
+                m::signal("dropped", signal.as_str());
+            }
+        }
+    }
+}
+
+/// What a node does with a signal from another node.
+pub type Handler = Arc<dyn Fn(&str, Signal) + Send + Sync>;
+
+/// The background tasks of the Redis side.
+pub struct RedisSignals {
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl RedisSignals {
+    pub fn stop(self) {
+        for t in self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// Starts the publisher; the subscriber starts with [`subscribe`] once the handler exists.
+pub fn publisher(url: &str, node_id: &str) -> Result<(Publisher, tokio::task::JoinHandle<()>), redis::RedisError> {
+    let client = redis::Client::open(url)?;
+    let (tx, rx) = mpsc::channel(QUEUE);
+    let task = tokio::spawn(run_publisher(client, node_id.to_string(), rx));
+    Ok((Publisher { tx: Some(tx) }, task))
+}
+
+async fn run_publisher(client: redis::Client, node_id: String, mut rx: mpsc::Receiver<(String, Signal)>) {
+    let mut conn: Option<redis::aio::MultiplexedConnection> = None;
+    let mut retry_at = tokio::time::Instant::now();
+    while let Some((code, signal)) = rx.recv().await {
+        if conn.is_none() && tokio::time::Instant::now() >= retry_at {
+            let config = redis::AsyncConnectionConfig::new()
+                .set_connection_timeout(TIMEOUT)
+                .set_response_timeout(TIMEOUT);
+            match client.get_multiplexed_async_connection_with_config(&config).await {
+                Ok(c) => {
+                    m::redis_up(true);
+                    conn = Some(c);
+                }
+                Err(e) => {
+                    m::redis_up(false);
+                    tracing::warn!(error = %e, "redis unreachable; signals are dropped until it returns");
+                    retry_at = tokio::time::Instant::now() + BACKOFF;
+                }
+            }
+        }
+        let Some(c) = conn.as_mut() else {
+            m::signal("dropped", signal.as_str());
+            continue;
+        };
+        let payload = format!("{} {node_id}", signal.as_str());
+        let res: redis::RedisResult<i64> =
+            redis::cmd("PUBLISH").arg(channel(&code)).arg(payload).query_async(c).await;
+        match res {
+            Ok(_) => m::signal("published", signal.as_str()),
+            Err(e) => {
+                m::signal("dropped", signal.as_str());
+                m::redis_up(false);
+                tracing::warn!(error = %e, "redis publish failed");
+                conn = None;
+                retry_at = tokio::time::Instant::now() + BACKOFF;
+            }
+        }
+    }
+}
+
+/// Subscribes to every voucher's channel and hands other nodes' signals to `handler`,
+/// reconnecting after any failure.
+pub fn subscribe(url: &str, node_id: &str, handler: Handler) -> Result<tokio::task::JoinHandle<()>, redis::RedisError> {
+    let client = redis::Client::open(url)?;
+    let node_id = node_id.to_string();
+    Ok(tokio::spawn(async move {
+        loop {
+            match tokio::time::timeout(TIMEOUT, client.get_async_pubsub()).await {
+                Ok(Ok(mut pubsub)) => match pubsub.psubscribe(PATTERN).await {
+                    Ok(()) => {
+                        m::redis_up(true);
+                        tracing::info!("subscribed to cluster signals");
+                        let mut stream = pubsub.on_message();
+                        while let Some(msg) = stream.next().await {
+                            let Ok(payload) = msg.get_payload::<String>() else { continue };
+                            let mut parts = payload.splitn(2, ' ');
+                            let (Some(kind), from) = (parts.next().and_then(Signal::parse), parts.next()) else {
+                                continue;
+                            };
+                            if from == Some(node_id.as_str()) {
+                                continue;
+                            }
+                            if let Some(code) = code_of(msg.get_channel_name()) {
+                                m::signal("received", kind.as_str());
+                                handler(code, kind);
+                            }
+                        }
+                        tracing::warn!("redis subscription ended; reconnecting");
+                    }
+                    Err(e) => tracing::warn!(error = %e, "redis psubscribe failed"),
+                },
+                Ok(Err(e)) => tracing::warn!(error = %e, "redis unreachable for signals"),
+                Err(_) => tracing::warn!("redis connect timed out"),
+            }
+            m::redis_up(false);
+            tokio::time::sleep(BACKOFF).await;
+        }
+    }))
+}
+
+impl RedisSignals {
+    pub fn new(tasks: Vec<tokio::task::JoinHandle<()>>) -> Self {
+        Self { tasks }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn channels_carry_the_code_in_a_hash_tag() {
+        assert_eq!(channel("SALE-1"), "vouchers:{SALE-1}:signal");
+        assert_eq!(code_of("vouchers:{SALE-1}:signal"), Some("SALE-1"));
+        assert_eq!(code_of("other:{x}:signal"), None);
+        for s in [Signal::SoldOut, Signal::Restock, Signal::Recall, Signal::Updated] {
+            assert_eq!(Signal::parse(s.as_str()), Some(s));
+        }
+    }
+}
