@@ -96,14 +96,21 @@ impl RedisSignals {
 }
 
 /// Starts the publisher; the subscriber starts with [`subscribe`] once the handler exists.
-pub fn publisher(url: &str, node_id: &str) -> Result<(Publisher, tokio::task::JoinHandle<()>), redis::RedisError> {
+pub fn publisher(
+    url: &str,
+    node_id: &str,
+) -> Result<(Publisher, tokio::task::JoinHandle<()>), redis::RedisError> {
     let client = redis::Client::open(url)?;
     let (tx, rx) = mpsc::channel(QUEUE);
     let task = tokio::spawn(run_publisher(client, node_id.to_string(), rx));
     Ok((Publisher { tx: Some(tx) }, task))
 }
 
-async fn run_publisher(client: redis::Client, node_id: String, mut rx: mpsc::Receiver<(String, Signal)>) {
+async fn run_publisher(
+    client: redis::Client,
+    node_id: String,
+    mut rx: mpsc::Receiver<(String, Signal)>,
+) {
     let mut conn: Option<redis::aio::MultiplexedConnection> = None;
     let mut retry_at = tokio::time::Instant::now();
     while let Some((code, signal)) = rx.recv().await {
@@ -111,7 +118,10 @@ async fn run_publisher(client: redis::Client, node_id: String, mut rx: mpsc::Rec
             let config = redis::AsyncConnectionConfig::new()
                 .set_connection_timeout(TIMEOUT)
                 .set_response_timeout(TIMEOUT);
-            match client.get_multiplexed_async_connection_with_config(&config).await {
+            match client
+                .get_multiplexed_async_connection_with_config(&config)
+                .await
+            {
                 Ok(c) => {
                     m::redis_up(true);
                     conn = Some(c);
@@ -128,8 +138,11 @@ async fn run_publisher(client: redis::Client, node_id: String, mut rx: mpsc::Rec
             continue;
         };
         let payload = format!("{} {node_id}", signal.as_str());
-        let res: redis::RedisResult<i64> =
-            redis::cmd("PUBLISH").arg(channel(&code)).arg(payload).query_async(c).await;
+        let res: redis::RedisResult<i64> = redis::cmd("PUBLISH")
+            .arg(channel(&code))
+            .arg(payload)
+            .query_async(c)
+            .await;
         match res {
             Ok(_) => m::signal("published", signal.as_str()),
             Err(e) => {
@@ -145,7 +158,11 @@ async fn run_publisher(client: redis::Client, node_id: String, mut rx: mpsc::Rec
 
 /// Subscribes to every voucher's channel and hands other nodes' signals to `handler`,
 /// reconnecting after any failure.
-pub fn subscribe(url: &str, node_id: &str, handler: Handler) -> Result<tokio::task::JoinHandle<()>, redis::RedisError> {
+pub fn subscribe(
+    url: &str,
+    node_id: &str,
+    handler: Handler,
+) -> Result<tokio::task::JoinHandle<()>, redis::RedisError> {
     let client = redis::Client::open(url)?;
     let node_id = node_id.to_string();
     Ok(tokio::spawn(async move {
@@ -157,9 +174,13 @@ pub fn subscribe(url: &str, node_id: &str, handler: Handler) -> Result<tokio::ta
                         tracing::info!("subscribed to cluster signals");
                         let mut stream = pubsub.on_message();
                         while let Some(msg) = stream.next().await {
-                            let Ok(payload) = msg.get_payload::<String>() else { continue };
+                            let Ok(payload) = msg.get_payload::<String>() else {
+                                continue;
+                            };
                             let mut parts = payload.splitn(2, ' ');
-                            let (Some(kind), from) = (parts.next().and_then(Signal::parse), parts.next()) else {
+                            let (Some(kind), from) =
+                                (parts.next().and_then(Signal::parse), parts.next())
+                            else {
                                 continue;
                             };
                             if from == Some(node_id.as_str()) {
@@ -198,7 +219,12 @@ mod tests {
         assert_eq!(channel("SALE-1"), "vouchers:{SALE-1}:signal");
         assert_eq!(code_of("vouchers:{SALE-1}:signal"), Some("SALE-1"));
         assert_eq!(code_of("other:{x}:signal"), None);
-        for s in [Signal::SoldOut, Signal::Restock, Signal::Recall, Signal::Updated] {
+        for s in [
+            Signal::SoldOut,
+            Signal::Restock,
+            Signal::Recall,
+            Signal::Updated,
+        ] {
             assert_eq!(Signal::parse(s.as_str()), Some(s));
         }
     }

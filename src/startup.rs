@@ -47,6 +47,11 @@ impl Application {
         } else {
             settings.node.id.clone()
         };
+        if settings.admin.token.is_empty() && !settings.ledger.url.starts_with("sqlite:") {
+            anyhow::bail!(
+                "a shared ledger needs one admin token for every node: set VOUCHERS__ADMIN__TOKEN"
+            );
+        }
         let admin_token = if settings.admin.token.is_empty() {
             let token = random_hex(16);
             println!("admin token (generated, set VOUCHERS__ADMIN__TOKEN to choose one): {token}");
@@ -58,7 +63,8 @@ impl Application {
         let publisher = if settings.redis.url.is_empty() {
             Publisher::disabled()
         } else {
-            let (p, task) = signals::publisher(&settings.redis.url, &node_id).context("redis url")?;
+            let (p, task) =
+                signals::publisher(&settings.redis.url, &node_id).context("redis url")?;
             signal_tasks.push(task);
             p
         };
@@ -73,7 +79,9 @@ impl Application {
         if !settings.redis.url.is_empty() {
             let e = engine.clone();
             let handler: signals::Handler = Arc::new(move |code, signal| e.on_signal(code, signal));
-            signal_tasks.push(signals::subscribe(&settings.redis.url, &node_id, handler).context("redis url")?);
+            signal_tasks.push(
+                signals::subscribe(&settings.redis.url, &node_id, handler).context("redis url")?,
+            );
         }
         let signals = RedisSignals::new(signal_tasks);
         let jobs = jobs::start(&engine, &settings.jobs);
@@ -117,7 +125,14 @@ impl Application {
 
     /// Serves until the server stops (SIGINT/SIGTERM), then returns leases and stops the rest.
     pub async fn run_until_stopped(self) -> anyhow::Result<()> {
-        let Self { server, engine, shards, jobs, signals, .. } = self;
+        let Self {
+            server,
+            engine,
+            shards,
+            jobs,
+            signals,
+            ..
+        } = self;
         let result = server.await;
         engine.drain().await;
         jobs.stop();

@@ -65,6 +65,9 @@ pub(crate) struct Drain(pub oneshot::Sender<()>);
 #[rtype(result = "()")]
 pub(crate) struct Recall;
 
+/// How often an actor re-reads its voucher's definition.
+const VOUCHER_REFRESH_MS: i64 = 1000;
+
 struct Pending {
     req: ReserveRequest,
     reply: oneshot::Sender<Reply>,
@@ -115,6 +118,9 @@ pub(crate) struct VoucherActor {
     rate: RateEstimator,
     last_activity: Millis,
     next_probe: Millis,
+    /// When the voucher definition is next re-read from the ledger (edits made on another node
+    /// reach this one even without Redis).
+    next_refresh: Millis,
 }
 
 impl VoucherActor {
@@ -142,6 +148,7 @@ impl VoucherActor {
             rate: RateEstimator::new(now),
             last_activity: now,
             next_probe: now,
+            next_refresh: now + VOUCHER_REFRESH_MS,
         }
     }
 
@@ -309,6 +316,12 @@ impl VoucherActor {
         match res {
             Ok(outcomes) => {
                 let mut consumed = 0;
+                if outcomes
+                    .iter()
+                    .any(|o| matches!(o, RowOutcome::NotEligible(_)))
+                {
+                    self.refresh_voucher(ctx);
+                }
                 for (p, o) in taken.into_iter().zip(outcomes) {
                     let reply = match o {
                         RowOutcome::Created(r) => {
@@ -317,6 +330,9 @@ impl VoucherActor {
                         }
                         RowOutcome::Replayed(r) => Reply::Replayed(r),
                         RowOutcome::AlreadyUsed => Reply::Failed(EngineError::AlreadyUsed),
+                        RowOutcome::NotEligible(reason) => {
+                            Reply::Failed(EngineError::NotEligible(reason))
+                        }
                     };
                     let _ = p.reply.send(reply);
                 }
@@ -473,9 +489,25 @@ impl VoucherActor {
         }));
     }
 
-    /// The periodic chores: renewal, idle return, the sold-out probe and idle stop.
+    /// Re-reads the voucher's definition from the ledger.
+    fn refresh_voucher(&mut self, ctx: &mut Context<Self>) {
+        self.next_refresh = self.now() + VOUCHER_REFRESH_MS;
+        let (ledger, code) = (self.core.ledger.clone(), self.code.clone());
+        let fut = async move { ledger.voucher(&code).await };
+        ctx.spawn(fut.into_actor(self).map(|res, act, _| {
+            if let Ok(Some(v)) = res {
+                act.voucher = Some(v);
+            }
+        }));
+    }
+
+    /// The periodic chores: renewal, idle return, the sold-out probe, voucher refresh and idle
+    /// stop.
     fn tick(&mut self, ctx: &mut Context<Self>) {
         let now = self.now();
+        if now >= self.next_refresh && self.voucher.is_some() {
+            self.refresh_voucher(ctx);
+        }
         let core = self.core.clone();
         let s = &core.settings;
         let idle = now - self.last_activity;
@@ -705,7 +737,11 @@ impl Handler<SoldOutElsewhere> for VoucherActor {
     type Result = ();
 
     fn handle(&mut self, _: SoldOutElsewhere, ctx: &mut Context<Self>) {
-        if self.room() == 0 && !self.granting && self.voucher.is_some() && !self.shared.is_sold_out() {
+        if self.room() == 0
+            && !self.granting
+            && self.voucher.is_some()
+            && !self.shared.is_sold_out()
+        {
             self.start_grant(ctx);
         }
     }

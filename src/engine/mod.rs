@@ -28,7 +28,9 @@ use crate::domain::{Ineligible, Reservation, ReserveRequest, Voucher, VoucherPat
 use crate::ledger::{Counters, LedgerError, Restock, SharedLedger};
 use crate::metrics::{self as m, Outcome};
 use crate::signals::{Publisher, Signal};
-use actor::{Drain, Recall, Reload, Reply, Reserve, Restocked, SoldOutElsewhere, VoucherActor, Warm};
+use actor::{
+    Drain, Recall, Reload, Reply, Reserve, Restocked, SoldOutElsewhere, VoucherActor, Warm,
+};
 use sizing::SizingParams;
 use soldout::VoucherShared;
 

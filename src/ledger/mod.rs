@@ -17,7 +17,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 
 use crate::clock::Millis;
-use crate::domain::{Reservation, Voucher, VoucherPatch};
+use crate::domain::{Ineligible, Reservation, Voucher, VoucherPatch, VoucherStatus};
 
 /// What can go wrong at the ledger. Small and concrete: the engine decides on each variant.
 #[derive(Debug, thiserror::Error)]
@@ -86,6 +86,9 @@ pub enum RowOutcome {
     Replayed(Reservation),
     /// Duplicate `orderId` of another voucher or customer, or the customer is at their limit.
     AlreadyUsed,
+    /// The ledger's copy of the voucher refuses new reservations (paused or outside its window),
+    /// even if the node's copy was stale.
+    NotEligible(Ineligible),
 }
 
 /// Units of a voucher as the ledger's counters and rows see them (`GET /admin/vouchers/{code}`).
@@ -184,6 +187,7 @@ pub enum Planned {
     /// An existing reservation answers this row (a retry), as the original result.
     Replay(Reservation),
     AlreadyUsed,
+    NotEligible(Ineligible),
     /// A repeat of row `usize` of the same batch (same order and customer): it gets that row's
     /// result.
     SameAs(usize),
@@ -199,6 +203,7 @@ pub fn plan_batch(
     existing: &[Reservation],
     used: &HashMap<i64, i64>,
     per_user_limit: i64,
+    blocked: Option<Ineligible>,
 ) -> Vec<Planned> {
     let existing: HashMap<&str, &Reservation> =
         existing.iter().map(|r| (r.order_id.as_str(), r)).collect();
@@ -222,6 +227,9 @@ pub fn plan_batch(
                 };
             }
             first_seen.insert(row.order_id.as_str(), i);
+            if let Some(reason) = blocked {
+                return Planned::NotEligible(reason);
+            }
             let n = used.entry(row.customer_id).or_insert(0);
             if *n >= per_user_limit {
                 Planned::AlreadyUsed
@@ -231,6 +239,25 @@ pub fn plan_batch(
             }
         })
         .collect()
+}
+
+/// Whether the ledger's copy of a voucher refuses new reservations at `now` (status and window;
+/// the order amount is the frontend's check).
+pub fn refuses_new(
+    status: &str,
+    starts_at: Millis,
+    ends_at: Millis,
+    now: Millis,
+) -> Option<Ineligible> {
+    if VoucherStatus::parse(status) != Some(VoucherStatus::Active) {
+        Some(Ineligible::Paused)
+    } else if now < starts_at {
+        Some(Ineligible::NotStarted)
+    } else if now >= ends_at {
+        Some(Ineligible::Ended)
+    } else {
+        None
+    }
 }
 
 /// Turns a plan into outcomes once the inserts are known. `created[i]` is the reservation row `i`
@@ -245,9 +272,10 @@ pub fn resolve_plan(plan: Vec<Planned>, created: &HashMap<usize, Reservation>) -
             },
             Planned::Replay(r) => RowOutcome::Replayed(r),
             Planned::AlreadyUsed => RowOutcome::AlreadyUsed,
+            Planned::NotEligible(reason) => RowOutcome::NotEligible(reason),
             Planned::SameAs(j) => match &out[j] {
                 RowOutcome::Created(r) | RowOutcome::Replayed(r) => RowOutcome::Replayed(r.clone()),
-                RowOutcome::AlreadyUsed => RowOutcome::AlreadyUsed,
+                other => other.clone(),
             },
         };
         out.push(outcome);
@@ -311,7 +339,7 @@ mod tests {
     fn per_user_limit_counts_existing_usage_and_the_batch() {
         let rows = [row("a", 1), row("b", 1), row("c", 1), row("d", 2)];
         let used = HashMap::from([(1, 1)]);
-        let plan = plan_batch("V", &rows, &[], &used, 2);
+        let plan = plan_batch("V", &rows, &[], &used, 2, None);
         assert_eq!(
             plan,
             vec![
@@ -326,7 +354,7 @@ mod tests {
     #[test]
     fn repeats_in_a_batch_follow_the_first_and_clashes_lose() {
         let rows = [row("a", 1), row("a", 1), row("a", 2)];
-        let plan = plan_batch("V", &rows, &[], &HashMap::new(), 5);
+        let plan = plan_batch("V", &rows, &[], &HashMap::new(), 5, None);
         assert_eq!(
             plan,
             vec![Planned::Insert, Planned::SameAs(0), Planned::AlreadyUsed]
@@ -346,7 +374,7 @@ mod tests {
             resv("c", "V", 1, ReservationStatus::Released),
         ];
         let rows = [row("a", 1), row("a", 2), row("b", 1), row("c", 1)];
-        let plan = plan_batch("V", &rows, &existing, &HashMap::new(), 5);
+        let plan = plan_batch("V", &rows, &existing, &HashMap::new(), 5, None);
         assert!(matches!(plan[0], Planned::Replay(_)));
         assert_eq!(
             plan[1..],
@@ -361,9 +389,34 @@ mod tests {
     #[test]
     fn an_insert_that_lost_a_race_resolves_to_already_used() {
         let rows = [row("a", 1), row("a", 1)];
-        let plan = plan_batch("V", &rows, &[], &HashMap::new(), 5);
+        let plan = plan_batch("V", &rows, &[], &HashMap::new(), 5, None);
         let out = resolve_plan(plan, &HashMap::new());
         assert_eq!(out, vec![RowOutcome::AlreadyUsed, RowOutcome::AlreadyUsed]);
+    }
+
+    #[test]
+    fn a_refusing_voucher_blocks_new_rows_but_not_retries() {
+        let existing = [resv("a", "V", 1, ReservationStatus::Reserved)];
+        let rows = [row("a", 1), row("b", 2), row("b", 2)];
+        let plan = plan_batch(
+            "V",
+            &rows,
+            &existing,
+            &HashMap::new(),
+            5,
+            Some(Ineligible::Paused),
+        );
+        assert!(matches!(plan[0], Planned::Replay(_)));
+        assert_eq!(plan[1], Planned::NotEligible(Ineligible::Paused));
+        let out = resolve_plan(plan, &HashMap::new());
+        assert_eq!(out[2], RowOutcome::NotEligible(Ineligible::Paused));
+        assert_eq!(refuses_new("PAUSED", 0, 10, 5), Some(Ineligible::Paused));
+        assert_eq!(refuses_new("ACTIVE", 0, 10, 10), Some(Ineligible::Ended));
+        assert_eq!(
+            refuses_new("ACTIVE", 6, 10, 5),
+            Some(Ineligible::NotStarted)
+        );
+        assert_eq!(refuses_new("ACTIVE", 0, 10, 5), None);
     }
 
     #[test]

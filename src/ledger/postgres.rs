@@ -41,7 +41,7 @@ impl PostgresLedger {
         let options = PgConnectOptions::from_str(url)?;
         let pool = PgPoolOptions::new()
             .max_connections(max_connections.max(2))
-            .acquire_timeout(Duration::from_secs(3))
+            .acquire_timeout(Duration::from_secs(1))
             .connect_with(options)
             .await?;
         migrate(&pool).await?;
@@ -270,13 +270,15 @@ impl Ledger for PostgresLedger {
     async fn commit_batch(&self, batch: &Batch) -> Result<Vec<RowOutcome>, LedgerError> {
         let code = batch.voucher_code.as_str();
         let mut tx = self.pool.begin().await?;
-        let (per_user_limit, discount): (i64, i64) = sqlx::query_as(
-            "SELECT per_user_limit, discount_amount FROM vouchers WHERE code = $1 FOR UPDATE",
-        )
-        .bind(code)
-        .fetch_optional(&mut *tx)
-        .await?
-        .ok_or(LedgerError::NotFound)?;
+        let (per_user_limit, discount, status, starts_at, ends_at): (i64, i64, String, i64, i64) =
+            sqlx::query_as(
+                "SELECT per_user_limit, discount_amount, status, starts_at, ends_at \
+                 FROM vouchers WHERE code = $1 FOR UPDATE",
+            )
+            .bind(code)
+            .fetch_optional(&mut *tx)
+            .await?
+            .ok_or(LedgerError::NotFound)?;
         let order_ids: Vec<String> = batch.rows.iter().map(|r| r.order_id.clone()).collect();
         let customers: Vec<i64> = batch.rows.iter().map(|r| r.customer_id).collect();
         let existing = sqlx::query(&format!(
@@ -299,7 +301,8 @@ impl Ledger for PostgresLedger {
         .into_iter()
         .collect();
 
-        let plan = plan_batch(code, &batch.rows, &existing, &used, per_user_limit);
+        let blocked = super::refuses_new(&status, starts_at, ends_at, batch.now);
+        let plan = plan_batch(code, &batch.rows, &existing, &used, per_user_limit, blocked);
         let planned: Vec<usize> = plan
             .iter()
             .enumerate()

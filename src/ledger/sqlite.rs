@@ -263,12 +263,15 @@ impl Ledger for SqliteLedger {
     async fn commit_batch(&self, batch: &Batch) -> Result<Vec<RowOutcome>, LedgerError> {
         let code = batch.voucher_code.as_str();
         let mut tx = self.writer.begin().await?;
-        let (per_user_limit, discount): (i64, i64) =
-            sqlx::query_as("SELECT per_user_limit, discount_amount FROM vouchers WHERE code = ?")
-                .bind(code)
-                .fetch_optional(&mut *tx)
-                .await?
-                .ok_or(LedgerError::NotFound)?;
+        let (per_user_limit, discount, status, starts_at, ends_at): (i64, i64, String, i64, i64) =
+            sqlx::query_as(
+                "SELECT per_user_limit, discount_amount, status, starts_at, ends_at \
+                 FROM vouchers WHERE code = ?",
+            )
+            .bind(code)
+            .fetch_optional(&mut *tx)
+            .await?
+            .ok_or(LedgerError::NotFound)?;
         let order_ids: Vec<&str> = batch.rows.iter().map(|r| r.order_id.as_str()).collect();
         let existing = sqlx::query(&format!(
             "SELECT {RESERVATION_COLUMNS} FROM reservations \
@@ -292,7 +295,8 @@ impl Ledger for SqliteLedger {
         .into_iter()
         .collect();
 
-        let plan = plan_batch(code, &batch.rows, &existing, &used, per_user_limit);
+        let blocked = super::refuses_new(&status, starts_at, ends_at, batch.now);
+        let plan = plan_batch(code, &batch.rows, &existing, &used, per_user_limit, blocked);
         let inserts: Vec<usize> = plan
             .iter()
             .enumerate()

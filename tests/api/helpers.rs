@@ -49,7 +49,6 @@ pub struct TestApp {
     /// A second connection to the same ledger, as another node or an operator would have.
     pub ledger: SharedLedger,
     pub client: awc::Client,
-    pub db_url: String,
 }
 
 pub async fn spawn_app() -> TestApp {
@@ -77,7 +76,6 @@ pub async fn spawn_app_with(tweak: impl FnOnce(&mut Settings)) -> TestApp {
         clock,
         ledger,
         client: client(),
-        db_url,
     }
 }
 
@@ -218,8 +216,13 @@ impl Node {
     /// Starts the binary with the ledger at `db_url` and extra `VOUCHERS__…` settings, and waits
     /// until it is ready.
     pub async fn start(db_url: &str, env: &[(&str, &str)]) -> Node {
+        Self::start_with_args(db_url, env, &[]).await
+    }
+
+    pub async fn start_with_args(db_url: &str, env: &[(&str, &str)], args: &[&str]) -> Node {
         let port = free_port();
         let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_vouchers"));
+        cmd.args(args);
         cmd.env("VOUCHERS__HTTP__PORT", port.to_string())
             .env("VOUCHERS__HTTP__WORKERS", "1")
             .env("VOUCHERS__LEDGER__URL", db_url)

@@ -3,8 +3,10 @@
 //! `TEST_REDIS_URL`.
 
 mod bad_input;
+mod cluster;
 mod concurrency;
 mod durability;
 mod helpers;
 mod ledger;
 mod lifecycle;
+mod proxy;

@@ -1,0 +1,715 @@
+//! Cluster mode: real processes of the binary on loopback ports, sharing one PostgreSQL schema
+//! and one Redis. Skipped (with a line saying why) where TEST_DATABASE_URL or TEST_REDIS_URL is
+//! unset; `.ci/run` sets both and fails if either service is down.
+
+use std::cell::Cell;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use futures_util::future::join_all;
+use futures_util::StreamExt;
+use serde_json::{json, Value};
+
+use crate::helpers::{client, eventually, send, try_reserve, Answer, Node, TOKEN};
+use crate::ledger::fresh_pg_schema;
+use crate::proxy::Proxy;
+
+struct Cluster {
+    nodes: Vec<Node>,
+    db_url: String,
+    client: awc::Client,
+}
+
+fn redis_url() -> Option<String> {
+    match std::env::var("TEST_REDIS_URL") {
+        Ok(u) => Some(u),
+        Err(_) => {
+            eprintln!(
+                "skipped: TEST_REDIS_URL is not set (cluster tests need Redis; .ci/run sets it)"
+            );
+            None
+        }
+    }
+}
+
+/// Host and port of a `scheme://[user@]host:port/...` URL.
+fn host_port(url: &str) -> String {
+    let rest = url.split("://").nth(1).unwrap_or(url);
+    let rest = rest.rsplit('@').next().unwrap_or(rest);
+    rest.split(['/', '?']).next().unwrap_or(rest).to_string()
+}
+
+/// The same URL pointed at another local port.
+fn via_port(url: &str, port: u16) -> String {
+    url.replacen(&host_port(url), &format!("127.0.0.1:{port}"), 1)
+}
+
+const CLUSTER_TOML: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/config/cluster.toml");
+
+impl Cluster {
+    async fn start(n: usize, db_url: &str, redis: &str, env: &[(&str, &str)]) -> Cluster {
+        let mut nodes = Vec::new();
+        for i in 0..n {
+            nodes.push(Self::node(i, db_url, redis, env).await);
+        }
+        Cluster {
+            nodes,
+            db_url: db_url.to_string(),
+            client: client(),
+        }
+    }
+
+    async fn node(i: usize, db_url: &str, redis: &str, env: &[(&str, &str)]) -> Node {
+        let id = format!("node-{i}");
+        let mut all: Vec<(&str, &str)> = vec![
+            ("VOUCHERS__REDIS__URL", redis),
+            ("VOUCHERS__NODE__ID", &id),
+            ("VOUCHERS__HTTP__HOST", "127.0.0.1"),
+            ("VOUCHERS__LEDGER__MAX_CONNECTIONS", "4"),
+        ];
+        all.extend_from_slice(env);
+        Node::start_with_args(db_url, &all, &["--config", CLUSTER_TOML]).await
+    }
+
+    fn base(&self, i: usize) -> String {
+        self.nodes[i].base.clone()
+    }
+
+    async fn create(&self, code: &str, total: i64, per_user: i64) {
+        let body = json!({"code": code, "discountAmount": 100, "totalLimit": total, "perUserLimit": per_user,
+                          "startsAt": "2020-01-01T00:00:00Z", "endsAt": "2099-01-01T00:00:00Z"});
+        let (s, b) = send(
+            &self.client,
+            "POST",
+            &format!("{}/admin/vouchers", self.base(0)),
+            Some(TOKEN),
+            Some(&body),
+        )
+        .await;
+        assert_eq!(s, 201, "{b}");
+    }
+
+    async fn admin(&self, node: usize, code: &str) -> Value {
+        let (s, b) = send(
+            &self.client,
+            "GET",
+            &format!("{}/admin/vouchers/{code}", self.base(node)),
+            Some(TOKEN),
+            None,
+        )
+        .await;
+        assert_eq!(s, 200, "{b}");
+        b
+    }
+
+    async fn pg(&self) -> sqlx::PgPool {
+        sqlx::PgPool::connect(&self.db_url)
+            .await
+            .expect("connect test schema")
+    }
+}
+
+/// A unique voucher code per run (Redis channels are shared between tests).
+fn code(tag: &str) -> String {
+    format!("{tag}-{}", vouchers::startup::random_hex(3))
+}
+
+/// Sends customers `from..to` to the nodes by weight, `concurrency` at a time; returns every answer
+/// with its node and order id (`None` when the request failed in transit).
+async fn flood(
+    c: &awc::Client,
+    bases: &[String],
+    weights: &[usize],
+    code: &str,
+    customers: std::ops::Range<i64>,
+    concurrency: usize,
+) -> Vec<(usize, String, Option<Answer>)> {
+    let total: usize = weights.iter().sum();
+    futures_util::stream::iter(customers.map(|i| {
+        let slot = (i as usize * 7919) % total;
+        let mut acc = 0;
+        let node = weights
+            .iter()
+            .position(|w| {
+                acc += w;
+                slot < acc
+            })
+            .unwrap();
+        let (c, base, code) = (c.clone(), bases[node].clone(), code.to_string());
+        async move {
+            let order = format!("{code}-o{i}");
+            let a = try_reserve(&c, &base, &code, i, &order).await;
+            (node, order, a)
+        }
+    }))
+    .buffer_unordered(concurrency)
+    .collect()
+    .await
+}
+
+fn count(answers: &[(usize, String, Option<Answer>)], status: u16) -> usize {
+    answers
+        .iter()
+        .filter(|(_, _, a)| matches!(a, Some((s, _)) if *s == status))
+        .count()
+}
+
+#[actix_web::test]
+async fn three_nodes_uneven_traffic_sell_every_unit_exactly_once() {
+    let (Some(db), Some(redis)) = (fresh_pg_schema("uneven").await, redis_url()) else {
+        return;
+    };
+    let cluster = Cluster::start(3, &db, &redis, &[]).await;
+    let code = code("UNEVEN");
+    cluster.create(&code, 1000, 1).await;
+    let bases: Vec<String> = (0..3).map(|i| cluster.base(i)).collect();
+    let started = Instant::now();
+    let mut answers = Vec::new();
+    let mut sold_out_at = None;
+    // 5000 distinct customers in waves of 250, most of them on node 0.
+    for wave in 0..20 {
+        let from = 1 + wave * 250;
+        answers.extend(
+            flood(
+                &cluster.client,
+                &bases,
+                &[7, 2, 1],
+                &code,
+                from..from + 250,
+                64,
+            )
+            .await,
+        );
+        if sold_out_at.is_none() && count(&answers, 201) == 1000 {
+            sold_out_at = Some(started.elapsed());
+        }
+    }
+    let created = count(&answers, 201);
+    let other: Vec<_> = answers
+        .iter()
+        .filter(|(_, _, a)| {
+            !matches!(a, Some((201, _)))
+                && !matches!(a, Some((409, b)) if b["error"] == "OUT_OF_STOCK")
+        })
+        .collect();
+    assert!(
+        other.is_empty(),
+        "only 201 and 409 OUT_OF_STOCK: {:?}",
+        &other[..other.len().min(5)]
+    );
+    assert_eq!(created, 1000, "every unit sold, none twice");
+    let v = cluster.admin(1, &code).await;
+    assert_eq!(
+        (v["reserved"].clone(), v["balanced"].clone()),
+        (json!(1000), json!(true)),
+        "{v}"
+    );
+    // Every 201 is durable: each order is in the ledger.
+    let pool = cluster.pg().await;
+    let stored: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM reservations WHERE voucher_code = $1 AND status = 'RESERVED'",
+    )
+    .bind(&code)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(stored, 1000);
+    let per_node: Vec<usize> = (0..3)
+        .map(|n| {
+            answers
+                .iter()
+                .filter(|(node, _, a)| *node == n && matches!(a, Some((201, _))))
+                .count()
+        })
+        .collect();
+    eprintln!(
+        "uneven traffic: sell-through {}/1000, sold out after {:?}, 201s per node {per_node:?}",
+        created, sold_out_at
+    );
+}
+
+#[actix_web::test]
+async fn per_customer_limit_and_order_idempotency_hold_across_nodes() {
+    let (Some(db), Some(redis)) = (fresh_pg_schema("percust").await, redis_url()) else {
+        return;
+    };
+    let cluster = Cluster::start(3, &db, &redis, &[]).await;
+    let code = code("PERCUST");
+    cluster.create(&code, 500, 2).await;
+    let c = &cluster.client;
+    // One customer, 30 orders spread over three nodes at once.
+    let answers = join_all((0..30).map(|i| {
+        let base = cluster.base(i % 3);
+        let code = code.clone();
+        async move { try_reserve(c, &base, &code, 77, &format!("{code}-c77-{i}")).await }
+    }))
+    .await;
+    let ok = answers
+        .iter()
+        .filter(|a| matches!(a, Some((201, _))))
+        .count();
+    let used = answers
+        .iter()
+        .filter(|a| matches!(a, Some((409, b)) if b["error"] == "ALREADY_USED"))
+        .count();
+    assert_eq!((ok, used), (2, 28), "{answers:?}");
+    // The same order id sent to three nodes at once, ten times each.
+    let answers = join_all((0..30).map(|i| {
+        let base = cluster.base(i % 3);
+        let code = code.clone();
+        async move { try_reserve(c, &base, &code, 78, &format!("{code}-same")).await }
+    }))
+    .await;
+    let first = answers[0].clone().expect("answered");
+    assert_eq!(first.0, 201);
+    assert!(
+        answers.iter().all(|a| a.as_ref() == Some(&first)),
+        "the same 201 everywhere: {answers:?}"
+    );
+    let v = cluster.admin(2, &code).await;
+    assert_eq!(
+        (v["reserved"].clone(), v["balanced"].clone()),
+        (json!(3), json!(true)),
+        "{v}"
+    );
+}
+
+#[actix_web::test]
+async fn a_killed_node_loses_nothing_and_its_units_are_sold_by_the_others() {
+    let (Some(db), Some(redis)) = (fresh_pg_schema("kill").await, redis_url()) else {
+        return;
+    };
+    let env = [
+        ("VOUCHERS__ENGINE__LEASE_TTL_MS", "3000"),
+        ("VOUCHERS__ENGINE__LEASE_SAFETY_MS", "1000"),
+        ("VOUCHERS__JOBS__REAPER_INTERVAL_MS", "300"),
+    ];
+    let mut cluster = Cluster::start(3, &db, &redis, &env).await;
+    let code = code("KILL");
+    cluster.create(&code, 1000, 1).await;
+    let bases: Vec<String> = (0..3).map(|i| cluster.base(i)).collect();
+    // Warm node 2 with a big lease, then kill it in the middle of its traffic.
+    let first = flood(&cluster.client, &bases, &[1, 1, 2], &code, 1..301, 32).await;
+    let acked_before: Vec<String> = first
+        .iter()
+        .filter(|(_, _, a)| matches!(a, Some((201, _))))
+        .map(|(_, o, _)| o.clone())
+        .collect();
+    let acked = Rc::new(Cell::new(0));
+    let kill_after = 40;
+    let victim_base = bases[2].clone();
+    let killer_traffic = {
+        let (c, code, acked) = (cluster.client.clone(), code.clone(), acked.clone());
+        join_all((301..501).map(move |i| {
+            let (c, base, code, acked) =
+                (c.clone(), victim_base.clone(), code.clone(), acked.clone());
+            async move {
+                let order = format!("{code}-o{i}");
+                let a = try_reserve(&c, &base, &code, i, &order).await;
+                if matches!(a, Some((201, _))) {
+                    acked.set(acked.get() + 1);
+                }
+                (2usize, order, a)
+            }
+        }))
+    };
+    let victim = &mut cluster.nodes[2];
+    let kill = async {
+        eventually("victim acknowledgements", Duration::from_secs(30), || {
+            let n = acked.get();
+            async move { n >= kill_after }
+        })
+        .await;
+        victim.kill();
+    };
+    let (during, ()) = tokio::join!(killer_traffic, kill);
+    let mut acknowledged = acked_before;
+    acknowledged.extend(
+        during
+            .iter()
+            .filter(|(_, _, a)| matches!(a, Some((201, _))))
+            .map(|(_, o, _)| o.clone()),
+    );
+    // The survivors keep selling until the dead node's lease comes back and everything is sold.
+    let survivors = vec![bases[0].clone(), bases[1].clone()];
+    let mut next = 501;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let wave = flood(
+            &cluster.client,
+            &survivors,
+            &[1, 1],
+            &code,
+            next..next + 200,
+            32,
+        )
+        .await;
+        next += 200;
+        acknowledged.extend(
+            wave.iter()
+                .filter(|(_, _, a)| matches!(a, Some((201, _))))
+                .map(|(_, o, _)| o.clone()),
+        );
+        let v = cluster.admin(0, &code).await;
+        if v["reserved"] == json!(1000) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "units of the dead node never came back: {v}"
+        );
+    }
+    let v = cluster.admin(0, &code).await;
+    assert_eq!(
+        (
+            v["reserved"].clone(),
+            v["free"].clone(),
+            v["leasedUnused"].clone(),
+            v["balanced"].clone()
+        ),
+        (json!(1000), json!(0), json!(0), json!(true)),
+        "{v}"
+    );
+    // Requests cut off by the kill may have committed without an answer: their clients retry on
+    // a survivor and get the original 201 (or 409 if they never won).
+    let lost: Vec<(i64, String)> = first
+        .iter()
+        .chain(during.iter())
+        .filter(|(_, _, a)| a.is_none())
+        .map(|(_, o, _)| (o.rsplit("-o").next().unwrap().parse().unwrap(), o.clone()))
+        .collect();
+    for (customer, order) in &lost {
+        match try_reserve(&cluster.client, &bases[0], &code, *customer, order).await {
+            Some((201, _)) => acknowledged.push(order.clone()),
+            Some((409, b)) => assert_eq!(b["error"], json!("OUT_OF_STOCK")),
+            other => panic!("{order}: {other:?}"),
+        }
+    }
+    assert_eq!(acknowledged.len(), 1000, "one 201 per unit");
+    let pool = cluster.pg().await;
+    let stored: Vec<String> =
+        sqlx::query_scalar("SELECT order_id FROM reservations WHERE voucher_code = $1")
+            .bind(&code)
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    for order in &acknowledged {
+        assert!(
+            stored.contains(order),
+            "acknowledged {order} is in the ledger"
+        );
+    }
+    let reaped: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM leases WHERE voucher_code = $1 AND node_id = 'node-2' AND state = 'REAPED'")
+        .bind(&code).fetch_one(&pool).await.unwrap();
+    assert!(reaped >= 1, "the dead node's lease was reaped");
+}
+
+#[actix_web::test]
+async fn a_paused_node_is_fenced_after_its_lease_is_reaped() {
+    let (Some(db), Some(redis)) = (fresh_pg_schema("pause").await, redis_url()) else {
+        return;
+    };
+    let env = [
+        ("VOUCHERS__ENGINE__LEASE_TTL_MS", "2000"),
+        ("VOUCHERS__ENGINE__LEASE_SAFETY_MS", "500"),
+        ("VOUCHERS__JOBS__REAPER_INTERVAL_MS", "200"),
+    ];
+    let cluster = Cluster::start(3, &db, &redis, &env).await;
+    let code = code("STOP");
+    cluster.create(&code, 300, 1).await;
+    let bases: Vec<String> = (0..3).map(|i| cluster.base(i)).collect();
+    let warm = flood(&cluster.client, &bases, &[1, 1, 1], &code, 1..61, 16).await;
+    assert_eq!(count(&warm, 201), 60);
+    let pool = cluster.pg().await;
+    let lease_ids: Vec<i64> = sqlx::query_scalar(
+        "SELECT id FROM leases WHERE voucher_code = $1 AND node_id = 'node-2' AND state = 'ACTIVE'",
+    )
+    .bind(&code)
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert!(!lease_ids.is_empty(), "node 2 holds a lease");
+    let pid = cluster.nodes[2].pid();
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    // Requests reach the frozen node and wait in its socket; meanwhile its lease is reaped.
+    let frozen = {
+        let (c, base, code) = (cluster.client.clone(), bases[2].clone(), code.clone());
+        join_all((1000..1010).map(move |i| {
+            let (c, base, code) = (c.clone(), base.clone(), code.clone());
+            async move {
+                (
+                    format!("{code}-o{i}"),
+                    try_reserve(&c, &base, &code, i, &format!("{code}-o{i}")).await,
+                )
+            }
+        }))
+    };
+    let thaw = async {
+        eventually(
+            "frozen node's lease reaped",
+            Duration::from_secs(30),
+            || {
+                let (pool, ids) = (pool.clone(), lease_ids.clone());
+                async move {
+                    let active: i64 = sqlx::query_scalar(
+                        "SELECT COUNT(*) FROM leases WHERE id = ANY($1) AND state = 'ACTIVE'",
+                    )
+                    .bind(&ids)
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+                    active == 0
+                }
+            },
+        )
+        .await;
+        // The others keep selling meanwhile.
+        let more = flood(&cluster.client, &bases[..2], &[1, 1], &code, 61..121, 16).await;
+        unsafe { libc::kill(pid, libc::SIGCONT) };
+        more
+    };
+    let (frozen_answers, more) = tokio::join!(frozen, thaw);
+    assert_eq!(count(&more, 201), 60);
+    for (order, a) in &frozen_answers {
+        // Served from a fresh lease (201) or refused (503); never from the reaped one.
+        assert!(
+            matches!(a, Some((201, _)) | Some((503, _))),
+            "{order}: {a:?}"
+        );
+    }
+    let late: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM reservations r JOIN leases l ON r.lease_id = l.id \
+         WHERE l.id = ANY($1) AND r.created_at >= l.closed_at",
+    )
+    .bind(&lease_ids)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(late, 0, "nothing was committed against the reaped lease");
+    let v = cluster.admin(0, &code).await;
+    let created = 120
+        + frozen_answers
+            .iter()
+            .filter(|(_, a)| matches!(a, Some((201, _))))
+            .count();
+    assert_eq!(
+        (v["reserved"].clone(), v["balanced"].clone()),
+        (json!(created), json!(true)),
+        "{v}"
+    );
+}
+
+#[actix_web::test]
+async fn pausing_on_one_node_stops_every_node() {
+    let (Some(db), Some(redis)) = (fresh_pg_schema("pausev").await, redis_url()) else {
+        return;
+    };
+    let cluster = Cluster::start(3, &db, &redis, &[]).await;
+    let code = code("PAUSEV");
+    cluster.create(&code, 100, 1).await;
+    let bases: Vec<String> = (0..3).map(|i| cluster.base(i)).collect();
+    let warm = flood(&cluster.client, &bases, &[1, 1, 1], &code, 1..31, 8).await;
+    assert_eq!(count(&warm, 201), 30);
+    let patch = |status: &'static str| {
+        let url = format!("{}/admin/vouchers/{code}", bases[0]);
+        let c = cluster.client.clone();
+        async move {
+            send(
+                &c,
+                "PATCH",
+                &url,
+                Some(TOKEN),
+                Some(&json!({"status": status})),
+            )
+            .await
+            .0
+        }
+    };
+    assert_eq!(patch("PAUSED").await, 200);
+    let paused_at = Instant::now();
+    // Right after the edit every node refuses: the ledger enforces the status at commit, and the
+    // UPDATED signal refreshes the nodes' copies.
+    let answers = flood(&cluster.client, &bases, &[1, 1, 1], &code, 100..130, 8).await;
+    for (node, order, a) in &answers {
+        let a = a.as_ref().expect("answered");
+        assert_eq!(
+            (a.0, a.1["reason"].as_str()),
+            (422, Some("PAUSED")),
+            "node {node} {order}"
+        );
+    }
+    for base in &bases[1..] {
+        eventually("UPDATED signal received", Duration::from_secs(10), || {
+            let (c, url) = (cluster.client.clone(), format!("{base}/metrics"));
+            async move {
+                let mut r = c.get(url).send().await.unwrap();
+                let text =
+                    String::from_utf8(r.body().limit(1 << 22).await.unwrap().to_vec()).unwrap();
+                text.lines().any(|l| {
+                    l.starts_with("vouchers_signals_total")
+                        && l.contains("event=\"received\"")
+                        && l.contains("kind=\"UPDATED\"")
+                })
+            }
+        })
+        .await;
+    }
+    eprintln!("pause reached every node within {:?}", paused_at.elapsed());
+    assert_eq!(patch("ACTIVE").await, 200);
+    for (n, base) in bases.iter().enumerate() {
+        let mut i = 200 + 100 * n as i64;
+        eventually("resumed on every node", Duration::from_secs(10), || {
+            let (c, base, code) = (cluster.client.clone(), base.clone(), code.clone());
+            i += 1;
+            let order = format!("{code}-r{i}");
+            let customer = i;
+            async move {
+                matches!(
+                    try_reserve(&c, &base, &code, customer, &order).await,
+                    Some((201, _))
+                )
+            }
+        })
+        .await;
+    }
+}
+
+#[actix_web::test]
+async fn losing_redis_mid_sale_keeps_selling_correctly() {
+    let (Some(db), Some(redis)) = (fresh_pg_schema("noredis").await, redis_url()) else {
+        return;
+    };
+    let proxy = Proxy::start(&host_port(&redis)).await;
+    let redis_via_proxy = via_port(&redis, proxy.port);
+    let cluster = Cluster::start(3, &db, &redis_via_proxy, &[]).await;
+    let code = code("NOREDIS");
+    cluster.create(&code, 600, 1).await;
+    let bases: Vec<String> = (0..3).map(|i| cluster.base(i)).collect();
+    let mut answers = flood(&cluster.client, &bases, &[6, 3, 1], &code, 1..201, 32).await;
+    proxy.cut();
+    let mut next = 201;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while count(&answers, 201) < 600 {
+        answers.extend(
+            flood(
+                &cluster.client,
+                &bases,
+                &[6, 3, 1],
+                &code,
+                next..next + 200,
+                32,
+            )
+            .await,
+        );
+        next += 200;
+        assert!(
+            Instant::now() < deadline,
+            "sale stalled without Redis: {} sold",
+            count(&answers, 201)
+        );
+    }
+    assert_eq!(count(&answers, 201), 600);
+    assert!(answers
+        .iter()
+        .all(|(_, _, a)| matches!(a, Some((201, _)) | Some((409, _)))));
+    let v = cluster.admin(0, &code).await;
+    assert_eq!(
+        (v["reserved"].clone(), v["balanced"].clone()),
+        (json!(600), json!(true)),
+        "{v}"
+    );
+    let mut r = cluster
+        .client
+        .get(format!("{}/metrics", bases[0]))
+        .send()
+        .await
+        .unwrap();
+    let text = String::from_utf8(r.body().limit(1 << 22).await.unwrap().to_vec()).unwrap();
+    assert!(
+        text.contains("vouchers_redis_up 0"),
+        "the outage shows in the metrics"
+    );
+}
+
+#[actix_web::test]
+async fn losing_postgres_fails_fast_and_recovers() {
+    let (Some(db), Some(redis)) = (fresh_pg_schema("nopg").await, redis_url()) else {
+        return;
+    };
+    let proxy = Proxy::start(&host_port(&db)).await;
+    let db_via_proxy = via_port(&db, proxy.port);
+    let cluster = Cluster::start(2, &db_via_proxy, &redis, &[]).await;
+    let code = code("NOPG");
+    cluster.create(&code, 1000, 1).await;
+    let bases: Vec<String> = (0..2).map(|i| cluster.base(i)).collect();
+    assert_eq!(
+        count(
+            &flood(&cluster.client, &bases, &[1, 1], &code, 1..41, 8).await,
+            201
+        ),
+        40
+    );
+    proxy.cut();
+    let started = Instant::now();
+    let down = flood(&cluster.client, &bases, &[1, 1], &code, 100..140, 8).await;
+    let took = started.elapsed();
+    for (node, order, a) in &down {
+        let a = a.as_ref().expect("answered, not hung");
+        assert_eq!(
+            (a.0, a.1["error"].as_str()),
+            (503, Some("UNAVAILABLE")),
+            "node {node} {order}: no 201 without a commit"
+        );
+    }
+    for base in &bases {
+        let (s, _) = send(
+            &cluster.client,
+            "GET",
+            &format!("{base}/health/ready"),
+            None,
+            None,
+        )
+        .await;
+        assert_eq!(s, 503);
+    }
+    eprintln!("40 reserves with PostgreSQL unreachable answered 503 in {took:?}");
+    proxy.restore();
+    let mut next = 200;
+    eventually("recovery", Duration::from_secs(30), || {
+        let (c, bases, code) = (cluster.client.clone(), bases.clone(), code.clone());
+        next += 1;
+        let i = next;
+        async move {
+            matches!(
+                try_reserve(
+                    &c,
+                    &bases[(i % 2) as usize],
+                    &code,
+                    i,
+                    &format!("{code}-r{i}")
+                )
+                .await,
+                Some((201, _))
+            )
+        }
+    })
+    .await;
+    for base in &bases {
+        let (s, _) = send(
+            &cluster.client,
+            "GET",
+            &format!("{base}/health/ready"),
+            None,
+            None,
+        )
+        .await;
+        assert_eq!(s, 200);
+    }
+    let v = cluster.admin(0, &code).await;
+    assert_eq!(v["balanced"], json!(true), "{v}");
+    let stored: i64 = v["reserved"].as_i64().unwrap();
+    assert_eq!(
+        stored, 41,
+        "40 before the outage, none during, one after: {v}"
+    );
+}
