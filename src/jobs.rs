@@ -27,6 +27,7 @@ pub fn start(engine: &EngineHandle, s: &JobSettings) -> Jobs {
         let e = e.clone();
         async move {
             if let Err(err) = e.expire_due(batch).await {
+                crate::metrics::ledger_error("jobs");
                 tracing::warn!(error = %err, "expiry sweep failed");
             }
         }
@@ -36,6 +37,7 @@ pub fn start(engine: &EngineHandle, s: &JobSettings) -> Jobs {
         let e = e.clone();
         async move {
             if let Err(err) = e.reap_expired().await {
+                crate::metrics::ledger_error("jobs");
                 tracing::warn!(error = %err, "lease reaper failed");
             }
         }
@@ -45,6 +47,7 @@ pub fn start(engine: &EngineHandle, s: &JobSettings) -> Jobs {
         let e = e.clone();
         async move {
             if let Err(err) = e.reconcile().await {
+                crate::metrics::ledger_error("jobs");
                 tracing::warn!(error = %err, "reconciliation failed");
             }
         }

@@ -63,6 +63,7 @@ pub enum LeaseEvent {
     Renewed,
     Lost,
     Fenced,
+    Recalled,
 }
 
 impl LeaseEvent {
@@ -75,6 +76,7 @@ impl LeaseEvent {
             Self::Renewed => "renewed",
             Self::Lost => "lost",
             Self::Fenced => "fenced",
+            Self::Recalled => "recalled",
         }
     }
 }
@@ -98,12 +100,74 @@ pub fn install() -> PrometheusHandle {
                     b.set_buckets_for_metric(Matcher::Full(BATCH_SIZE.into()), SIZE_BUCKETS)
                 });
             match builder.and_then(|b| b.install_recorder()) {
-                Ok(handle) => handle,
+                Ok(handle) => {
+                    register_catalogue();
+                    handle
+                }
                 // Another recorder is installed (only in odd embeddings): render an empty one.
                 Err(_) => PrometheusBuilder::new().build_recorder().handle(),
             }
         })
         .clone()
+}
+
+const OUTCOMES: [Outcome; 9] = [
+    Outcome::Created,
+    Outcome::Replayed,
+    Outcome::OutOfStock,
+    Outcome::AlreadyUsed,
+    Outcome::NotEligible,
+    Outcome::Invalid,
+    Outcome::RateLimited,
+    Outcome::Unavailable,
+    Outcome::NotFound,
+];
+const LEASE_EVENTS_ALL: [LeaseEvent; 8] = [
+    LeaseEvent::Granted,
+    LeaseEvent::Empty,
+    LeaseEvent::Returned,
+    LeaseEvent::Reaped,
+    LeaseEvent::Renewed,
+    LeaseEvent::Lost,
+    LeaseEvent::Fenced,
+    LeaseEvent::Recalled,
+];
+/// Ledger operations that can fail, the `op` label of [`LEDGER_ERRORS`].
+pub const LEDGER_OPS: [&str; 8] = [
+    "load_voucher",
+    "commit_batch",
+    "grant",
+    "renew",
+    "return_lease",
+    "won_orders",
+    "find_orders",
+    "jobs",
+];
+const SIGNAL_KINDS: [&str; 4] = ["SOLD_OUT", "RESTOCK", "RECALL", "UPDATED"];
+
+/// Every counter and gauge of the catalogue exists from start-up at zero, so dashboards and
+/// alerts see a series (and a rate of zero) before the first event.
+fn register_catalogue() {
+    for o in OUTCOMES {
+        counter!(RESERVATIONS, "outcome" => o.label()).increment(0);
+    }
+    for e in LEASE_EVENTS_ALL {
+        counter!(LEASE_EVENTS, "event" => e.label()).increment(0);
+    }
+    for op in LEDGER_OPS {
+        counter!(LEDGER_ERRORS, "op" => op).increment(0);
+    }
+    for event in ["published", "received", "dropped"] {
+        for kind in SIGNAL_KINDS {
+            counter!(SIGNALS, "event" => event, "kind" => kind).increment(0);
+        }
+    }
+    counter!(SOLD_OUT_SHORT_CIRCUITS).increment(0);
+    counter!(LEASE_GRANTED_UNITS).increment(0);
+    counter!(MAILBOX_FULL).increment(0);
+    counter!(RECONCILE_MISMATCHES).increment(0);
+    counter!(EXPIRED).increment(0);
+    gauge!(ACTIVE_ACTORS).increment(0.0);
 }
 
 pub fn reservation(outcome: Outcome) {

@@ -700,7 +700,7 @@ impl Handler<Recall> for VoucherActor {
             if Some(l.id) == in_flight {
                 keep.push_back(l);
             } else if l.room() > 0 {
-                m::lease(LeaseEvent::Returned);
+                m::lease(LeaseEvent::Recalled);
                 spawn_return(&self.core, l.id, now);
             }
         }

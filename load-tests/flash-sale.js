@@ -1,0 +1,58 @@
+// Flash sale: one voucher, distinct customers at a ramping arrival rate up to PEAK_RATE.
+// Only 201 and 409 may occur; teardown checks the ledger against the 201 count.
+//   k6 run -e ADMIN_TOKEN=… -e PEAK_RATE=5000 -e TOTAL=1000 load-tests/flash-sale.js
+import exec from 'k6/execution';
+import { check } from 'k6';
+import { Counter } from 'k6/metrics';
+import http from 'k6/http';
+import { BASES, createVoucher, createdOnServers, checkLedger, reserve, warm } from './lib.js';
+
+const TOTAL = parseInt(__ENV.TOTAL || '1000', 10);
+const PEAK = parseInt(__ENV.PEAK_RATE || '5000', 10);
+const HOLD = __ENV.HOLD || '10s';
+const created = new Counter('reservations_created');
+
+http.setResponseCallback(http.expectedStatuses(201, 409));
+
+export const options = {
+  scenarios: {
+    flood: {
+      executor: 'ramping-arrival-rate',
+      startRate: Math.max(1, Math.floor(PEAK / 10)),
+      timeUnit: '1s',
+      preAllocatedVUs: Math.min(500, PEAK),
+      maxVUs: 2000,
+      stages: [
+        { target: PEAK, duration: __ENV.RAMP || '3s' },
+        { target: PEAK, duration: HOLD },
+      ],
+    },
+  },
+  thresholds: {
+    checks: ['rate==1.0'],
+    http_req_failed: ['rate==0'],
+    'http_req_duration{kind:reserve}': ['p(99)<100'],
+    reservations_created: [`count<=${TOTAL}`],
+  },
+  summaryTrendStats: ['avg', 'p(50)', 'p(90)', 'p(99)', 'max'],
+};
+
+export function setup() {
+  const code = createVoucher('FLASH', TOTAL, 1);
+  warm(code);
+  return { code, before: createdOnServers() };
+}
+
+export default function (data) {
+  const customer = exec.scenario.iterationInTest + 1;
+  const res = reserve(customer, data.code, customer, `${data.code}-${customer}`);
+  check(res, {
+    'reserve answered 201 or 409': (r) => r.status === 201 || r.status === 409,
+    '409 is OUT_OF_STOCK': (r) => r.status !== 409 || r.json('error') === 'OUT_OF_STOCK',
+  });
+  if (res.status === 201) created.add(1);
+}
+
+export function teardown(data) {
+  checkLedger(data.code, data.before);
+}

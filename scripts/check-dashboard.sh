@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Checks the Grafana dashboard against reality: starts a node, a real Prometheus scraping it and
+# short k6 runs, then evaluates every panel query of grafana/dashboards/*.json through
+# Prometheus's HTTP API. Fails if any query returns no series, or if a tool is missing.
+# Needs: prometheus, k6, python3, curl, a Redis at TEST_REDIS_URL (for the signal metrics).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+
+for tool in prometheus k6 python3 curl; do
+  command -v "$tool" >/dev/null || { echo "check-dashboard: '$tool' is not installed" >&2; exit 1; }
+done
+bin="${VOUCHERS_BIN:-$root/target/debug/vouchers}"
+[ -x "$bin" ] || cargo build --bin vouchers
+redis="${TEST_REDIS_URL:-redis://127.0.0.1:6379}"
+
+work=$(mktemp -d)
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$work"; }
+trap cleanup EXIT
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+wait_http() { # url, what
+  for _ in $(seq 1 100); do curl -fsS -o /dev/null "$1" 2>/dev/null && return 0; sleep 0.2; done
+  echo "check-dashboard: $2 did not come up at $1" >&2; return 1
+}
+
+port=$(free_port)
+token="check-$(python3 -c 'import secrets; print(secrets.token_hex(8))')"
+VOUCHERS__HTTP__PORT=$port VOUCHERS__LEDGER__URL="sqlite://$work/ledger.db" \
+VOUCHERS__ADMIN__TOKEN=$token VOUCHERS__REDIS__URL="$redis" \
+VOUCHERS__JOBS__RECONCILE_INTERVAL_MS=1000 RUST_LOG=warn \
+  "$bin" >"$work/node.log" 2>&1 &
+pids+=($!)
+wait_http "http://127.0.0.1:$port/health/ready" "the node"
+
+prom_port=$(free_port)
+cat >"$work/prometheus.yml" <<YAML
+global:
+  scrape_interval: 1s
+scrape_configs:
+  - job_name: vouchers
+    static_configs:
+      - targets: ["127.0.0.1:$port"]
+YAML
+prometheus --config.file="$work/prometheus.yml" --storage.tsdb.path="$work/tsdb" \
+  --web.listen-address="127.0.0.1:$prom_port" >"$work/prometheus.log" 2>&1 &
+pids+=($!)
+wait_http "http://127.0.0.1:$prom_port/-/ready" "Prometheus"
+
+export BASE_URL="http://127.0.0.1:$port" ADMIN_TOKEN="$token"
+k6 run --quiet -e PEAK_RATE=400 -e TOTAL=300 -e RAMP=2s -e HOLD=4s load-tests/flash-sale.js
+k6 run --quiet -e RATE=100 -e DURATION=4s load-tests/lifecycle.js
+sleep 3   # two more scrapes after the last request
+
+# Every metric of the catalogue (src/metrics.rs) is exported after the runs.
+curl -fsS "http://127.0.0.1:$port/metrics" >"$work/metrics.txt"
+python3 - src/metrics.rs "$work/metrics.txt" <<'PY'
+import re, sys
+names = re.findall(r'pub const [A-Z_]+: &str = "(vouchers_[a-z_]+)";', open(sys.argv[1]).read())
+text = open(sys.argv[2]).read()
+exported = {l.split("{")[0].split(" ")[0] for l in text.splitlines() if l and not l.startswith("#")}
+missing = [n for n in names if not ({n, n + "_bucket", n + "_count"} & exported)]
+print(f"{len(names) - len(missing)} of {len(names)} catalogue metrics exported")
+if missing:
+    sys.exit("missing from /metrics: " + ", ".join(missing))
+PY
+
+python3 - "$prom_port" grafana/dashboards/*.json <<'PY'
+import json, sys, urllib.parse, urllib.request
+port, files = sys.argv[1], sys.argv[2:]
+empty, total = [], 0
+for f in files:
+    for panel in json.load(open(f))["panels"]:
+        for t in panel.get("targets", []):
+            total += 1
+            q = urllib.parse.urlencode({"query": t["expr"]})
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/query?{q}") as r:
+                res = json.load(r)
+            n = len(res["data"]["result"]) if res.get("status") == "success" else 0
+            print(f"{'ok ' if n else 'EMPTY'} {n:3d} series  {panel['title']}: {t['expr']}")
+            if not n:
+                empty.append(f"{panel['title']}: {t['expr']}")
+print(f"{total - len(empty)} of {total} panel queries return data")
+if empty:
+    sys.exit("panel queries with no series:\n  " + "\n  ".join(empty))
+PY
