@@ -1,0 +1,37 @@
+-- wrk script: POST reserves with distinct customers and order ids, and count answers by status.
+--   wrk -t2 -c256 -d15s -s load-tests/wrk-reserve.lua http://127.0.0.1:8080 -- CODE
+local threads = {}
+local counter = 0
+
+function setup(thread)
+  thread:set("id", #threads + 1)
+  table.insert(threads, thread)
+end
+
+function init(args)
+  code = args[1] or "BENCH"
+  statuses = {}
+  wrk.method = "POST"
+  wrk.headers["Content-Type"] = "application/json"
+end
+
+function request()
+  counter = counter + 1
+  local customer = id * 100000000 + counter
+  local body = string.format('{"customerId":%d,"orderId":"%s-%d","orderAmount":10000}', customer, code, customer)
+  return wrk.format(nil, "/vouchers/" .. code .. "/reservations", nil, body)
+end
+
+function response(status)
+  statuses[status] = (statuses[status] or 0) + 1
+end
+
+function done(summary, latency, requests)
+  local totals = {}
+  for _, t in ipairs(threads) do
+    local s = t:get("statuses")
+    for k, v in pairs(s) do totals[k] = (totals[k] or 0) + v end
+  end
+  for k, v in pairs(totals) do io.write(string.format("status %d: %d\n", k, v)) end
+  io.write(string.format("p50 %.2fms p99 %.2fms max %.2fms\n", latency:percentile(50) / 1000, latency:percentile(99) / 1000, latency.max / 1000))
+end
