@@ -1,5 +1,6 @@
 -- wrk script: POST reserves with distinct customers and order ids, and count answers by status.
---   wrk -t2 -c256 -d15s -s load-tests/wrk-reserve.lua http://127.0.0.1:8080 -- CODE
+--   wrk -t2 -c256 -d15s -s load-tests/wrk-reserve.lua http://127.0.0.1:8080 -- CODE [ORDER_PREFIX]
+-- Give each wrk process its own ORDER_PREFIX when several run against one voucher.
 local threads = {}
 local counter = 0
 
@@ -10,6 +11,7 @@ end
 
 function init(args)
   code = args[1] or "BENCH"
+  prefix = args[2] or code
   statuses = {}
   wrk.method = "POST"
   wrk.headers["Content-Type"] = "application/json"
@@ -17,8 +19,8 @@ end
 
 function request()
   counter = counter + 1
-  local customer = id * 100000000 + counter
-  local body = string.format('{"customerId":%d,"orderId":"%s-%d","orderAmount":10000}', customer, code, customer)
+  local customer = (id + 10 * (tonumber(prefix:match("(%d+)$")) or 0)) * 100000000 + counter
+  local body = string.format('{"customerId":%d,"orderId":"%s-%d","orderAmount":10000}', customer, prefix, customer)
   return wrk.format(nil, "/vouchers/" .. code .. "/reservations", nil, body)
 end
 

@@ -24,6 +24,8 @@ pub struct Application {
     shards: Shards,
     jobs: Jobs,
     signals: RedisSignals,
+    /// Where every database connection lives and is polled.
+    ledger_rt: tokio::runtime::Runtime,
     /// The admin token in force (configured or generated).
     pub admin_token: String,
 }
@@ -39,9 +41,18 @@ pub fn random_hex(bytes: usize) -> String {
 impl Application {
     /// Builds everything and binds the listener; must run inside an actix `System`.
     pub async fn build(settings: Settings, clock: SharedClock) -> anyhow::Result<Self> {
-        let ledger = ledger::connect(&settings.ledger.url, settings.ledger.max_connections)
-            .await
-            .context("connect ledger")?;
+        let ledger_rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("ledger")
+            .enable_all()
+            .build()
+            .context("start the ledger runtime")?;
+        let ledger = ledger::connect_on(
+            ledger_rt.handle().clone(),
+            &settings.ledger.url,
+            settings.ledger.max_connections,
+        )
+        .context("connect ledger")?;
         let node_id = if settings.node.id.is_empty() {
             format!("node-{}", random_hex(4))
         } else {
@@ -111,6 +122,7 @@ impl Application {
             shards,
             jobs,
             signals,
+            ledger_rt,
             admin_token,
         })
     }
@@ -131,6 +143,7 @@ impl Application {
             shards,
             jobs,
             signals,
+            ledger_rt,
             ..
         } = self;
         let result = server.await;
@@ -138,6 +151,7 @@ impl Application {
         jobs.stop();
         signals.stop();
         shards.stop();
+        ledger_rt.shutdown_background();
         result.context("http server")
     }
 }

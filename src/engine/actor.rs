@@ -112,6 +112,10 @@ pub(crate) struct VoucherActor {
     committing: Option<i64>,
     granting: bool,
     renewing: bool,
+    /// A ledger lookup for reserves that arrived while the ledger had nothing is in flight; the
+    /// next waiters go in the next lookup, so a dry spell costs one query at a time, not one per
+    /// request.
+    looking_up: bool,
     /// What the ledger last said was free: drives end-game sizing.
     free_hint: Option<i64>,
     hold: Option<(Hold, Millis)>,
@@ -143,6 +147,7 @@ impl VoucherActor {
             committing: None,
             granting: false,
             renewing: false,
+            looking_up: false,
             free_hint: None,
             hold: None,
             rate: RateEstimator::new(now),
@@ -234,7 +239,9 @@ impl VoucherActor {
             || !self.warm_waiters.is_empty();
         match self.hold {
             None if short && !self.granting => self.start_grant(ctx),
-            Some((hold, _)) if room == 0 && self.committing.is_none() && !self.granting => {
+            Some((hold, _))
+                if room == 0 && self.committing.is_none() && !self.granting && !self.looking_up =>
+            {
                 let waiting: Vec<Pending> = self.pending.drain(..).collect();
                 match hold {
                     Hold::Dry => self.answer_without_units(waiting, ctx),
@@ -464,8 +471,11 @@ impl VoucherActor {
         let ledger = self.core.ledger.clone();
         let ids: Vec<String> = waiting.iter().map(|p| p.req.order_id.clone()).collect();
         let code = self.code.clone();
+        self.looking_up = true;
         let fut = async move { ledger.find_orders(&ids).await };
-        ctx.spawn(fut.into_actor(self).map(move |res, _, _| {
+        ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| {
+            act.looking_up = false;
+            act.pump(ctx);
             let found: HashMap<String, Reservation> = match res {
                 Ok(rows) => rows.into_iter().map(|r| (r.order_id.clone(), r)).collect(),
                 Err(_) => {

@@ -7,6 +7,7 @@
 //! (`tests/api/ledger.rs`). The decision of which rows of a batch win is the pure function
 //! [`plan_batch`], shared by both, so the two stores cannot disagree on it.
 
+mod dedicated;
 pub mod postgres;
 mod rows;
 pub mod sqlite;
@@ -292,6 +293,22 @@ pub fn usage_deltas(rows: &[BatchRow], inserted: impl Iterator<Item = usize>) ->
     let mut v: Vec<(i64, i64)> = deltas.into_iter().collect();
     v.sort_unstable();
     v
+}
+
+/// Opens the ledger a URL names on `rt` (a runtime that does nothing else, so database I/O is
+/// never delayed by busy HTTP workers) and returns a handle usable from any runtime.
+pub fn connect_on(
+    rt: tokio::runtime::Handle,
+    url: &str,
+    max_connections: u32,
+) -> anyhow::Result<SharedLedger> {
+    // Opened from a plain thread that blocks on `rt`, so the pool's connections and background
+    // tasks belong to it. Start-up only.
+    let (url2, rt2) = (url.to_string(), rt.clone());
+    let inner = std::thread::spawn(move || rt2.block_on(connect(&url2, max_connections)))
+        .join()
+        .map_err(|_| anyhow::anyhow!("ledger start-up thread panicked"))??;
+    Ok(Arc::new(dedicated::Dedicated::new(inner, rt)))
 }
 
 /// Opens the ledger a URL names: `sqlite://…` or `postgres://…`, and runs its migrations.

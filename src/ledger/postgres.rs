@@ -38,7 +38,11 @@ pub struct PostgresLedger {
 
 impl PostgresLedger {
     pub async fn connect(url: &str, max_connections: u32) -> Result<Self, sqlx::Error> {
-        let options = PgConnectOptions::from_str(url)?;
+        // Tables grow from empty within seconds of a sale starting: a generic plan cached while
+        // they were tiny (a sequential scan) would stay for the life of the connection. Custom
+        // plans see the real table size every time.
+        let options =
+            PgConnectOptions::from_str(url)?.options([("plan_cache_mode", "force_custom_plan")]);
         let pool = PgPoolOptions::new()
             .max_connections(max_connections.max(2))
             .acquire_timeout(Duration::from_secs(1))

@@ -1,0 +1,162 @@
+//! Runs every ledger call on a runtime of its own.
+//!
+//! Database sockets belong to the reactor of the runtime that opened them. Without this, a pool
+//! connection opened by a busy HTTP worker would only be polled when that worker gets round to
+//! its reactor, adding the worker's loop time to every round trip of every batch. Here all
+//! connections live on a small multi-threaded runtime that does nothing else; callers on any
+//! runtime (actors, routes, jobs) await a spawned task.
+
+use std::future::Future;
+
+use async_trait::async_trait;
+use tokio::runtime::Handle;
+
+use super::{Batch, Counters, Grant, Ledger, LedgerError, Restock, RowOutcome, SharedLedger};
+use crate::clock::Millis;
+use crate::domain::{Reservation, Voucher, VoucherPatch};
+
+pub struct Dedicated {
+    inner: SharedLedger,
+    rt: Handle,
+}
+
+impl Dedicated {
+    pub fn new(inner: SharedLedger, rt: Handle) -> Self {
+        Self { inner, rt }
+    }
+
+    async fn run<T, F, Fut>(&self, f: F) -> Result<T, LedgerError>
+    where
+        T: Send + 'static,
+        F: FnOnce(SharedLedger) -> Fut,
+        Fut: Future<Output = Result<T, LedgerError>> + Send + 'static,
+    {
+        match self.rt.spawn(f(self.inner.clone())).await {
+            Ok(res) => res,
+            Err(_) => Err(LedgerError::Unavailable(sqlx::Error::WorkerCrashed)),
+        }
+    }
+}
+
+#[async_trait]
+impl Ledger for Dedicated {
+    async fn ping(&self) -> Result<(), LedgerError> {
+        self.run(|l| async move { l.ping().await }).await
+    }
+
+    async fn create_voucher(&self, voucher: &Voucher, now: Millis) -> Result<(), LedgerError> {
+        let v = voucher.clone();
+        self.run(move |l| async move { l.create_voucher(&v, now).await })
+            .await
+    }
+
+    async fn voucher(&self, code: &str) -> Result<Option<Voucher>, LedgerError> {
+        let code = code.to_string();
+        self.run(move |l| async move { l.voucher(&code).await })
+            .await
+    }
+
+    async fn update_voucher(
+        &self,
+        code: &str,
+        patch: &VoucherPatch,
+    ) -> Result<(Voucher, Option<Restock>), LedgerError> {
+        let (code, patch) = (code.to_string(), patch.clone());
+        self.run(move |l| async move { l.update_voucher(&code, &patch).await })
+            .await
+    }
+
+    async fn grant(
+        &self,
+        code: &str,
+        node: &str,
+        want: i64,
+        now: Millis,
+        ttl_ms: i64,
+    ) -> Result<Grant, LedgerError> {
+        let (code, node) = (code.to_string(), node.to_string());
+        self.run(move |l| async move { l.grant(&code, &node, want, now, ttl_ms).await })
+            .await
+    }
+
+    async fn renew(
+        &self,
+        lease_ids: &[i64],
+        node: &str,
+        now: Millis,
+        ttl_ms: i64,
+    ) -> Result<Vec<i64>, LedgerError> {
+        let (ids, node) = (lease_ids.to_vec(), node.to_string());
+        self.run(move |l| async move { l.renew(&ids, &node, now, ttl_ms).await })
+            .await
+    }
+
+    async fn return_lease(
+        &self,
+        lease_id: i64,
+        now: Millis,
+    ) -> Result<Option<Restock>, LedgerError> {
+        self.run(move |l| async move { l.return_lease(lease_id, now).await })
+            .await
+    }
+
+    async fn commit_batch(&self, batch: &Batch) -> Result<Vec<RowOutcome>, LedgerError> {
+        let batch = batch.clone();
+        self.run(move |l| async move { l.commit_batch(&batch).await })
+            .await
+    }
+
+    async fn find_orders(&self, order_ids: &[String]) -> Result<Vec<Reservation>, LedgerError> {
+        let ids = order_ids.to_vec();
+        self.run(move |l| async move { l.find_orders(&ids).await })
+            .await
+    }
+
+    async fn won_orders(&self, code: &str) -> Result<Vec<String>, LedgerError> {
+        let code = code.to_string();
+        self.run(move |l| async move { l.won_orders(&code).await })
+            .await
+    }
+
+    async fn confirm(
+        &self,
+        code: &str,
+        order_id: &str,
+        now: Millis,
+    ) -> Result<Reservation, LedgerError> {
+        let (code, order) = (code.to_string(), order_id.to_string());
+        self.run(move |l| async move { l.confirm(&code, &order, now).await })
+            .await
+    }
+
+    async fn release(
+        &self,
+        code: &str,
+        order_id: &str,
+        now: Millis,
+    ) -> Result<(Reservation, Option<Restock>), LedgerError> {
+        let (code, order) = (code.to_string(), order_id.to_string());
+        self.run(move |l| async move { l.release(&code, &order, now).await })
+            .await
+    }
+
+    async fn expire_due(&self, now: Millis, limit: i64) -> Result<Vec<Restock>, LedgerError> {
+        self.run(move |l| async move { l.expire_due(now, limit).await })
+            .await
+    }
+
+    async fn reap_expired(&self, now: Millis) -> Result<Vec<Restock>, LedgerError> {
+        self.run(move |l| async move { l.reap_expired(now).await })
+            .await
+    }
+
+    async fn counters(&self, code: &str) -> Result<Option<Counters>, LedgerError> {
+        let code = code.to_string();
+        self.run(move |l| async move { l.counters(&code).await })
+            .await
+    }
+
+    async fn voucher_codes(&self) -> Result<Vec<String>, LedgerError> {
+        self.run(|l| async move { l.voucher_codes().await }).await
+    }
+}
