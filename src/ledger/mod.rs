@@ -284,6 +284,58 @@ pub fn resolve_plan(plan: Vec<Planned>, created: &HashMap<usize, Reservation>) -
     out
 }
 
+/// The reservations a batch created, by row index, as the ledger stored them.
+pub(crate) fn created_rows(
+    batch: &Batch,
+    won: impl IntoIterator<Item = usize>,
+    discount_amount: i64,
+) -> HashMap<usize, Reservation> {
+    won.into_iter()
+        .map(|i| {
+            let row = &batch.rows[i];
+            let r = Reservation {
+                order_id: row.order_id.clone(),
+                voucher_code: batch.voucher_code.clone(),
+                customer_id: row.customer_id,
+                discount_amount,
+                status: crate::domain::ReservationStatus::Reserved,
+                expires_at: batch.expires_at,
+            };
+            (i, r)
+        })
+        .collect()
+}
+
+/// The answer to a confirm that changed nothing, from the row as it stands: idempotent for a
+/// confirmed one, refused for a released one or one past its expiry (the sweeper releases it).
+pub(crate) fn confirm_unchanged(current: Reservation) -> Result<Reservation, LedgerError> {
+    match current.status {
+        crate::domain::ReservationStatus::Confirmed => Ok(current),
+        _ => Err(LedgerError::Released),
+    }
+}
+
+/// The answer to a release that changed nothing: idempotent for a released one, refused for a
+/// confirmed one.
+pub(crate) fn release_unchanged(
+    current: Reservation,
+) -> Result<(Reservation, Option<Restock>), LedgerError> {
+    match current.status {
+        crate::domain::ReservationStatus::Released => Ok((current, None)),
+        crate::domain::ReservationStatus::Confirmed => Err(LedgerError::AlreadyConfirmed),
+        crate::domain::ReservationStatus::Reserved => Err(LedgerError::NotFound),
+    }
+}
+
+/// Maps a unique violation on insert to [`LedgerError::AlreadyExists`].
+pub(crate) fn insert_unique<T>(res: Result<T, sqlx::Error>) -> Result<(), LedgerError> {
+    match res {
+        Ok(_) => Ok(()),
+        Err(sqlx::Error::Database(e)) if e.is_unique_violation() => Err(LedgerError::AlreadyExists),
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// Per-customer usage to add for the inserted rows.
 pub fn usage_deltas(rows: &[BatchRow], inserted: impl Iterator<Item = usize>) -> Vec<(i64, i64)> {
     let mut deltas: HashMap<i64, i64> = HashMap::new();

@@ -25,7 +25,7 @@ use super::{
     Planned, Restock, RowOutcome,
 };
 use crate::clock::Millis;
-use crate::domain::{Reservation, ReservationStatus, Voucher, VoucherPatch};
+use crate::domain::{Reservation, Voucher, VoucherPatch};
 
 const MIGRATIONS: &[(i64, &str)] = &[(1, include_str!("../../migrations/postgres/0001_init.sql"))];
 
@@ -113,13 +113,7 @@ impl Ledger for PostgresLedger {
         .bind(now)
         .execute(&self.pool)
         .await;
-        match res {
-            Ok(_) => Ok(()),
-            Err(sqlx::Error::Database(e)) if e.is_unique_violation() => {
-                Err(LedgerError::AlreadyExists)
-            }
-            Err(e) => Err(e.into()),
-        }
+        super::insert_unique(res)
     }
 
     async fn voucher(&self, code: &str) -> Result<Option<Voucher>, LedgerError> {
@@ -380,19 +374,7 @@ impl Ledger for PostgresLedger {
                 .execute(&mut *tx)
                 .await?;
             }
-            for i in won {
-                created.insert(
-                    i,
-                    Reservation {
-                        order_id: batch.rows[i].order_id.clone(),
-                        voucher_code: code.to_string(),
-                        customer_id: batch.rows[i].customer_id,
-                        discount_amount: discount,
-                        status: ReservationStatus::Reserved,
-                        expires_at: batch.expires_at,
-                    },
-                );
-            }
+            created = super::created_rows(batch, won, discount);
         }
         tx.commit().await?;
         Ok(resolve_plan(plan, &created))
@@ -449,11 +431,7 @@ impl Ledger for PostgresLedger {
             return Ok(reservation_from(&row)?);
         }
         let current = load_reservation(&mut tx, code, order_id).await?;
-        match current.status {
-            ReservationStatus::Confirmed => Ok(current),
-            // RESERVED but past its expiry: the sweeper is about to release it.
-            ReservationStatus::Released | ReservationStatus::Reserved => Err(LedgerError::Released),
-        }
+        super::confirm_unchanged(current)
     }
 
     async fn release(
@@ -482,11 +460,7 @@ impl Ledger for PostgresLedger {
             return Ok((r, restocks.into_iter().next()));
         }
         let current = load_reservation(&mut tx, code, order_id).await?;
-        match current.status {
-            ReservationStatus::Released => Ok((current, None)),
-            ReservationStatus::Confirmed => Err(LedgerError::AlreadyConfirmed),
-            ReservationStatus::Reserved => Err(LedgerError::NotFound),
-        }
+        super::release_unchanged(current)
     }
 
     async fn expire_due(&self, now: Millis, limit: i64) -> Result<Vec<Restock>, LedgerError> {
