@@ -105,6 +105,9 @@ pub(crate) struct VoucherActor {
     /// Tells this actor's registry entry apart from a successor's when it leaves.
     generation: u64,
     voucher: Option<Voucher>,
+    /// The ledger has no such voucher: answer `404` from memory (a cheap negative cache against
+    /// floods of unknown codes) until it appears or the actor stops.
+    missing: bool,
     leases: VecDeque<LocalLease>,
     pending: VecDeque<Pending>,
     warm_waiters: Vec<oneshot::Sender<Result<(), EngineError>>>,
@@ -141,6 +144,7 @@ impl VoucherActor {
             shared,
             generation,
             voucher: None,
+            missing: false,
             leases: VecDeque::new(),
             pending: VecDeque::new(),
             warm_waiters: Vec::new(),
@@ -187,8 +191,8 @@ impl VoucherActor {
                 self.pump(ctx);
             }
             Ok(None) => {
+                self.missing = true;
                 self.fail_all(EngineError::NotFound);
-                ctx.stop();
             }
             Err(e) => {
                 tracing::warn!(code = %self.code, error = %e, "load voucher");
@@ -201,6 +205,10 @@ impl VoucherActor {
 
     /// Queues a reserve that passed eligibility, or answers it at once.
     fn admit(&mut self, p: Pending, now: Millis) {
+        if self.missing {
+            let _ = p.reply.send(Reply::Failed(EngineError::NotFound));
+            return;
+        }
         let Some(v) = &self.voucher else {
             self.pending.push_back(p);
             return;
@@ -346,6 +354,11 @@ impl VoucherActor {
                 if let Some(l) = self.leases.iter_mut().find(|l| l.id == lease_id) {
                     l.used -= n - consumed;
                 }
+                // A "dry" verdict taken while this batch was in flight counted its rows as units
+                // still leased; now that they are settled, ask again (it may be sold out).
+                if matches!(self.hold, Some((Hold::Dry, _))) && self.room() == 0 {
+                    self.hold = None;
+                }
             }
             Err(e) => {
                 // No 201 without a commit: every request of the batch gets 503 and may retry
@@ -426,8 +439,9 @@ impl VoucherActor {
                 }
             }
             Err(LedgerError::NotFound) => {
+                self.missing = true;
+                self.voucher = None;
                 self.fail_all(EngineError::NotFound);
-                ctx.stop();
                 return;
             }
             Err(e) => {
@@ -507,6 +521,7 @@ impl VoucherActor {
         ctx.spawn(fut.into_actor(self).map(|res, act, _| {
             if let Ok(Some(v)) = res {
                 act.voucher = Some(v);
+                act.missing = false;
             }
         }));
     }
@@ -515,7 +530,7 @@ impl VoucherActor {
     /// stop.
     fn tick(&mut self, ctx: &mut Context<Self>) {
         let now = self.now();
-        if now >= self.next_refresh && self.voucher.is_some() {
+        if now >= self.next_refresh && (self.voucher.is_some() || self.missing) {
             self.refresh_voucher(ctx);
         }
         let core = self.core.clone();
@@ -528,12 +543,25 @@ impl VoucherActor {
             }
         }
         self.renew_if_due(now, ctx);
-        if self.shared.is_sold_out() && now >= self.next_probe && !self.granting {
-            // The probe is a grant: if units came back it takes them and lowers the flag.
+        // A sold-out or dry actor with nothing to serve probes the ledger at a fixed rate. The
+        // probe is a grant: if units came back it takes them (and lowers the flag); if the
+        // ledger is empty everywhere it raises the flag.
+        let empty_handed =
+            self.room() == 0 && self.committing.is_none() && self.free_hint == Some(0);
+        if (self.shared.is_sold_out() || empty_handed)
+            && now >= self.next_probe
+            && !self.granting
+            && self.voucher.is_some()
+        {
             self.next_probe = now + s.soldout_probe_ms;
             self.start_grant(ctx);
         }
-        if idle >= s.actor_idle_stop_ms
+        let stop_after = if self.missing {
+            s.lease_idle_timeout_ms
+        } else {
+            s.actor_idle_stop_ms
+        };
+        if idle >= stop_after
             && self.leases.is_empty()
             && self.committing.is_none()
             && !self.granting
@@ -685,6 +713,10 @@ impl Handler<Warm> for VoucherActor {
 
     fn handle(&mut self, msg: Warm, ctx: &mut Context<Self>) {
         self.last_activity = self.now();
+        if self.missing {
+            let _ = msg.0.send(Err(EngineError::NotFound));
+            return;
+        }
         if self.room() > 0 {
             let _ = msg.0.send(Ok(()));
             return;

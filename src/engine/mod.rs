@@ -279,7 +279,13 @@ impl EngineHandle {
                     replayed: true,
                 }),
                 Ok(Ok(Reply::Failed(e))) => Err(e),
-                Ok(Err(_)) | Err(_) => Err(EngineError::Unavailable),
+                // The actor stopped without answering. Asking again is safe: a reserve is
+                // idempotent by order id, so one that did commit comes back as its 201.
+                Ok(Err(_)) => {
+                    self.core.forget(code, entry.generation);
+                    continue;
+                }
+                Err(_) => Err(EngineError::Unavailable),
             };
         }
         Err(EngineError::Unavailable)

@@ -99,3 +99,35 @@ async fn one_customer_many_orders_respects_the_per_user_limit() {
         assert_eq!(c["reserved"], json!(limit));
     }
 }
+
+#[actix_web::test]
+async fn overload_is_refused_at_once_with_503_and_retry_after() {
+    // No room to queue at all: every reserve is refused before it touches the ledger.
+    let app = crate::helpers::spawn_app_with(|s| s.engine.max_pending = 0).await;
+    assert_eq!(app.create_voucher("FULL", 100, 1).await.0, 201);
+    let url = format!("{}/vouchers/FULL/reservations", app.base);
+    let answers = join_all((1..=20).map(|i| {
+        let (c, url) = (app.client.clone(), url.clone());
+        async move {
+            let body =
+                json!({ "customerId": i, "orderId": format!("full-{i}"), "orderAmount": 5000 });
+            let mut res = c.post(url).send_json(&body).await.expect("sent");
+            let retry_after = res
+                .headers()
+                .get("retry-after")
+                .map(|v| v.to_str().unwrap().to_string());
+            let body: serde_json::Value = res.json().await.expect("json");
+            (res.status().as_u16(), body["error"].clone(), retry_after)
+        }
+    }))
+    .await;
+    for a in &answers {
+        assert_eq!(a, &(503, json!("UNAVAILABLE"), Some("1".to_string())));
+    }
+    let c = app.balanced_counters("FULL").await;
+    assert_eq!(
+        (c["reserved"].clone(), c["free"].clone()),
+        (json!(0), json!(100)),
+        "refused requests leave no trace"
+    );
+}
