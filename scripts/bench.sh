@@ -56,6 +56,7 @@ run() { # code total
     -d "{\"code\":\"$code\",\"discountAmount\":100,\"totalLimit\":$total,\"perUserLimit\":1}" >/dev/null
   for p in "${ports[@]}"; do curl -fsS "${auth[@]}" -XPOST "http://127.0.0.1:$p/admin/vouchers/$code/warm"; done
   local before; before=$(xacts)
+  for p in "${ports[@]}"; do curl -fsS "http://127.0.0.1:$p/metrics"; echo; done >"$work/metrics-before-$code.txt"
   local per_node=$(( conns / nodes ))
   local wrk_pids=()
   for i in "${!ports[@]}"; do
@@ -67,11 +68,18 @@ run() { # code total
   sleep 1
   local after; after=$(xacts)
   local view; view=$(curl -fsS "${auth[@]}" "$first/admin/vouchers/$code")
-  python3 - "$code" "$total" "$before" "$after" "$view" "$work"/wrk-"$code"-*.txt <<'PY'
+  local metrics=""
+  for p in "${ports[@]}"; do metrics+=$(curl -fsS "http://127.0.0.1:$p/metrics"); metrics+=$'\n'; done
+  echo "$metrics" >"$work/metrics-$code.txt"
+  python3 - "$code" "$total" "$before" "$after" "$view" "$work/metrics-$code.txt" "$work/metrics-before-$code.txt" "$work"/wrk-"$code"-*.txt <<'PY'
 import json, re, sys
 code, total, before, after, view = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5])
+def metric(name, label=""):
+    total = lambda f: sum(float(l.split()[-1]) for l in open(f) if l.startswith(name) and label in l)
+    return total(sys.argv[6]) - total(sys.argv[7])
+batches, grants = metric("vouchers_batch_size_count"), metric("vouchers_lease_events_total", 'event="granted"')
 rps = created = 0; p99 = []; p50 = []
-for f in sys.argv[6:]:
+for f in sys.argv[8:]:
     t = open(f).read()
     rps += float(re.search(r"Requests/sec:\s+([\d.]+)", t).group(1))
     created += int(m.group(1)) if (m := re.search(r"status 201: (\d+)", t)) else 0
@@ -79,8 +87,13 @@ for f in sys.argv[6:]:
 sold = view["reserved"] + view["confirmed"]
 print(f"{code}: total {total}: {rps:,.0f} req/s, p50 {max(p50):.2f} ms, p99 {max(p99):.2f} ms (worst node); "
       f"201s seen by wrk {created}, ledger reservations {sold}, balanced {view['balanced']}, oversold {max(0, sold - total)}")
+if sold:
+    print(f"  batches {batches:.0f} ({sold / max(batches, 1):.1f} reservations each), lease grants {grants:.0f}; "
+          f"per 1000 reservations: {1000 * batches / sold:.1f} batch commits")
 if after > before and sold:
-    print(f"  PostgreSQL transactions: {after - before} for {sold} reservations = {1000 * (after - before) / sold:.1f} per 1000")
+    # A batch is 8 round trips (BEGIN, lock, orders, usage, insert, fence, usage+counter, COMMIT).
+    print(f"  PostgreSQL transactions: {after - before} for {sold} reservations = {1000 * (after - before) / sold:.1f} per 1000; "
+          f"batch round trips per 1000 reservations: {8 * 1000 * batches / sold:.0f}")
 PY
 }
 echo "mode $mode, $nodes node(s), $conns connections, ${duration}s per run, release build"
