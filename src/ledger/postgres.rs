@@ -14,15 +14,15 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use sqlx::{Postgres, Transaction};
+use sqlx::{Postgres, Row, Transaction};
 
 use super::rows::{
     group_restocks, per_customer, reservation_from, voucher_from, RESERVATION_COLUMNS,
     VOUCHER_COLUMNS,
 };
 use super::{
-    plan_batch, resolve_plan, usage_deltas, Batch, Counters, Grant, Lease, Ledger, LedgerError,
-    Planned, Restock, RowOutcome,
+    plan_batch, resolve_plan, Batch, Counters, Grant, Lease, Ledger, LedgerError, Planned, Restock,
+    RowOutcome,
 };
 use crate::clock::Millis;
 use crate::domain::{Reservation, Voucher, VoucherPatch};
@@ -279,25 +279,29 @@ impl Ledger for PostgresLedger {
             .ok_or(LedgerError::NotFound)?;
         let order_ids: Vec<String> = batch.rows.iter().map(|r| r.order_id.clone()).collect();
         let customers: Vec<i64> = batch.rows.iter().map(|r| r.customer_id).collect();
-        let existing = sqlx::query(&format!(
-            "SELECT {RESERVATION_COLUMNS} FROM reservations WHERE order_id = ANY($1)"
+        // One round trip for both lookups: stored orders, then the customers' usage rows.
+        let rows = sqlx::query(&format!(
+            "SELECT {RESERVATION_COLUMNS}, NULL::BIGINT AS used FROM reservations \
+             WHERE order_id = ANY($1) \
+             UNION ALL \
+             SELECT NULL, NULL, customer_id, NULL, NULL, NULL, used FROM customer_usage \
+             WHERE voucher_code = $2 AND customer_id = ANY($3)"
         ))
         .bind(&order_ids)
-        .fetch_all(&mut *tx)
-        .await?
-        .iter()
-        .map(reservation_from)
-        .collect::<Result<Vec<_>, _>>()?;
-        let used: HashMap<i64, i64> = sqlx::query_as(
-            "SELECT customer_id, used FROM customer_usage \
-             WHERE voucher_code = $1 AND customer_id = ANY($2)",
-        )
         .bind(code)
         .bind(&customers)
         .fetch_all(&mut *tx)
-        .await?
-        .into_iter()
-        .collect();
+        .await?;
+        let mut existing = Vec::new();
+        let mut used: HashMap<i64, i64> = HashMap::new();
+        for row in &rows {
+            match row.try_get::<Option<i64>, _>("used")? {
+                Some(n) => {
+                    used.insert(row.try_get("customer_id")?, n);
+                }
+                None => existing.push(reservation_from(row)?),
+            }
+        }
 
         let blocked = super::refuses_new(&status, starts_at, ends_at, batch.now);
         let plan = plan_batch(code, &batch.rows, &existing, &used, per_user_limit, blocked);
@@ -314,13 +318,32 @@ impl Ledger for PostgresLedger {
                 .map(|&i| batch.rows[i].order_id.as_str())
                 .collect();
             let custs: Vec<i64> = planned.iter().map(|&i| batch.rows[i].customer_id).collect();
-            // Sorted by order id so that two vouchers racing for the same ids lock them in one order.
-            let inserted: HashSet<String> = sqlx::query_scalar(
-                "INSERT INTO reservations (order_id, voucher_code, customer_id, lease_id, \
-                 discount_amount, status, created_at, expires_at, updated_at) \
-                 SELECT o, $3, c, $4, $5, 'RESERVED', $6, $7, $6 \
-                 FROM UNNEST($1::text[], $2::bigint[]) AS t (o, c) ORDER BY o \
-                 ON CONFLICT (order_id) DO NOTHING RETURNING order_id",
+            // One statement writes the whole batch: the rows (sorted by order id, so two vouchers
+            // racing for the same ids lock them in one order; an id another voucher holds is
+            // skipped), the fence on the lease, the customers' usage and the voucher's counter.
+            // Each row comes back with whether the fence held; if not, the transaction is dropped
+            // uncommitted and nothing of the batch remains.
+            let inserted: Vec<(String, i64)> = sqlx::query_as(
+                "WITH ins AS ( \
+                   INSERT INTO reservations (order_id, voucher_code, customer_id, lease_id, \
+                     discount_amount, status, created_at, expires_at, updated_at) \
+                   SELECT o, $3, c, $4, $5, 'RESERVED', $6, $7, $6 \
+                   FROM UNNEST($1::text[], $2::bigint[]) AS t (o, c) ORDER BY o \
+                   ON CONFLICT (order_id) DO NOTHING RETURNING order_id, customer_id), \
+                 k AS (SELECT COUNT(*)::BIGINT AS n FROM ins), \
+                 fence AS ( \
+                   UPDATE leases SET consumed = consumed + (SELECT n FROM k) \
+                   WHERE id = $4 AND voucher_code = $3 AND state = 'ACTIVE' \
+                     AND consumed + (SELECT n FROM k) <= granted RETURNING 1), \
+                 usage AS ( \
+                   INSERT INTO customer_usage (voucher_code, customer_id, used) \
+                   SELECT $3, customer_id, COUNT(*) FROM ins WHERE EXISTS (SELECT 1 FROM fence) \
+                   GROUP BY customer_id \
+                   ON CONFLICT (voucher_code, customer_id) \
+                   DO UPDATE SET used = customer_usage.used + EXCLUDED.used), \
+                 counter AS (UPDATE vouchers SET reserved = reserved + (SELECT n FROM k) \
+                   WHERE code = $3 AND EXISTS (SELECT 1 FROM fence)) \
+                 SELECT order_id, (SELECT COUNT(*) FROM fence)::BIGINT FROM ins",
             )
             .bind(&ids)
             .bind(&custs)
@@ -330,50 +353,14 @@ impl Ledger for PostgresLedger {
             .bind(batch.now)
             .bind(batch.expires_at)
             .fetch_all(&mut *tx)
-            .await?
-            .into_iter()
-            .collect();
-            let won: Vec<usize> = planned
-                .into_iter()
-                .filter(|&i| inserted.contains(&batch.rows[i].order_id))
-                .collect();
-            let k = won.len() as i64;
-            if k > 0 {
-                // The fence: only an ACTIVE lease with room may be drawn on. Failing it rolls
-                // the whole batch back (the transaction is dropped uncommitted).
-                let fenced = sqlx::query(
-                    "UPDATE leases SET consumed = consumed + $1 \
-                     WHERE id = $2 AND voucher_code = $3 AND state = 'ACTIVE' \
-                     AND consumed + $1 <= granted",
-                )
-                .bind(k)
-                .bind(batch.lease_id)
-                .bind(code)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected()
-                    != 1;
-                if fenced {
-                    return Err(LedgerError::Fenced);
-                }
-                let (dc, dn): (Vec<i64>, Vec<i64>) = usage_deltas(&batch.rows, won.iter().copied())
-                    .into_iter()
-                    .unzip();
-                sqlx::query(
-                    "WITH usage AS ( \
-                       INSERT INTO customer_usage (voucher_code, customer_id, used) \
-                       SELECT $1, c, n FROM UNNEST($2::bigint[], $3::bigint[]) AS t (c, n) \
-                       ON CONFLICT (voucher_code, customer_id) \
-                       DO UPDATE SET used = customer_usage.used + EXCLUDED.used) \
-                     UPDATE vouchers SET reserved = reserved + $4 WHERE code = $1",
-                )
-                .bind(code)
-                .bind(&dc)
-                .bind(&dn)
-                .bind(k)
-                .execute(&mut *tx)
-                .await?;
+            .await?;
+            if inserted.iter().any(|(_, fence_held)| *fence_held != 1) {
+                return Err(LedgerError::Fenced);
             }
+            let inserted: HashSet<String> = inserted.into_iter().map(|(o, _)| o).collect();
+            let won = planned
+                .into_iter()
+                .filter(|&i| inserted.contains(&batch.rows[i].order_id));
             created = super::created_rows(batch, won, discount);
         }
         tx.commit().await?;

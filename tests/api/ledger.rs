@@ -175,7 +175,7 @@ async fn the_fence_stops_batches_on_dead_or_full_leases(l: &SharedLedger) {
         .await;
     assert!(
         matches!(res, Err(LedgerError::Fenced)),
-        "three rows on a two-unit lease"
+        "three rows on a two-unit lease: {res:?}"
     );
     let reaped = l.reap_expired(NOW + TTL).await.unwrap();
     assert_eq!(
