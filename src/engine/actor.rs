@@ -55,10 +55,10 @@ pub(crate) struct Warm(pub oneshot::Sender<Result<(), EngineError>>);
 #[rtype(result = "()")]
 pub(crate) struct SoldOutElsewhere;
 
-/// Shutting down: return every unused unit, answer when done.
+/// Shutting down: stop serving.
 #[derive(Message)]
 #[rtype(result = "()")]
-pub(crate) struct Drain(pub oneshot::Sender<()>);
+pub(crate) struct Drain;
 
 /// Another node ran dry while this one may hold idle units (`RECALL`).
 #[derive(Message)]
@@ -622,11 +622,8 @@ impl VoucherActor {
 
 /// Hands a lease's unused units back to `free` in the background; the ledger makes it idempotent.
 fn spawn_return(core: &Arc<Core>, lease_id: i64, now: Millis) {
-    actix::spawn(return_lease(core.clone(), lease_id, now));
-}
-
-async fn return_lease(core: Arc<Core>, lease_id: i64, now: Millis) {
-    {
+    let core = core.clone();
+    actix::spawn(async move {
         match core.ledger.return_lease(lease_id, now).await {
             Ok(Some(restock)) => core.restocked(&restock.voucher_code),
             Ok(None) => {}
@@ -635,7 +632,7 @@ async fn return_lease(core: Arc<Core>, lease_id: i64, now: Millis) {
                 tracing::warn!(lease_id, error = %e, "lease return failed; the reaper will take it");
             }
         }
-    }
+    });
 }
 
 impl Actor for VoucherActor {
@@ -753,25 +750,11 @@ impl Handler<Recall> for VoucherActor {
 impl Handler<Drain> for VoucherActor {
     type Result = ();
 
-    fn handle(&mut self, msg: Drain, ctx: &mut Context<Self>) {
-        let now = self.now();
-        let in_flight = self.committing;
-        let mut returns = Vec::new();
-        let mut keep = VecDeque::new();
-        for l in self.leases.drain(..) {
-            if Some(l.id) == in_flight {
-                keep.push_back(l);
-            } else {
-                returns.push(return_lease(self.core.clone(), l.id, now));
-            }
-        }
-        self.leases = keep;
-        // Nothing more is served from here on.
+    fn handle(&mut self, _: Drain, _: &mut Context<Self>) {
+        // Nothing more is served from here on; the engine returns the leases in one call.
         self.hold_for(Hold::Down, i64::MAX / 4);
-        let all = futures_util::future::join_all(returns);
-        ctx.spawn(all.into_actor(self).map(move |_, _, _| {
-            let _ = msg.0.send(());
-        }));
+        let in_flight = self.committing;
+        self.leases.retain(|l| Some(l.id) == in_flight);
     }
 }
 

@@ -448,16 +448,28 @@ impl EngineHandle {
         }
     }
 
-    /// Graceful stop: every actor hands its unused units back before the process exits.
+    /// Graceful stop, after the HTTP server stopped taking requests: actors stop serving, and
+    /// every lease this node holds goes back to `free` in one ledger call (which does not need
+    /// the actors, whose arbiters may already be stopping).
     pub async fn drain(&self) {
-        let addrs: Vec<Addr<VoucherActor>> =
-            self.core.registry.iter().map(|e| e.addr.clone()).collect();
-        let waits = addrs.into_iter().filter_map(|addr| {
-            let (tx, rx) = oneshot::channel();
-            addr.try_send(Drain(tx)).ok().map(|_| rx)
-        });
-        let all = futures_util::future::join_all(waits);
-        let _ = tokio::time::timeout(Duration::from_secs(5), all).await;
+        for e in self.core.registry.iter() {
+            let _ = e.addr.try_send(Drain);
+        }
+        match self
+            .core
+            .ledger
+            .return_node_leases(&self.core.node_id, self.now_ms())
+            .await
+        {
+            Ok(restocks) => {
+                let units: i64 = restocks.iter().map(|r| r.units).sum();
+                tracing::info!(units, "returned this node's leases");
+                for r in restocks {
+                    self.core.signals.publish(&r.voucher_code, Signal::Restock);
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "could not return leases; the reaper will"),
+        }
     }
 
     pub async fn ready(&self) -> bool {

@@ -100,6 +100,16 @@ impl Ledger for Dedicated {
             .await
     }
 
+    async fn return_node_leases(
+        &self,
+        node: &str,
+        now: Millis,
+    ) -> Result<Vec<Restock>, LedgerError> {
+        let node = node.to_string();
+        self.run(move |l| async move { l.return_node_leases(&node, now).await })
+            .await
+    }
+
     async fn commit_batch(&self, batch: &Batch) -> Result<Vec<RowOutcome>, LedgerError> {
         let batch = batch.clone();
         self.run(move |l| async move { l.commit_batch(&batch).await })

@@ -148,6 +148,12 @@ pub trait Ledger: Send + Sync + 'static {
         lease_id: i64,
         now: Millis,
     ) -> Result<Option<Restock>, LedgerError>;
+    /// Returns every ACTIVE lease of `node` (graceful shutdown).
+    async fn return_node_leases(
+        &self,
+        node: &str,
+        now: Millis,
+    ) -> Result<Vec<Restock>, LedgerError>;
     /// Commits a batch in one transaction, behind the fence. Outcomes are in row order.
     async fn commit_batch(&self, batch: &Batch) -> Result<Vec<RowOutcome>, LedgerError>;
     /// The reservations with these order ids (any voucher), for answering repeats without a lease.

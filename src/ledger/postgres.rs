@@ -265,6 +265,35 @@ impl Ledger for PostgresLedger {
         Ok(restocks.into_iter().next())
     }
 
+    async fn return_node_leases(
+        &self,
+        node: &str,
+        now: Millis,
+    ) -> Result<Vec<Restock>, LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        let codes: Vec<String> = sqlx::query_scalar(
+            "SELECT DISTINCT voucher_code FROM leases WHERE node_id = $1 AND state = 'ACTIVE' \
+             ORDER BY voucher_code",
+        )
+        .bind(node)
+        .fetch_all(&mut *tx)
+        .await?;
+        lock_vouchers(&mut tx, &codes).await?;
+        let rows: Vec<(String, i64)> = sqlx::query_as(
+            "UPDATE leases SET state = 'RETURNED', closed_at = $2 \
+             WHERE node_id = $1 AND state = 'ACTIVE' AND voucher_code = ANY($3) \
+             RETURNING voucher_code, granted - consumed",
+        )
+        .bind(node)
+        .bind(now)
+        .bind(&codes)
+        .fetch_all(&mut *tx)
+        .await?;
+        let restocks = give_back(&mut tx, rows).await?;
+        tx.commit().await?;
+        Ok(restocks)
+    }
+
     async fn commit_batch(&self, batch: &Batch) -> Result<Vec<RowOutcome>, LedgerError> {
         let code = batch.voucher_code.as_str();
         let mut tx = self.pool.begin().await?;

@@ -254,6 +254,25 @@ impl Ledger for SqliteLedger {
         Ok(restocks.into_iter().next())
     }
 
+    async fn return_node_leases(
+        &self,
+        node: &str,
+        now: Millis,
+    ) -> Result<Vec<Restock>, LedgerError> {
+        let mut tx = self.writer.begin().await?;
+        let rows: Vec<(String, i64)> = sqlx::query_as(
+            "UPDATE leases SET state = 'RETURNED', closed_at = ? WHERE node_id = ? AND state = 'ACTIVE' \
+             RETURNING voucher_code, granted - consumed",
+        )
+        .bind(now)
+        .bind(node)
+        .fetch_all(&mut *tx)
+        .await?;
+        let restocks = give_back(&mut tx, rows).await?;
+        tx.commit().await?;
+        Ok(restocks)
+    }
+
     async fn commit_batch(&self, batch: &Batch) -> Result<Vec<RowOutcome>, LedgerError> {
         let code = batch.voucher_code.as_str();
         let mut tx = self.writer.begin().await?;

@@ -143,3 +143,53 @@ async fn acknowledged_reservations_survive_sigkill() {
         "{v}"
     );
 }
+
+#[actix_web::test]
+async fn a_graceful_stop_returns_every_unused_unit() {
+    let dir = temp_dir("graceful");
+    let db = format!("sqlite://{}/ledger.db", dir.display());
+    let node = Node::start(&db, &[]).await;
+    let c = client();
+    let body = json!({"code": "BYE", "discountAmount": 100, "totalLimit": 500, "perUserLimit": 1});
+    let (s, _) = send(
+        &c,
+        "POST",
+        &format!("{}/admin/vouchers", node.base),
+        Some(TOKEN),
+        Some(&body),
+    )
+    .await;
+    assert_eq!(s, 201);
+    let (s, _) = send(
+        &c,
+        "POST",
+        &format!("{}/admin/vouchers/BYE/warm", node.base),
+        Some(TOKEN),
+        None,
+    )
+    .await;
+    assert_eq!(s, 204);
+    assert_eq!(
+        try_reserve(&c, &node.base, "BYE", 1, "bye-1")
+            .await
+            .map(|a| a.0),
+        Some(201)
+    );
+    let ledger = vouchers::ledger::connect(&db, 1).await.unwrap();
+    assert!(ledger.counters("BYE").await.unwrap().unwrap().leased_unused > 0);
+    // SIGTERM: stop taking requests, hand leases back, exit.
+    unsafe { libc::kill(node.pid(), libc::SIGTERM) };
+    let mut node = node;
+    let status = node.wait();
+    assert!(status.success(), "clean exit: {status:?}");
+    let counters = ledger.counters("BYE").await.unwrap().unwrap();
+    assert_eq!(
+        (
+            counters.leased_unused,
+            counters.free,
+            counters.reserved,
+            counters.balanced
+        ),
+        (0, 499, 1, true)
+    );
+}

@@ -253,6 +253,11 @@ impl Node {
         let _ = self.child.wait();
     }
 
+    /// Waits for the process to exit on its own.
+    pub fn wait(&mut self) -> std::process::ExitStatus {
+        self.child.wait().expect("wait for the node")
+    }
+
     pub fn pid(&self) -> i32 {
         self.child.id() as i32
     }

@@ -268,6 +268,35 @@ async fn returns_and_reaps_give_units_back_once(l: &SharedLedger) {
         .all(|r| r.voucher_code != "R"));
     let c = balanced(l, "R").await;
     assert_eq!((c.free, c.reserved), (9, 1));
+    // A node that stops gracefully hands back every lease it holds, and only its own.
+    let mine = l
+        .grant("R", "leaving", 3, NOW, TTL)
+        .await
+        .unwrap()
+        .lease
+        .unwrap();
+    let other = l
+        .grant("R", "staying", 2, NOW, TTL)
+        .await
+        .unwrap()
+        .lease
+        .unwrap();
+    let back = l.return_node_leases("leaving", NOW).await.unwrap();
+    assert_eq!(back.iter().map(|r| r.units).sum::<i64>(), 3);
+    assert!(l
+        .return_node_leases("leaving", NOW)
+        .await
+        .unwrap()
+        .is_empty());
+    assert_eq!(l.return_lease(mine.id, NOW).await.unwrap(), None);
+    assert_eq!(
+        l.return_lease(other.id, NOW)
+            .await
+            .unwrap()
+            .map(|r| r.units),
+        Some(2)
+    );
+    balanced(l, "R").await;
 }
 
 async fn release_confirm_and_expiry_move_units_exactly_once(l: &SharedLedger) {

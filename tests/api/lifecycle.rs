@@ -244,3 +244,39 @@ async fn a_batch_against_a_reaped_lease_is_fenced() {
     let c = app.balanced_counters("FENCE").await;
     assert_eq!(c["reserved"], json!(5));
 }
+
+#[actix_web::test]
+async fn idle_units_go_back_to_free() {
+    let app = spawn_app().await;
+    assert_eq!(app.create_voucher("IDLE", 40, 1).await.0, 201);
+    assert_eq!(app.reserve("IDLE", 1, "idle-1").await.0, 201);
+    let c = app.balanced_counters("IDLE").await;
+    assert!(
+        c["leasedUnused"].as_i64().unwrap() > 0,
+        "the actor holds a lease: {c}"
+    );
+    // No traffic for longer than the idle timeout: the actor hands its units back.
+    app.clock.advance_ms(5_001);
+    crate::helpers::eventually(
+        "idle lease returned",
+        std::time::Duration::from_secs(10),
+        || {
+            let ledger = app.ledger.clone();
+            async move {
+                ledger
+                    .counters("IDLE")
+                    .await
+                    .unwrap()
+                    .unwrap()
+                    .leased_unused
+                    == 0
+            }
+        },
+    )
+    .await;
+    let c = app.balanced_counters("IDLE").await;
+    assert_eq!(
+        (c["free"].clone(), c["reserved"].clone()),
+        (json!(39), json!(1))
+    );
+}
