@@ -1,5 +1,11 @@
 -- Ledger schema, PostgreSQL flavour. Times are milliseconds since the Unix epoch.
 -- The CHECK constraints are the last line of defence of DESIGN §3.
+--
+-- Batches of different nodes must not queue behind one row, so the voucher row carries no
+-- per-batch counter here: units a batch takes are counted on the node's own lease (`consumed`),
+-- and `reserved` is derived: Σ leases.consumed − confirmed − released. What bounds the sale is
+-- `free >= 0` (grants take units off `free` under the voucher row lock) and
+-- `consumed <= granted` on every lease.
 
 CREATE TABLE IF NOT EXISTS vouchers (
     code             TEXT PRIMARY KEY,
@@ -11,12 +17,10 @@ CREATE TABLE IF NOT EXISTS vouchers (
     ends_at          BIGINT NOT NULL,
     status           TEXT   NOT NULL CHECK (status IN ('ACTIVE', 'PAUSED')),
     free             BIGINT NOT NULL CHECK (free >= 0),
-    reserved         BIGINT NOT NULL DEFAULT 0 CHECK (reserved >= 0),
     confirmed        BIGINT NOT NULL DEFAULT 0 CHECK (confirmed >= 0),
     released         BIGINT NOT NULL DEFAULT 0 CHECK (released >= 0),
     created_at       BIGINT NOT NULL,
-    CHECK (reserved + confirmed <= total_limit),
-    CHECK (free + reserved + confirmed <= total_limit),
+    CHECK (free + confirmed <= total_limit),
     CHECK (starts_at < ends_at)
 );
 

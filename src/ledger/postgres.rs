@@ -1,12 +1,13 @@
 //! The cluster ledger: PostgreSQL through sqlx. Every node talks to the same database.
 //!
-//! Concurrency: every mutating transaction first locks the voucher row(s) it touches
-//! (`FOR UPDATE`, in code order when several), then leases, reservations and usage. All writers of
-//! one voucher are therefore serialized by the database and the same batch planner as SQLite
-//! decides each batch; the only cross-voucher race left, two vouchers claiming one order id, is
-//! settled by the primary key (`ON CONFLICT DO NOTHING`, the loser's row becomes `ALREADY_USED`).
-//! A batch costs a fixed number of round trips however many rows it holds: the rows travel as
-//! arrays and every statement works on the whole set (`UNNEST`, `= ANY`).
+//! Concurrency: a batch locks only what it draws on: its own lease row (the fence) and the usage
+//! rows of its customers (in customer order), so batches of different nodes run side by side.
+//! Order ids are settled by the primary key (`ON CONFLICT DO NOTHING`; a row that lost a race is
+//! re-read and answered as a replay or `ALREADY_USED`). Everything that moves units between
+//! `free` and leases or reservations (grant, return, reap, release, expiry, confirm, edits)
+//! locks the voucher row first, in code order when several. Batches never touch the voucher
+//! row: `reserved` is derived from the leases (see the migration). A batch costs a fixed number
+//! of round trips however many rows it holds: rows travel as arrays (`UNNEST`, `= ANY`).
 
 use std::collections::{HashMap, HashSet};
 use std::str::FromStr;
@@ -14,7 +15,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use sqlx::{Postgres, Row, Transaction};
+use sqlx::{Postgres, Transaction};
 
 use super::rows::{
     group_restocks, per_customer, reservation_from, voucher_from, RESERVATION_COLUMNS,
@@ -297,40 +298,48 @@ impl Ledger for PostgresLedger {
     async fn commit_batch(&self, batch: &Batch) -> Result<Vec<RowOutcome>, LedgerError> {
         let code = batch.voucher_code.as_str();
         let mut tx = self.pool.begin().await?;
-        let (per_user_limit, discount, status, starts_at, ends_at): (i64, i64, String, i64, i64) =
-            sqlx::query_as(
-                "SELECT per_user_limit, discount_amount, status, starts_at, ends_at \
-                 FROM vouchers WHERE code = $1 FOR UPDATE",
-            )
-            .bind(code)
-            .fetch_optional(&mut *tx)
-            .await?
-            .ok_or(LedgerError::NotFound)?;
-        let order_ids: Vec<String> = batch.rows.iter().map(|r| r.order_id.clone()).collect();
-        let customers: Vec<i64> = batch.rows.iter().map(|r| r.customer_id).collect();
-        // One round trip for both lookups: stored orders, then the customers' usage rows.
-        let rows = sqlx::query(&format!(
-            "SELECT {RESERVATION_COLUMNS}, NULL::BIGINT AS used FROM reservations \
-             WHERE order_id = ANY($1) \
-             UNION ALL \
-             SELECT NULL, NULL, customer_id, NULL, NULL, NULL, used FROM customer_usage \
-             WHERE voucher_code = $2 AND customer_id = ANY($3)"
-        ))
-        .bind(&order_ids)
+        // The fence first: this node's lease, locked for the batch, must still be ACTIVE.
+        type Head = (i64, i64, i64, i64, String, i64, i64);
+        let head: Option<Head> = sqlx::query_as(
+            "SELECT l.granted - l.consumed, v.per_user_limit, v.discount_amount, v.total_limit, \
+                    v.status, v.starts_at, v.ends_at \
+             FROM leases l JOIN vouchers v ON v.code = l.voucher_code \
+             WHERE l.id = $1 AND l.voucher_code = $2 AND l.state = 'ACTIVE' FOR UPDATE OF l",
+        )
+        .bind(batch.lease_id)
+        .bind(code)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some((room, per_user_limit, discount, _, status, starts_at, ends_at)) = head else {
+            return Err(LedgerError::Fenced);
+        };
+        // The customers' usage rows: created if missing, then locked, both in customer order so
+        // two batches sharing customers cannot deadlock.
+        let mut customers: Vec<i64> = batch.rows.iter().map(|r| r.customer_id).collect();
+        customers.sort_unstable();
+        customers.dedup();
+        sqlx::query(
+            "INSERT INTO customer_usage (voucher_code, customer_id, used) \
+             SELECT $1, c, 0 FROM UNNEST($2::bigint[]) AS t (c) ORDER BY c \
+             ON CONFLICT (voucher_code, customer_id) DO NOTHING",
+        )
+        .bind(code)
+        .bind(&customers)
+        .execute(&mut *tx)
+        .await?;
+        let used: HashMap<i64, i64> = sqlx::query_as(
+            "SELECT customer_id, used FROM customer_usage \
+             WHERE voucher_code = $1 AND customer_id = ANY($2) ORDER BY customer_id FOR UPDATE",
+        )
         .bind(code)
         .bind(&customers)
         .fetch_all(&mut *tx)
-        .await?;
-        let mut existing = Vec::new();
-        let mut used: HashMap<i64, i64> = HashMap::new();
-        for row in &rows {
-            match row.try_get::<Option<i64>, _>("used")? {
-                Some(n) => {
-                    used.insert(row.try_get("customer_id")?, n);
-                }
-                None => existing.push(reservation_from(row)?),
-            }
-        }
+        .await?
+        .into_iter()
+        .collect();
+        // Read after the usage locks: a same-customer batch that held them has committed.
+        let order_ids: Vec<String> = batch.rows.iter().map(|r| r.order_id.clone()).collect();
+        let existing = orders_in(&mut tx, &order_ids).await?;
 
         let blocked = super::refuses_new(&status, starts_at, ends_at, batch.now);
         let plan = plan_batch(code, &batch.rows, &existing, &used, per_user_limit, blocked);
@@ -340,6 +349,10 @@ impl Ledger for PostgresLedger {
             .filter(|(_, p)| matches!(p, Planned::Insert))
             .map(|(i, _)| i)
             .collect();
+        if planned.len() as i64 > room {
+            return Err(LedgerError::Fenced);
+        }
+        let mut plan = plan;
         let mut created = HashMap::new();
         if !planned.is_empty() {
             let ids: Vec<&str> = planned
@@ -347,32 +360,23 @@ impl Ledger for PostgresLedger {
                 .map(|&i| batch.rows[i].order_id.as_str())
                 .collect();
             let custs: Vec<i64> = planned.iter().map(|&i| batch.rows[i].customer_id).collect();
-            // One statement writes the whole batch: the rows (sorted by order id, so two vouchers
-            // racing for the same ids lock them in one order; an id another voucher holds is
-            // skipped), the fence on the lease, the customers' usage and the voucher's counter.
-            // Each row comes back with whether the fence held; if not, the transaction is dropped
-            // uncommitted and nothing of the batch remains.
-            let inserted: Vec<(String, i64)> = sqlx::query_as(
+            // One statement writes the batch: the rows (sorted by order id, so racing inserts of
+            // the same ids wait in one order; an id stored meanwhile is skipped), the lease's
+            // consumed units and the customers' usage.
+            let inserted: HashSet<String> = sqlx::query_scalar(
                 "WITH ins AS ( \
                    INSERT INTO reservations (order_id, voucher_code, customer_id, lease_id, \
                      discount_amount, status, created_at, expires_at, updated_at) \
                    SELECT o, $3, c, $4, $5, 'RESERVED', $6, $7, $6 \
                    FROM UNNEST($1::text[], $2::bigint[]) AS t (o, c) ORDER BY o \
                    ON CONFLICT (order_id) DO NOTHING RETURNING order_id, customer_id), \
-                 k AS (SELECT COUNT(*)::BIGINT AS n FROM ins), \
-                 fence AS ( \
-                   UPDATE leases SET consumed = consumed + (SELECT n FROM k) \
-                   WHERE id = $4 AND voucher_code = $3 AND state = 'ACTIVE' \
-                     AND consumed + (SELECT n FROM k) <= granted RETURNING 1), \
+                 lease AS ( \
+                   UPDATE leases SET consumed = consumed + (SELECT COUNT(*) FROM ins) WHERE id = $4), \
                  usage AS ( \
-                   INSERT INTO customer_usage (voucher_code, customer_id, used) \
-                   SELECT $3, customer_id, COUNT(*) FROM ins WHERE EXISTS (SELECT 1 FROM fence) \
-                   GROUP BY customer_id \
-                   ON CONFLICT (voucher_code, customer_id) \
-                   DO UPDATE SET used = customer_usage.used + EXCLUDED.used), \
-                 counter AS (UPDATE vouchers SET reserved = reserved + (SELECT n FROM k) \
-                   WHERE code = $3 AND EXISTS (SELECT 1 FROM fence)) \
-                 SELECT order_id, (SELECT COUNT(*) FROM fence)::BIGINT FROM ins",
+                   UPDATE customer_usage u SET used = u.used + d.n \
+                   FROM (SELECT customer_id, COUNT(*) AS n FROM ins GROUP BY customer_id) d \
+                   WHERE u.voucher_code = $3 AND u.customer_id = d.customer_id) \
+                 SELECT order_id FROM ins",
             )
             .bind(&ids)
             .bind(&custs)
@@ -382,11 +386,27 @@ impl Ledger for PostgresLedger {
             .bind(batch.now)
             .bind(batch.expires_at)
             .fetch_all(&mut *tx)
-            .await?;
-            if inserted.iter().any(|(_, fence_held)| *fence_held != 1) {
-                return Err(LedgerError::Fenced);
+            .await?
+            .into_iter()
+            .collect();
+            // Rows whose id another batch stored meanwhile: the stored row answers them.
+            let lost: Vec<String> = planned
+                .iter()
+                .map(|&i| batch.rows[i].order_id.clone())
+                .filter(|o| !inserted.contains(o))
+                .collect();
+            if !lost.is_empty() {
+                let stored = orders_in(&mut tx, &lost).await?;
+                for &i in &planned {
+                    if let Some(r) = stored.iter().find(|r| r.order_id == batch.rows[i].order_id) {
+                        plan[i] = if r.is_retry_of(code, batch.rows[i].customer_id) {
+                            Planned::Replay(r.clone())
+                        } else {
+                            Planned::AlreadyUsed
+                        };
+                    }
+                }
             }
-            let inserted: HashSet<String> = inserted.into_iter().map(|(o, _)| o).collect();
             let won = planned
                 .into_iter()
                 .filter(|&i| inserted.contains(&batch.rows[i].order_id));
@@ -437,12 +457,10 @@ impl Ledger for PostgresLedger {
         .fetch_optional(&mut *tx)
         .await?;
         if let Some(row) = row {
-            sqlx::query(
-                "UPDATE vouchers SET reserved = reserved - 1, confirmed = confirmed + 1 WHERE code = $1",
-            )
-            .bind(code)
-            .execute(&mut *tx)
-            .await?;
+            sqlx::query("UPDATE vouchers SET confirmed = confirmed + 1 WHERE code = $1")
+                .bind(code)
+                .execute(&mut *tx)
+                .await?;
             tx.commit().await?;
             return Ok(reservation_from(&row)?);
         }
@@ -544,13 +562,13 @@ impl Ledger for PostgresLedger {
         sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
             .execute(&mut *tx)
             .await?;
-        let head: Option<(i64, i64, i64, i64, i64)> = sqlx::query_as(
-            "SELECT total_limit, free, reserved, confirmed, released FROM vouchers WHERE code = $1",
+        let head: Option<(i64, i64, i64, i64)> = sqlx::query_as(
+            "SELECT total_limit, free, confirmed, released FROM vouchers WHERE code = $1",
         )
         .bind(code)
         .fetch_optional(&mut *tx)
         .await?;
-        let Some((total_limit, free, reserved, confirmed, released)) = head else {
+        let Some((total_limit, free, confirmed, released)) = head else {
             return Ok(None);
         };
         let by_status: Vec<(String, i64)> = sqlx::query_as(
@@ -573,6 +591,8 @@ impl Ledger for PostgresLedger {
         .fetch_one(&mut *tx)
         .await?;
         tx.commit().await?;
+        // Units taken by batches, less those confirmed or released since (see the migration).
+        let reserved = consumed - confirmed - released;
         Ok(Some(super::reconcile(
             Counters {
                 total_limit,
@@ -596,6 +616,20 @@ impl Ledger for PostgresLedger {
                 .await?,
         )
     }
+}
+
+/// The stored reservations with these order ids, inside a transaction.
+async fn orders_in(tx: &mut Tx, order_ids: &[String]) -> Result<Vec<Reservation>, LedgerError> {
+    let rows = sqlx::query(&format!(
+        "SELECT {RESERVATION_COLUMNS} FROM reservations WHERE order_id = ANY($1)"
+    ))
+    .bind(order_ids)
+    .fetch_all(&mut **tx)
+    .await?;
+    Ok(rows
+        .iter()
+        .map(reservation_from)
+        .collect::<Result<_, _>>()?)
 }
 
 async fn load_reservation(
@@ -649,7 +683,7 @@ async fn release_units(
         .map(|r| (r.voucher_code.clone(), r.units))
         .unzip();
     sqlx::query(
-        "UPDATE vouchers SET free = free + d.n, reserved = reserved - d.n, released = released + d.n \
+        "UPDATE vouchers SET free = free + d.n, released = released + d.n \
          FROM UNNEST($1::text[], $2::bigint[]) AS d (code, n) WHERE vouchers.code = d.code",
     )
     .bind(&codes)

@@ -57,6 +57,7 @@ pub async fn conformance(l: SharedLedger) {
     returns_and_reaps_give_units_back_once(&l).await;
     release_confirm_and_expiry_move_units_exactly_once(&l).await;
     concurrent_grants_and_batches_never_oversell(&l).await;
+    concurrent_batches_agree_on_customers_and_orders(&l).await;
     edits_follow_the_rules(&l).await;
 }
 
@@ -403,6 +404,69 @@ async fn concurrent_grants_and_batches_never_oversell(l: &SharedLedger) {
     assert_eq!(won, 100);
     let c = balanced(l, "C").await;
     assert_eq!((c.reserved, c.free), (100, 0));
+}
+
+/// Batches of several nodes at once, all wanting the same customers and order ids: each order is
+/// created once (the rest replay or clash), and no customer passes the limit.
+async fn concurrent_batches_agree_on_customers_and_orders(l: &SharedLedger) {
+    l.create_voucher(&voucher("X", 1000, 2), NOW).await.unwrap();
+    let nodes = (0..6).map(|node| {
+        let l = l.clone();
+        async move {
+            let lease = l
+                .grant("X", &format!("x{node}"), 100, NOW, TTL)
+                .await
+                .unwrap()
+                .lease
+                .unwrap();
+            let mut outcomes = Vec::new();
+            for round in 0..5 {
+                // Customers 1..=10 each try orders o{c}-{0..3}; every node sends the same ones.
+                let rs: Vec<BatchRow> = (1..=10)
+                    .flat_map(|c| {
+                        (0..4).map(move |k| BatchRow {
+                            order_id: format!("x-{c}-{}", (k + round) % 4),
+                            customer_id: c,
+                        })
+                    })
+                    .collect();
+                let out = l
+                    .commit_batch(&batch("X", lease.id, rs.clone()))
+                    .await
+                    .unwrap();
+                outcomes.extend(rs.into_iter().zip(out));
+            }
+            outcomes
+        }
+    });
+    let all: Vec<(BatchRow, RowOutcome)> = join_all(nodes).await.into_iter().flatten().collect();
+    let mut created: HashMap<String, i64> = HashMap::new();
+    let mut per_customer: HashMap<i64, i64> = HashMap::new();
+    for (row, o) in &all {
+        match o {
+            RowOutcome::Created(r) => {
+                assert_eq!(
+                    (r.order_id.as_str(), r.customer_id),
+                    (row.order_id.as_str(), row.customer_id)
+                );
+                *created.entry(row.order_id.clone()).or_insert(0) += 1;
+                *per_customer.entry(row.customer_id).or_insert(0) += 1;
+            }
+            RowOutcome::Replayed(r) => assert_eq!(r.order_id, row.order_id),
+            other => assert_eq!(other, &RowOutcome::AlreadyUsed),
+        }
+    }
+    assert!(
+        created.values().all(|n| *n == 1),
+        "an order created twice: {created:?}"
+    );
+    assert_eq!(per_customer.len(), 10);
+    assert!(
+        per_customer.values().all(|n| *n == 2),
+        "each customer exactly at the limit: {per_customer:?}"
+    );
+    let c = balanced(l, "X").await;
+    assert_eq!(c.reserved, 20);
 }
 
 async fn edits_follow_the_rules(l: &SharedLedger) {
