@@ -106,6 +106,42 @@ pub struct Counters {
     pub balanced: bool,
 }
 
+/// Which ACTIVE leases a close (return or reap) applies to.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Closing<'a> {
+    /// One lease, returned by its node.
+    Lease(i64),
+    /// Every lease of a node, returned at graceful shutdown.
+    Node(&'a str),
+    /// Every lease whose expiry is at or before this time, reaped.
+    ExpiredBy(Millis),
+}
+
+impl Closing<'_> {
+    /// The state the closed leases end in.
+    pub(crate) fn state(self) -> &'static str {
+        match self {
+            Self::ExpiredBy(_) => "REAPED",
+            _ => "RETURNED",
+        }
+    }
+
+    /// The three nullable parameters of the lease filter `LEASE_FILTER`: id, node, expiry bound.
+    pub(crate) fn params(self) -> (Option<i64>, Option<String>, Option<i64>) {
+        match self {
+            Self::Lease(id) => (Some(id), None, None),
+            Self::Node(node) => (None, Some(node.to_string()), None),
+            Self::ExpiredBy(t) => (None, None, Some(t)),
+        }
+    }
+}
+
+/// The lease filter of a close, over the parameters of [`Closing::params`] as `$1`, `$2`, `$3`
+/// (SQLite reads `$N` as numbered parameters too).
+pub(crate) const LEASE_FILTER: &str = "state = 'ACTIVE' \
+     AND ($1 IS NULL OR id = $1) AND ($2 IS NULL OR node_id = $2) \
+     AND ($3 IS NULL OR expires_at <= $3)";
+
 /// Units that went back to `free` for one voucher (release, expiry, return, reap, total raised).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Restock {

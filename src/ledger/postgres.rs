@@ -22,8 +22,8 @@ use super::rows::{
     VOUCHER_COLUMNS,
 };
 use super::{
-    plan_batch, resolve_plan, Batch, Counters, Grant, Lease, Ledger, LedgerError, Planned, Restock,
-    RowOutcome,
+    plan_batch, resolve_plan, Batch, Closing, Counters, Grant, Lease, Ledger, LedgerError, Planned,
+    Restock, RowOutcome, LEASE_FILTER,
 };
 use crate::clock::Millis;
 use crate::domain::{Reservation, Voucher, VoucherPatch};
@@ -242,28 +242,11 @@ impl Ledger for PostgresLedger {
         lease_id: i64,
         now: Millis,
     ) -> Result<Option<Restock>, LedgerError> {
-        let mut tx = self.pool.begin().await?;
-        let code: Option<String> = sqlx::query_scalar(
-            "SELECT voucher_code FROM leases WHERE id = $1 AND state = 'ACTIVE'",
-        )
-        .bind(lease_id)
-        .fetch_optional(&mut *tx)
-        .await?;
-        let Some(code) = code else {
-            return Ok(None);
-        };
-        lock_vouchers(&mut tx, std::slice::from_ref(&code)).await?;
-        let rows: Vec<(String, i64)> = sqlx::query_as(
-            "UPDATE leases SET state = 'RETURNED', closed_at = $2 WHERE id = $1 AND state = 'ACTIVE' \
-             RETURNING voucher_code, granted - consumed",
-        )
-        .bind(lease_id)
-        .bind(now)
-        .fetch_all(&mut *tx)
-        .await?;
-        let restocks = give_back(&mut tx, rows).await?;
-        tx.commit().await?;
-        Ok(restocks.into_iter().next())
+        Ok(self
+            .close_leases(Closing::Lease(lease_id), now)
+            .await?
+            .into_iter()
+            .next())
     }
 
     async fn return_node_leases(
@@ -271,28 +254,7 @@ impl Ledger for PostgresLedger {
         node: &str,
         now: Millis,
     ) -> Result<Vec<Restock>, LedgerError> {
-        let mut tx = self.pool.begin().await?;
-        let codes: Vec<String> = sqlx::query_scalar(
-            "SELECT DISTINCT voucher_code FROM leases WHERE node_id = $1 AND state = 'ACTIVE' \
-             ORDER BY voucher_code",
-        )
-        .bind(node)
-        .fetch_all(&mut *tx)
-        .await?;
-        lock_vouchers(&mut tx, &codes).await?;
-        let rows: Vec<(String, i64)> = sqlx::query_as(
-            "UPDATE leases SET state = 'RETURNED', closed_at = $2 \
-             WHERE node_id = $1 AND state = 'ACTIVE' AND voucher_code = ANY($3) \
-             RETURNING voucher_code, granted - consumed",
-        )
-        .bind(node)
-        .bind(now)
-        .bind(&codes)
-        .fetch_all(&mut *tx)
-        .await?;
-        let restocks = give_back(&mut tx, rows).await?;
-        tx.commit().await?;
-        Ok(restocks)
+        self.close_leases(Closing::Node(node), now).await
     }
 
     async fn commit_batch(&self, batch: &Batch) -> Result<Vec<RowOutcome>, LedgerError> {
@@ -531,30 +493,7 @@ impl Ledger for PostgresLedger {
     }
 
     async fn reap_expired(&self, now: Millis) -> Result<Vec<Restock>, LedgerError> {
-        let mut tx = self.pool.begin().await?;
-        let codes: Vec<String> = sqlx::query_scalar(
-            "SELECT DISTINCT voucher_code FROM leases WHERE state = 'ACTIVE' AND expires_at <= $1 \
-             ORDER BY voucher_code",
-        )
-        .bind(now)
-        .fetch_all(&mut *tx)
-        .await?;
-        if codes.is_empty() {
-            return Ok(Vec::new());
-        }
-        lock_vouchers(&mut tx, &codes).await?;
-        let rows: Vec<(String, i64)> = sqlx::query_as(
-            "UPDATE leases SET state = 'REAPED', closed_at = $1 \
-             WHERE state = 'ACTIVE' AND expires_at <= $1 AND voucher_code = ANY($2) \
-             RETURNING voucher_code, granted - consumed",
-        )
-        .bind(now)
-        .bind(&codes)
-        .fetch_all(&mut *tx)
-        .await?;
-        let restocks = give_back(&mut tx, rows).await?;
-        tx.commit().await?;
-        Ok(restocks)
+        self.close_leases(Closing::ExpiredBy(now), now).await
     }
 
     async fn counters(&self, code: &str) -> Result<Option<Counters>, LedgerError> {
@@ -615,6 +554,47 @@ impl Ledger for PostgresLedger {
                 .fetch_all(&self.pool)
                 .await?,
         )
+    }
+}
+
+impl PostgresLedger {
+    /// Returns or reaps leases: their vouchers are locked first (in code order), then the
+    /// leases close and their unused units go back to `free`.
+    async fn close_leases(
+        &self,
+        which: Closing<'_>,
+        now: Millis,
+    ) -> Result<Vec<Restock>, LedgerError> {
+        let (id, node, expired_by) = which.params();
+        let mut tx = self.pool.begin().await?;
+        let codes: Vec<String> = sqlx::query_scalar(&format!(
+            "SELECT DISTINCT voucher_code FROM leases WHERE {LEASE_FILTER} ORDER BY voucher_code"
+        ))
+        .bind(id)
+        .bind(&node)
+        .bind(expired_by)
+        .fetch_all(&mut *tx)
+        .await?;
+        if codes.is_empty() {
+            return Ok(Vec::new());
+        }
+        lock_vouchers(&mut tx, &codes).await?;
+        let rows: Vec<(String, i64)> = sqlx::query_as(&format!(
+            "UPDATE leases SET state = $4, closed_at = $5 \
+             WHERE {LEASE_FILTER} AND voucher_code = ANY($6) \
+             RETURNING voucher_code, granted - consumed"
+        ))
+        .bind(id)
+        .bind(&node)
+        .bind(expired_by)
+        .bind(which.state())
+        .bind(now)
+        .bind(&codes)
+        .fetch_all(&mut *tx)
+        .await?;
+        let restocks = give_back(&mut tx, rows).await?;
+        tx.commit().await?;
+        Ok(restocks)
     }
 }
 

@@ -20,8 +20,8 @@ use super::rows::{
     VOUCHER_COLUMNS,
 };
 use super::{
-    plan_batch, resolve_plan, usage_deltas, Batch, Counters, Grant, Lease, Ledger, LedgerError,
-    Planned, Restock, RowOutcome,
+    plan_batch, resolve_plan, usage_deltas, Batch, Closing, Counters, Grant, Lease, Ledger,
+    LedgerError, Planned, Restock, RowOutcome, LEASE_FILTER,
 };
 use crate::clock::Millis;
 use crate::domain::{Reservation, Voucher, VoucherPatch};
@@ -59,6 +59,32 @@ impl SqliteLedger {
             .connect_with(options.read_only(true))
             .await?;
         Ok(Self { writer, reader })
+    }
+}
+
+impl SqliteLedger {
+    /// Returns or reaps leases; their unused units go back to `free`.
+    async fn close_leases(
+        &self,
+        which: Closing<'_>,
+        now: Millis,
+    ) -> Result<Vec<Restock>, LedgerError> {
+        let (id, node, expired_by) = which.params();
+        let mut tx = self.writer.begin().await?;
+        let rows: Vec<(String, i64)> = sqlx::query_as(&format!(
+            "UPDATE leases SET state = $4, closed_at = $5 WHERE {LEASE_FILTER} \
+             RETURNING voucher_code, granted - consumed"
+        ))
+        .bind(id)
+        .bind(node)
+        .bind(expired_by)
+        .bind(which.state())
+        .bind(now)
+        .fetch_all(&mut *tx)
+        .await?;
+        let restocks = give_back(&mut tx, rows).await?;
+        tx.commit().await?;
+        Ok(restocks)
     }
 }
 
@@ -240,18 +266,11 @@ impl Ledger for SqliteLedger {
         lease_id: i64,
         now: Millis,
     ) -> Result<Option<Restock>, LedgerError> {
-        let mut tx = self.writer.begin().await?;
-        let row: Option<(String, i64)> = sqlx::query_as(
-            "UPDATE leases SET state = 'RETURNED', closed_at = ? WHERE id = ? AND state = 'ACTIVE' \
-             RETURNING voucher_code, granted - consumed",
-        )
-        .bind(now)
-        .bind(lease_id)
-        .fetch_optional(&mut *tx)
-        .await?;
-        let restocks = give_back(&mut tx, row.into_iter().collect()).await?;
-        tx.commit().await?;
-        Ok(restocks.into_iter().next())
+        Ok(self
+            .close_leases(Closing::Lease(lease_id), now)
+            .await?
+            .into_iter()
+            .next())
     }
 
     async fn return_node_leases(
@@ -259,18 +278,7 @@ impl Ledger for SqliteLedger {
         node: &str,
         now: Millis,
     ) -> Result<Vec<Restock>, LedgerError> {
-        let mut tx = self.writer.begin().await?;
-        let rows: Vec<(String, i64)> = sqlx::query_as(
-            "UPDATE leases SET state = 'RETURNED', closed_at = ? WHERE node_id = ? AND state = 'ACTIVE' \
-             RETURNING voucher_code, granted - consumed",
-        )
-        .bind(now)
-        .bind(node)
-        .fetch_all(&mut *tx)
-        .await?;
-        let restocks = give_back(&mut tx, rows).await?;
-        tx.commit().await?;
-        Ok(restocks)
+        self.close_leases(Closing::Node(node), now).await
     }
 
     async fn commit_batch(&self, batch: &Batch) -> Result<Vec<RowOutcome>, LedgerError> {
@@ -484,18 +492,7 @@ impl Ledger for SqliteLedger {
     }
 
     async fn reap_expired(&self, now: Millis) -> Result<Vec<Restock>, LedgerError> {
-        let mut tx = self.writer.begin().await?;
-        let rows: Vec<(String, i64)> = sqlx::query_as(
-            "UPDATE leases SET state = 'REAPED', closed_at = ? \
-             WHERE state = 'ACTIVE' AND expires_at <= ? RETURNING voucher_code, granted - consumed",
-        )
-        .bind(now)
-        .bind(now)
-        .fetch_all(&mut *tx)
-        .await?;
-        let restocks = give_back(&mut tx, rows).await?;
-        tx.commit().await?;
-        Ok(restocks)
+        self.close_leases(Closing::ExpiredBy(now), now).await
     }
 
     async fn counters(&self, code: &str) -> Result<Option<Counters>, LedgerError> {
