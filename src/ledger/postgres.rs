@@ -258,124 +258,20 @@ impl Ledger for PostgresLedger {
     }
 
     async fn commit_batch(&self, batch: &Batch) -> Result<Vec<RowOutcome>, LedgerError> {
-        let code = batch.voucher_code.as_str();
-        let mut tx = self.pool.begin().await?;
-        // The fence first: this node's lease, locked for the batch, must still be ACTIVE.
-        type Head = (i64, i64, i64, i64, String, i64, i64);
-        let head: Option<Head> = sqlx::query_as(
-            "SELECT l.granted - l.consumed, v.per_user_limit, v.discount_amount, v.total_limit, \
-                    v.status, v.starts_at, v.ends_at \
-             FROM leases l JOIN vouchers v ON v.code = l.voucher_code \
-             WHERE l.id = $1 AND l.voucher_code = $2 AND l.state = 'ACTIVE' FOR UPDATE OF l",
-        )
-        .bind(batch.lease_id)
-        .bind(code)
-        .fetch_optional(&mut *tx)
-        .await?;
-        let Some((room, per_user_limit, discount, _, status, starts_at, ends_at)) = head else {
-            return Err(LedgerError::Fenced);
-        };
-        // The customers' usage rows: created if missing, then locked, both in customer order so
-        // two batches sharing customers cannot deadlock.
-        let mut customers: Vec<i64> = batch.rows.iter().map(|r| r.customer_id).collect();
-        customers.sort_unstable();
-        customers.dedup();
-        sqlx::query(
-            "INSERT INTO customer_usage (voucher_code, customer_id, used) \
-             SELECT $1, c, 0 FROM UNNEST($2::bigint[]) AS t (c) ORDER BY c \
-             ON CONFLICT (voucher_code, customer_id) DO NOTHING",
-        )
-        .bind(code)
-        .bind(&customers)
-        .execute(&mut *tx)
-        .await?;
-        let used: HashMap<i64, i64> = sqlx::query_as(
-            "SELECT customer_id, used FROM customer_usage \
-             WHERE voucher_code = $1 AND customer_id = ANY($2) ORDER BY customer_id FOR UPDATE",
-        )
-        .bind(code)
-        .bind(&customers)
-        .fetch_all(&mut *tx)
-        .await?
-        .into_iter()
-        .collect();
-        // Read after the usage locks: a same-customer batch that held them has committed.
-        let order_ids: Vec<String> = batch.rows.iter().map(|r| r.order_id.clone()).collect();
-        let existing = orders_in(&mut tx, &order_ids).await?;
-
-        let blocked = super::refuses_new(&status, starts_at, ends_at, batch.now);
-        let plan = plan_batch(code, &batch.rows, &existing, &used, per_user_limit, blocked);
-        let planned: Vec<usize> = plan
-            .iter()
-            .enumerate()
-            .filter(|(_, p)| matches!(p, Planned::Insert))
-            .map(|(i, _)| i)
-            .collect();
-        if planned.len() as i64 > room {
-            return Err(LedgerError::Fenced);
-        }
-        let mut plan = plan;
-        let mut created = HashMap::new();
-        if !planned.is_empty() {
-            let ids: Vec<&str> = planned
-                .iter()
-                .map(|&i| batch.rows[i].order_id.as_str())
-                .collect();
-            let custs: Vec<i64> = planned.iter().map(|&i| batch.rows[i].customer_id).collect();
-            // One statement writes the batch: the rows (sorted by order id, so racing inserts of
-            // the same ids wait in one order; an id stored meanwhile is skipped), the lease's
-            // consumed units and the customers' usage.
-            let inserted: HashSet<String> = sqlx::query_scalar(
-                "WITH ins AS ( \
-                   INSERT INTO reservations (order_id, voucher_code, customer_id, lease_id, \
-                     discount_amount, status, created_at, expires_at, updated_at) \
-                   SELECT o, $3, c, $4, $5, 'RESERVED', $6, $7, $6 \
-                   FROM UNNEST($1::text[], $2::bigint[]) AS t (o, c) ORDER BY o \
-                   ON CONFLICT (order_id) DO NOTHING RETURNING order_id, customer_id), \
-                 lease AS ( \
-                   UPDATE leases SET consumed = consumed + (SELECT COUNT(*) FROM ins) WHERE id = $4), \
-                 usage AS ( \
-                   UPDATE customer_usage u SET used = u.used + d.n \
-                   FROM (SELECT customer_id, COUNT(*) AS n FROM ins GROUP BY customer_id) d \
-                   WHERE u.voucher_code = $3 AND u.customer_id = d.customer_id) \
-                 SELECT order_id FROM ins",
-            )
-            .bind(&ids)
-            .bind(&custs)
-            .bind(code)
-            .bind(batch.lease_id)
-            .bind(discount)
-            .bind(batch.now)
-            .bind(batch.expires_at)
-            .fetch_all(&mut *tx)
-            .await?
-            .into_iter()
-            .collect();
-            // Rows whose id another batch stored meanwhile: the stored row answers them.
-            let lost: Vec<String> = planned
-                .iter()
-                .map(|&i| batch.rows[i].order_id.clone())
-                .filter(|o| !inserted.contains(o))
-                .collect();
-            if !lost.is_empty() {
-                let stored = orders_in(&mut tx, &lost).await?;
-                for &i in &planned {
-                    if let Some(r) = stored.iter().find(|r| r.order_id == batch.rows[i].order_id) {
-                        plan[i] = if r.is_retry_of(code, batch.rows[i].customer_id) {
-                            Planned::Replay(r.clone())
-                        } else {
-                            Planned::AlreadyUsed
-                        };
-                    }
+        // Locks are taken in a fixed order, but two vouchers racing for one order id (or the
+        // database's own choices) can still end in a deadlock; the victim's batch runs again.
+        let mut attempt = 0;
+        loop {
+            match self.try_commit_batch(batch).await {
+                Err(LedgerError::Unavailable(sqlx::Error::Database(e)))
+                    if e.code().as_deref() == Some("40P01") && attempt < 2 =>
+                {
+                    attempt += 1;
+                    tracing::warn!(code = %batch.voucher_code, attempt, "batch deadlocked; retrying");
                 }
+                other => return other,
             }
-            let won = planned
-                .into_iter()
-                .filter(|&i| inserted.contains(&batch.rows[i].order_id));
-            created = super::created_rows(batch, won, discount);
         }
-        tx.commit().await?;
-        Ok(resolve_plan(plan, &created))
     }
 
     async fn find_orders(&self, order_ids: &[String]) -> Result<Vec<Reservation>, LedgerError> {
@@ -558,6 +454,127 @@ impl Ledger for PostgresLedger {
 }
 
 impl PostgresLedger {
+    async fn try_commit_batch(&self, batch: &Batch) -> Result<Vec<RowOutcome>, LedgerError> {
+        let code = batch.voucher_code.as_str();
+        let mut tx = self.pool.begin().await?;
+        // The fence first: this node's lease, locked for the batch, must still be ACTIVE.
+        type Head = (i64, i64, i64, i64, String, i64, i64);
+        let head: Option<Head> = sqlx::query_as(
+            "SELECT l.granted - l.consumed, v.per_user_limit, v.discount_amount, v.total_limit, \
+                    v.status, v.starts_at, v.ends_at \
+             FROM leases l JOIN vouchers v ON v.code = l.voucher_code \
+             WHERE l.id = $1 AND l.voucher_code = $2 AND l.state = 'ACTIVE' FOR UPDATE OF l",
+        )
+        .bind(batch.lease_id)
+        .bind(code)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some((room, per_user_limit, discount, _, status, starts_at, ends_at)) = head else {
+            return Err(LedgerError::Fenced);
+        };
+        // The customers' usage rows: created if missing, then locked, both in customer order so
+        // two batches sharing customers cannot deadlock.
+        let mut customers: Vec<i64> = batch.rows.iter().map(|r| r.customer_id).collect();
+        customers.sort_unstable();
+        customers.dedup();
+        sqlx::query(
+            "INSERT INTO customer_usage (voucher_code, customer_id, used) \
+             SELECT $1, c, 0 FROM UNNEST($2::bigint[]) AS t (c) ORDER BY c \
+             ON CONFLICT (voucher_code, customer_id) DO NOTHING",
+        )
+        .bind(code)
+        .bind(&customers)
+        .execute(&mut *tx)
+        .await?;
+        let used: HashMap<i64, i64> = sqlx::query_as(
+            "SELECT customer_id, used FROM customer_usage \
+             WHERE voucher_code = $1 AND customer_id = ANY($2) ORDER BY customer_id FOR UPDATE",
+        )
+        .bind(code)
+        .bind(&customers)
+        .fetch_all(&mut *tx)
+        .await?
+        .into_iter()
+        .collect();
+        // Read after the usage locks: a same-customer batch that held them has committed.
+        let order_ids: Vec<String> = batch.rows.iter().map(|r| r.order_id.clone()).collect();
+        let existing = orders_in(&mut tx, &order_ids).await?;
+
+        let blocked = super::refuses_new(&status, starts_at, ends_at, batch.now);
+        let plan = plan_batch(code, &batch.rows, &existing, &used, per_user_limit, blocked);
+        let planned: Vec<usize> = plan
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| matches!(p, Planned::Insert))
+            .map(|(i, _)| i)
+            .collect();
+        if planned.len() as i64 > room {
+            return Err(LedgerError::Fenced);
+        }
+        let mut plan = plan;
+        let mut created = HashMap::new();
+        if !planned.is_empty() {
+            let ids: Vec<&str> = planned
+                .iter()
+                .map(|&i| batch.rows[i].order_id.as_str())
+                .collect();
+            let custs: Vec<i64> = planned.iter().map(|&i| batch.rows[i].customer_id).collect();
+            // One statement writes the batch: the rows (sorted by order id, so racing inserts of
+            // the same ids wait in one order; an id stored meanwhile is skipped), the lease's
+            // consumed units and the customers' usage.
+            let inserted: HashSet<String> = sqlx::query_scalar(
+                "WITH ins AS ( \
+                   INSERT INTO reservations (order_id, voucher_code, customer_id, lease_id, \
+                     discount_amount, status, created_at, expires_at, updated_at) \
+                   SELECT o, $3, c, $4, $5, 'RESERVED', $6, $7, $6 \
+                   FROM UNNEST($1::text[], $2::bigint[]) AS t (o, c) ORDER BY o \
+                   ON CONFLICT (order_id) DO NOTHING RETURNING order_id, customer_id), \
+                 lease AS ( \
+                   UPDATE leases SET consumed = consumed + (SELECT COUNT(*) FROM ins) WHERE id = $4), \
+                 usage AS ( \
+                   UPDATE customer_usage u SET used = u.used + d.n \
+                   FROM (SELECT customer_id, COUNT(*) AS n FROM ins GROUP BY customer_id) d \
+                   WHERE u.voucher_code = $3 AND u.customer_id = d.customer_id) \
+                 SELECT order_id FROM ins",
+            )
+            .bind(&ids)
+            .bind(&custs)
+            .bind(code)
+            .bind(batch.lease_id)
+            .bind(discount)
+            .bind(batch.now)
+            .bind(batch.expires_at)
+            .fetch_all(&mut *tx)
+            .await?
+            .into_iter()
+            .collect();
+            // Rows whose id another batch stored meanwhile: the stored row answers them.
+            let lost: Vec<String> = planned
+                .iter()
+                .map(|&i| batch.rows[i].order_id.clone())
+                .filter(|o| !inserted.contains(o))
+                .collect();
+            if !lost.is_empty() {
+                let stored = orders_in(&mut tx, &lost).await?;
+                for &i in &planned {
+                    if let Some(r) = stored.iter().find(|r| r.order_id == batch.rows[i].order_id) {
+                        plan[i] = if r.is_retry_of(code, batch.rows[i].customer_id) {
+                            Planned::Replay(r.clone())
+                        } else {
+                            Planned::AlreadyUsed
+                        };
+                    }
+                }
+            }
+            let won = planned
+                .into_iter()
+                .filter(|&i| inserted.contains(&batch.rows[i].order_id));
+            created = super::created_rows(batch, won, discount);
+        }
+        tx.commit().await?;
+        Ok(resolve_plan(plan, &created))
+    }
+
     /// Returns or reaps leases: their vouchers are locked first (in code order), then the
     /// leases close and their unused units go back to `free`.
     async fn close_leases(
