@@ -6,6 +6,7 @@ mod bad_input;
 mod cluster;
 mod concurrency;
 mod durability;
+mod engine;
 mod helpers;
 mod ledger;
 mod lifecycle;

@@ -1,0 +1,92 @@
+//! The engine without HTTP: `EngineHandle` over a real SQLite ledger and a manual clock.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::future::join_all;
+use vouchers::clock::{Clock, ManualClock};
+use vouchers::domain::{ReserveRequest, Voucher, VoucherStatus};
+use vouchers::engine::{EngineError, EngineHandle};
+use vouchers::ledger;
+use vouchers::signals::Publisher;
+
+use crate::helpers::{eventually, temp_dir, test_settings};
+
+async fn engine() -> (EngineHandle, ManualClock) {
+    let dir = temp_dir("engine");
+    let url = format!("sqlite://{}/ledger.db", dir.display());
+    let ledger = ledger::connect(&url, 2).await.unwrap();
+    let clock = ManualClock::starting_now();
+    let settings = test_settings(&url).engine;
+    let (engine, _shards) = EngineHandle::start(
+        ledger,
+        Arc::new(clock.clone()),
+        settings,
+        "engine-test".into(),
+        Duration::from_secs(5),
+        Publisher::disabled(),
+    );
+    (engine, clock)
+}
+
+fn req(customer: i64, order: &str) -> ReserveRequest {
+    ReserveRequest {
+        customer_id: customer,
+        order_id: order.into(),
+        order_amount: 100,
+    }
+}
+
+#[actix_web::test]
+async fn reserves_sell_out_and_come_back_without_http() {
+    let (engine, clock) = engine().await;
+    let now = clock.now_ms();
+    let v = Voucher {
+        code: "ENG".into(),
+        discount_amount: 5,
+        min_order_amount: 0,
+        total_limit: 3,
+        per_user_limit: 1,
+        starts_at: now - 1,
+        ends_at: now + 3_600_000,
+        status: VoucherStatus::Active,
+    };
+    engine.create_voucher(&v).await.unwrap();
+    let answers = join_all((1..=10).map(|i| engine.reserve("ENG", req(i, &format!("e{i}"))))).await;
+    let won: Vec<_> = answers.iter().filter_map(|a| a.as_ref().ok()).collect();
+    assert_eq!(won.len(), 3);
+    assert!(won
+        .iter()
+        .all(|r| !r.replayed && r.reservation.discount_amount == 5));
+    assert_eq!(
+        answers
+            .iter()
+            .filter(|a| **a == Err(EngineError::OutOfStock))
+            .count(),
+        7
+    );
+    eventually("sold out", Duration::from_secs(10), || {
+        let e = engine.clone();
+        async move { e.is_sold_out_locally("ENG") }
+    })
+    .await;
+    // A winner's retry replays; releasing one unit lowers the flag and sells it again.
+    let first = &won[0].reservation;
+    let again = engine
+        .reserve("ENG", req(first.customer_id, &first.order_id))
+        .await
+        .unwrap();
+    assert!(again.replayed);
+    assert_eq!(&again.reservation, first);
+    engine.release("ENG", &first.order_id).await.unwrap();
+    assert!(!engine.is_sold_out_locally("ENG"));
+    assert!(engine.reserve("ENG", req(99, "late")).await.is_ok());
+    assert!(
+        engine.reconcile().await.unwrap().is_empty(),
+        "every voucher balances"
+    );
+    assert_eq!(
+        engine.reserve("NOPE", req(1, "x")).await,
+        Err(EngineError::NotFound)
+    );
+}
