@@ -67,6 +67,7 @@ pub struct EngineSettings {
     pub max_block: i64,
     pub endgame_divisor: i64,
     pub soldout_probe_ms: i64,
+    pub recall_wait_ms: i64,
     pub won_set_exact_max: usize,
 }
 

@@ -67,10 +67,14 @@ pub(crate) struct Recall;
 
 /// How often an actor re-reads its voucher's definition.
 const VOUCHER_REFRESH_MS: i64 = 1000;
+/// How soon an actor waiting for recalled units asks the ledger again.
+const RECALL_PROBE_MS: i64 = 50;
 
 struct Pending {
     req: ReserveRequest,
     reply: oneshot::Sender<Reply>,
+    /// When it was queued: a reserve waits at most `recall_wait_ms` for recalled units.
+    since: Millis,
 }
 
 /// A lease as this node serves it.
@@ -92,8 +96,12 @@ impl LocalLease {
 /// Why the actor is not asking the ledger for units right now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Hold {
-    /// The ledger had no free units: answer from the ledger's orders only.
+    /// The ledger had no free units and no other node holds any: answer from the ledger's
+    /// orders only.
     Dry,
+    /// No free units, but other nodes hold unused ones: keep reserves queued (up to
+    /// `recall_wait_ms`) while they are recalled, and ask again soon.
+    Waiting,
     /// The ledger failed: answer `503` until the backoff ends.
     Down,
 }
@@ -128,6 +136,11 @@ pub(crate) struct VoucherActor {
     /// When the voucher definition is next re-read from the ledger (edits made on another node
     /// reach this one even without Redis).
     next_refresh: Millis,
+    /// Another node asked for units back while a batch was in flight here: return the idle
+    /// leases once it lands.
+    recall_pending: bool,
+    /// RECALL is published at most once per probe interval.
+    next_recall: Millis,
 }
 
 impl VoucherActor {
@@ -158,6 +171,8 @@ impl VoucherActor {
             last_activity: now,
             next_probe: now,
             next_refresh: now + VOUCHER_REFRESH_MS,
+            recall_pending: false,
+            next_recall: now,
         }
     }
 
@@ -250,9 +265,20 @@ impl VoucherActor {
             Some((hold, _))
                 if room == 0 && self.committing.is_none() && !self.granting && !self.looking_up =>
             {
-                let waiting: Vec<Pending> = self.pending.drain(..).collect();
+                let waiting: Vec<Pending> = match hold {
+                    Hold::Waiting => {
+                        let patience = self.core.settings.recall_wait_ms;
+                        let (give_up, keep): (Vec<Pending>, Vec<Pending>) =
+                            std::mem::take(&mut self.pending)
+                                .into_iter()
+                                .partition(|p| now - p.since >= patience);
+                        self.pending = keep.into();
+                        give_up
+                    }
+                    Hold::Dry | Hold::Down => self.pending.drain(..).collect(),
+                };
                 match hold {
-                    Hold::Dry => self.answer_without_units(waiting, ctx),
+                    Hold::Dry | Hold::Waiting => self.answer_without_units(waiting, ctx),
                     Hold::Down => waiting.into_iter().for_each(|p| {
                         let _ = p.reply.send(Reply::Failed(EngineError::Unavailable));
                     }),
@@ -356,8 +382,11 @@ impl VoucherActor {
                 }
                 // A "dry" verdict taken while this batch was in flight counted its rows as units
                 // still leased; now that they are settled, ask again (it may be sold out).
-                if matches!(self.hold, Some((Hold::Dry, _))) && self.room() == 0 {
+                if matches!(self.hold, Some((Hold::Dry | Hold::Waiting, _))) && self.room() == 0 {
                     self.hold = None;
+                }
+                if self.recall_pending && self.pending.is_empty() {
+                    self.return_idle_leases();
                 }
             }
             Err(e) => {
@@ -425,13 +454,21 @@ impl VoucherActor {
                     }
                 } else {
                     m::lease(LeaseEvent::Empty);
-                    self.hold_for(Hold::Dry, self.core.settings.soldout_probe_ms);
-                    self.next_probe = self.now() + self.core.settings.soldout_probe_ms;
-                    if grant.leased_unused == 0 && self.room() == 0 {
-                        self.declare_sold_out(epoch, ctx);
-                    } else if grant.leased_unused > 0 {
-                        // Units sit in other nodes' leases while demand is here.
-                        self.core.signals.publish(&self.code, Signal::Recall);
+                    let now = self.now();
+                    self.next_probe = now + self.core.settings.soldout_probe_ms;
+                    if grant.leased_unused > 0 {
+                        // Units sit in other leases (other nodes', or this node's batch in
+                        // flight): wait a little for them instead of refusing at once.
+                        self.hold_for(Hold::Waiting, RECALL_PROBE_MS);
+                        if now >= self.next_recall {
+                            self.next_recall = now + self.core.settings.soldout_probe_ms;
+                            self.core.signals.publish(&self.code, Signal::Recall);
+                        }
+                    } else {
+                        self.hold_for(Hold::Dry, self.core.settings.soldout_probe_ms);
+                        if self.room() == 0 {
+                            self.declare_sold_out(epoch, ctx);
+                        }
                     }
                 }
                 for w in self.warm_waiters.drain(..) {
@@ -511,6 +548,23 @@ impl VoucherActor {
                 let _ = p.reply.send(reply);
             }
         }));
+    }
+
+    /// Returns every lease not drawn on by the batch in flight (that one follows when it lands).
+    fn return_idle_leases(&mut self) {
+        let now = self.now();
+        let in_flight = self.committing;
+        self.recall_pending = in_flight.is_some();
+        let mut keep = VecDeque::new();
+        for l in self.leases.drain(..) {
+            if Some(l.id) == in_flight {
+                keep.push_back(l);
+            } else if l.room() > 0 {
+                m::lease(LeaseEvent::Recalled);
+                spawn_return(&self.core, l.id, now);
+            }
+        }
+        self.leases = keep;
     }
 
     /// Re-reads the voucher's definition from the ledger.
@@ -677,6 +731,7 @@ impl Handler<Reserve> for VoucherActor {
             Pending {
                 req: msg.req,
                 reply: msg.reply,
+                since: now,
             },
             now,
         );
@@ -688,7 +743,7 @@ impl Handler<Restocked> for VoucherActor {
     type Result = ();
 
     fn handle(&mut self, _: Restocked, ctx: &mut Context<Self>) {
-        if matches!(self.hold, Some((Hold::Dry, _))) {
+        if matches!(self.hold, Some((Hold::Dry | Hold::Waiting, _))) {
             self.hold = None;
         }
         self.free_hint = None;
@@ -727,23 +782,15 @@ impl Handler<Warm> for VoucherActor {
 impl Handler<Recall> for VoucherActor {
     type Result = ();
 
+    /// Another node ran dry: hand back what this node holds but does not need right now. With
+    /// reserves queued here the units are in use; they go back after the batch in flight if
+    /// nothing waits by then.
     fn handle(&mut self, _: Recall, _: &mut Context<Self>) {
-        let now = self.now();
-        let quiet = now - self.last_activity >= self.core.settings.lease_idle_timeout_ms / 5;
-        if !quiet {
-            return;
+        if self.pending.is_empty() {
+            self.return_idle_leases();
+        } else {
+            self.recall_pending = true;
         }
-        let in_flight = self.committing;
-        let mut keep = VecDeque::new();
-        for l in self.leases.drain(..) {
-            if Some(l.id) == in_flight {
-                keep.push_back(l);
-            } else if l.room() > 0 {
-                m::lease(LeaseEvent::Recalled);
-                spawn_return(&self.core, l.id, now);
-            }
-        }
-        self.leases = keep;
     }
 }
 

@@ -15,11 +15,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use sqlx::{Postgres, Transaction};
+use sqlx::{Postgres, Row, Transaction};
 
 use super::rows::{
-    group_restocks, per_customer, reservation_from, voucher_from, RESERVATION_COLUMNS,
-    VOUCHER_COLUMNS,
+    group_restocks, reservation_from, voucher_from, RESERVATION_COLUMNS, VOUCHER_COLUMNS,
 };
 use super::{
     plan_batch, resolve_plan, Batch, Closing, Counters, Grant, Lease, Ledger, LedgerError, Planned,
@@ -38,6 +37,22 @@ pub struct PostgresLedger {
 }
 
 impl PostgresLedger {
+    async fn load_reservation(
+        &self,
+        code: &str,
+        order_id: &str,
+    ) -> Result<Reservation, LedgerError> {
+        let row = sqlx::query(&format!(
+            "SELECT {RESERVATION_COLUMNS} FROM reservations WHERE order_id = $1 AND voucher_code = $2"
+        ))
+        .bind(order_id)
+        .bind(code)
+        .fetch_optional(&self.pool)
+        .await?
+        .ok_or(LedgerError::NotFound)?;
+        Ok(reservation_from(&row)?)
+    }
+
     pub async fn connect(url: &str, max_connections: u32) -> Result<Self, sqlx::Error> {
         // Tables grow from empty within seconds of a sale starting: a generic plan cached while
         // they were tiny (a sequential scan) would stay for the life of the connection. Custom
@@ -296,34 +311,34 @@ impl Ledger for PostgresLedger {
         .await?)
     }
 
+    // Confirm, release and expiry are one statement each: the reservation row first (its status
+    // guards "exactly once"), then the voucher's counters and the customer's usage. Batches never
+    // lock the voucher row and these never lock leases, so no lock order can cross.
     async fn confirm(
         &self,
         code: &str,
         order_id: &str,
         now: Millis,
     ) -> Result<Reservation, LedgerError> {
-        let mut tx = self.pool.begin().await?;
-        lock_vouchers(&mut tx, &[code.to_string()]).await?;
         let row = sqlx::query(&format!(
-            "UPDATE reservations SET status = 'CONFIRMED', updated_at = $1 \
-             WHERE order_id = $2 AND voucher_code = $3 AND status = 'RESERVED' AND expires_at > $1 \
-             RETURNING {RESERVATION_COLUMNS}"
+            "WITH c AS ( \
+               UPDATE reservations SET status = 'CONFIRMED', updated_at = $1 \
+               WHERE order_id = $2 AND voucher_code = $3 AND status = 'RESERVED' \
+                 AND expires_at > $1 \
+               RETURNING {RESERVATION_COLUMNS}), \
+             v AS (UPDATE vouchers SET confirmed = confirmed + 1 \
+                   WHERE code = $3 AND EXISTS (SELECT 1 FROM c)) \
+             SELECT {RESERVATION_COLUMNS} FROM c"
         ))
         .bind(now)
         .bind(order_id)
         .bind(code)
-        .fetch_optional(&mut *tx)
+        .fetch_optional(&self.pool)
         .await?;
-        if let Some(row) = row {
-            sqlx::query("UPDATE vouchers SET confirmed = confirmed + 1 WHERE code = $1")
-                .bind(code)
-                .execute(&mut *tx)
-                .await?;
-            tx.commit().await?;
-            return Ok(reservation_from(&row)?);
+        match row {
+            Some(row) => Ok(reservation_from(&row)?),
+            None => super::confirm_unchanged(self.load_reservation(code, order_id).await?),
         }
-        let current = load_reservation(&mut tx, code, order_id).await?;
-        super::confirm_unchanged(current)
     }
 
     async fn release(
@@ -332,60 +347,61 @@ impl Ledger for PostgresLedger {
         order_id: &str,
         now: Millis,
     ) -> Result<(Reservation, Option<Restock>), LedgerError> {
-        let mut tx = self.pool.begin().await?;
-        lock_vouchers(&mut tx, &[code.to_string()]).await?;
         let row = sqlx::query(&format!(
-            "UPDATE reservations SET status = 'RELEASED', updated_at = $1 \
-             WHERE order_id = $2 AND voucher_code = $3 AND status = 'RESERVED' \
-             RETURNING {RESERVATION_COLUMNS}"
+            "WITH r AS ( \
+               UPDATE reservations SET status = 'RELEASED', updated_at = $1 \
+               WHERE order_id = $2 AND voucher_code = $3 AND status = 'RESERVED' \
+               RETURNING {RESERVATION_COLUMNS}), \
+             v AS (UPDATE vouchers SET free = free + 1, released = released + 1 \
+                   WHERE code = $3 AND EXISTS (SELECT 1 FROM r)), \
+             u AS (UPDATE customer_usage SET used = used - 1 \
+                   WHERE voucher_code = $3 AND customer_id = (SELECT customer_id FROM r)) \
+             SELECT {RESERVATION_COLUMNS} FROM r"
         ))
         .bind(now)
         .bind(order_id)
         .bind(code)
-        .fetch_optional(&mut *tx)
+        .fetch_optional(&self.pool)
         .await?;
-        if let Some(row) = row {
-            let r = reservation_from(&row)?;
-            let restocks =
-                release_units(&mut tx, &[(r.voucher_code.clone(), r.customer_id)]).await?;
-            tx.commit().await?;
-            return Ok((r, restocks.into_iter().next()));
+        match row {
+            Some(row) => {
+                let r = reservation_from(&row)?;
+                let restock = Restock {
+                    voucher_code: r.voucher_code.clone(),
+                    units: 1,
+                };
+                Ok((r, Some(restock)))
+            }
+            None => super::release_unchanged(self.load_reservation(code, order_id).await?),
         }
-        let current = load_reservation(&mut tx, code, order_id).await?;
-        super::release_unchanged(current)
     }
 
     async fn expire_due(&self, now: Millis, limit: i64) -> Result<Vec<Restock>, LedgerError> {
-        let mut tx = self.pool.begin().await?;
-        let due: Vec<(String, String)> = sqlx::query_as(
-            "SELECT order_id, voucher_code FROM reservations \
-             WHERE status = 'RESERVED' AND expires_at <= $1 ORDER BY expires_at LIMIT $2",
+        // SKIP LOCKED: sweepers on several nodes take disjoint rows; the status guard makes each
+        // release happen once even against a concurrent confirm or release.
+        let rows: Vec<(String, i64)> = sqlx::query_as(
+            "WITH due AS ( \
+               SELECT order_id FROM reservations WHERE status = 'RESERVED' AND expires_at <= $1 \
+               ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED), \
+             r AS ( \
+               UPDATE reservations SET status = 'RELEASED', updated_at = $1 \
+               WHERE order_id IN (SELECT order_id FROM due) AND status = 'RESERVED' \
+               RETURNING voucher_code, customer_id), \
+             per_v AS (SELECT voucher_code, COUNT(*) AS n FROM r GROUP BY voucher_code), \
+             v AS (UPDATE vouchers SET free = free + per_v.n, released = released + per_v.n \
+                   FROM per_v WHERE vouchers.code = per_v.voucher_code), \
+             per_c AS (SELECT voucher_code, customer_id, COUNT(*) AS n FROM r \
+                       GROUP BY voucher_code, customer_id), \
+             u AS (UPDATE customer_usage SET used = used - per_c.n FROM per_c \
+                   WHERE customer_usage.voucher_code = per_c.voucher_code \
+                     AND customer_usage.customer_id = per_c.customer_id) \
+             SELECT voucher_code, n::BIGINT FROM per_v",
         )
         .bind(now)
         .bind(limit)
-        .fetch_all(&mut *tx)
+        .fetch_all(&self.pool)
         .await?;
-        if due.is_empty() {
-            return Ok(Vec::new());
-        }
-        let mut codes: Vec<String> = due.iter().map(|(_, c)| c.clone()).collect();
-        codes.sort();
-        codes.dedup();
-        lock_vouchers(&mut tx, &codes).await?;
-        let ids: Vec<String> = due.into_iter().map(|(o, _)| o).collect();
-        // Status-guarded: a reservation another sweeper (or a confirm) got first is skipped.
-        let released: Vec<(String, i64)> = sqlx::query_as(
-            "UPDATE reservations SET status = 'RELEASED', updated_at = $1 \
-             WHERE order_id = ANY($2) AND status = 'RESERVED' AND expires_at <= $1 \
-             RETURNING voucher_code, customer_id",
-        )
-        .bind(now)
-        .bind(&ids)
-        .fetch_all(&mut *tx)
-        .await?;
-        let restocks = release_units(&mut tx, &released).await?;
-        tx.commit().await?;
-        Ok(restocks)
+        Ok(group_restocks(rows))
     }
 
     async fn reap_expired(&self, now: Millis) -> Result<Vec<Restock>, LedgerError> {
@@ -456,49 +472,60 @@ impl Ledger for PostgresLedger {
 impl PostgresLedger {
     async fn try_commit_batch(&self, batch: &Batch) -> Result<Vec<RowOutcome>, LedgerError> {
         let code = batch.voucher_code.as_str();
+        let mut customers: Vec<i64> = batch.rows.iter().map(|r| r.customer_id).collect();
+        customers.sort_unstable();
+        customers.dedup();
         let mut tx = self.pool.begin().await?;
-        // The fence first: this node's lease, locked for the batch, must still be ACTIVE.
-        type Head = (i64, i64, i64, i64, String, i64, i64);
+        // The customers' usage rows are created if missing (in customer order, so two batches
+        // sharing customers cannot deadlock), and the fence: this node's lease, locked for the
+        // batch, must still be ACTIVE.
+        type Head = (i64, i64, i64, String, i64, i64);
         let head: Option<Head> = sqlx::query_as(
-            "SELECT l.granted - l.consumed, v.per_user_limit, v.discount_amount, v.total_limit, \
+            "WITH missing AS ( \
+               INSERT INTO customer_usage (voucher_code, customer_id, used) \
+               SELECT $2, c, 0 FROM UNNEST($3::bigint[]) AS t (c) ORDER BY c \
+               ON CONFLICT (voucher_code, customer_id) DO NOTHING) \
+             SELECT l.granted - l.consumed, v.per_user_limit, v.discount_amount, \
                     v.status, v.starts_at, v.ends_at \
              FROM leases l JOIN vouchers v ON v.code = l.voucher_code \
              WHERE l.id = $1 AND l.voucher_code = $2 AND l.state = 'ACTIVE' FOR UPDATE OF l",
         )
         .bind(batch.lease_id)
         .bind(code)
+        .bind(&customers)
         .fetch_optional(&mut *tx)
         .await?;
-        let Some((room, per_user_limit, discount, _, status, starts_at, ends_at)) = head else {
+        let Some((room, per_user_limit, discount, status, starts_at, ends_at)) = head else {
             return Err(LedgerError::Fenced);
         };
-        // The customers' usage rows: created if missing, then locked, both in customer order so
-        // two batches sharing customers cannot deadlock.
-        let mut customers: Vec<i64> = batch.rows.iter().map(|r| r.customer_id).collect();
-        customers.sort_unstable();
-        customers.dedup();
-        sqlx::query(
-            "INSERT INTO customer_usage (voucher_code, customer_id, used) \
-             SELECT $1, c, 0 FROM UNNEST($2::bigint[]) AS t (c) ORDER BY c \
-             ON CONFLICT (voucher_code, customer_id) DO NOTHING",
-        )
-        .bind(code)
-        .bind(&customers)
-        .execute(&mut *tx)
-        .await?;
-        let used: HashMap<i64, i64> = sqlx::query_as(
-            "SELECT customer_id, used FROM customer_usage \
-             WHERE voucher_code = $1 AND customer_id = ANY($2) ORDER BY customer_id FOR UPDATE",
-        )
+        // Lock the usage rows (in customer order) and read the stored orders in one round trip.
+        // The orders are read with the statement's snapshot, which may predate a batch that held
+        // one of these locks; an order it stored is then met again at insert and re-read below.
+        let order_ids: Vec<String> = batch.rows.iter().map(|r| r.order_id.clone()).collect();
+        let rows = sqlx::query(&format!(
+            "WITH locked AS ( \
+               SELECT customer_id, used FROM customer_usage \
+               WHERE voucher_code = $2 AND customer_id = ANY($3) ORDER BY customer_id FOR UPDATE) \
+             SELECT {RESERVATION_COLUMNS}, NULL::BIGINT AS used FROM reservations \
+             WHERE order_id = ANY($1) \
+             UNION ALL \
+             SELECT NULL, NULL, customer_id, NULL, NULL, NULL, used FROM locked"
+        ))
+        .bind(&order_ids)
         .bind(code)
         .bind(&customers)
         .fetch_all(&mut *tx)
-        .await?
-        .into_iter()
-        .collect();
-        // Read after the usage locks: a same-customer batch that held them has committed.
-        let order_ids: Vec<String> = batch.rows.iter().map(|r| r.order_id.clone()).collect();
-        let existing = orders_in(&mut tx, &order_ids).await?;
+        .await?;
+        let mut existing = Vec::new();
+        let mut used: HashMap<i64, i64> = HashMap::new();
+        for row in &rows {
+            match row.try_get::<Option<i64>, _>("used")? {
+                Some(n) => {
+                    used.insert(row.try_get("customer_id")?, n);
+                }
+                None => existing.push(reservation_from(row)?),
+            }
+        }
 
         let blocked = super::refuses_new(&status, starts_at, ends_at, batch.now);
         let plan = plan_batch(code, &batch.rows, &existing, &used, per_user_limit, blocked);
@@ -629,22 +656,6 @@ async fn orders_in(tx: &mut Tx, order_ids: &[String]) -> Result<Vec<Reservation>
         .collect::<Result<_, _>>()?)
 }
 
-async fn load_reservation(
-    tx: &mut Tx,
-    code: &str,
-    order_id: &str,
-) -> Result<Reservation, LedgerError> {
-    let row = sqlx::query(&format!(
-        "SELECT {RESERVATION_COLUMNS} FROM reservations WHERE order_id = $1 AND voucher_code = $2"
-    ))
-    .bind(order_id)
-    .bind(code)
-    .fetch_optional(&mut **tx)
-    .await?
-    .ok_or(LedgerError::NotFound)?;
-    Ok(reservation_from(&row)?)
-}
-
 /// Puts the unused units of closed leases back to `free`.
 async fn give_back(tx: &mut Tx, rows: Vec<(String, i64)>) -> Result<Vec<Restock>, LedgerError> {
     let restocks = group_restocks(rows);
@@ -662,44 +673,5 @@ async fn give_back(tx: &mut Tx, rows: Vec<(String, i64)>) -> Result<Vec<Restock>
         .execute(&mut **tx)
         .await?;
     }
-    Ok(restocks)
-}
-
-/// Counter side of releasing reservations (already marked RELEASED): each unit back to `free`,
-/// each customer's usage down by one.
-async fn release_units(
-    tx: &mut Tx,
-    released: &[(String, i64)],
-) -> Result<Vec<Restock>, LedgerError> {
-    if released.is_empty() {
-        return Ok(Vec::new());
-    }
-    let restocks = group_restocks(released.iter().map(|(c, _)| (c.clone(), 1)).collect());
-    let (codes, units): (Vec<String>, Vec<i64>) = restocks
-        .iter()
-        .map(|r| (r.voucher_code.clone(), r.units))
-        .unzip();
-    sqlx::query(
-        "UPDATE vouchers SET free = free + d.n, released = released + d.n \
-         FROM UNNEST($1::text[], $2::bigint[]) AS d (code, n) WHERE vouchers.code = d.code",
-    )
-    .bind(&codes)
-    .bind(&units)
-    .execute(&mut **tx)
-    .await?;
-    let list = per_customer(released);
-    let codes: Vec<&str> = list.iter().map(|(c, _, _)| c.as_str()).collect();
-    let custs: Vec<i64> = list.iter().map(|(_, c, _)| *c).collect();
-    let ns: Vec<i64> = list.iter().map(|(_, _, n)| *n).collect();
-    sqlx::query(
-        "UPDATE customer_usage SET used = used - d.n \
-         FROM UNNEST($1::text[], $2::bigint[], $3::bigint[]) AS d (code, customer, n) \
-         WHERE customer_usage.voucher_code = d.code AND customer_usage.customer_id = d.customer",
-    )
-    .bind(&codes)
-    .bind(&custs)
-    .bind(&ns)
-    .execute(&mut **tx)
-    .await?;
     Ok(restocks)
 }
