@@ -91,10 +91,10 @@ if sold:
     print(f"  batches {batches:.0f} ({sold / max(batches, 1):.1f} reservations each), lease grants {grants:.0f}; "
           f"per 1000 reservations: {1000 * batches / sold:.1f} batch commits")
 if after > before and sold:
-    # A batch is 5 round trips: BEGIN, fence (lease lock) + voucher + missing usage rows,
-    # usage locks + stored orders, write, COMMIT.
+    # A batch is 6 round trips: BEGIN, fence (lease lock) + voucher + missing usage rows,
+    # usage locks, stored orders, write, COMMIT.
     print(f"  PostgreSQL transactions: {after - before} for {sold} reservations = {1000 * (after - before) / sold:.1f} per 1000; "
-          f"batch round trips per 1000 reservations: {5 * 1000 * batches / sold:.0f}")
+          f"batch round trips per 1000 reservations: {6 * 1000 * batches / sold:.0f}")
 PY
 }
 echo "mode $mode, $nodes node(s), $conns connections, ${duration}s per run, release build"

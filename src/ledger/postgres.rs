@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use sqlx::{Postgres, Row, Transaction};
+use sqlx::{Postgres, Transaction};
 
 use super::rows::{
     group_restocks, reservation_from, voucher_from, RESERVATION_COLUMNS, VOUCHER_COLUMNS,
@@ -498,34 +498,21 @@ impl PostgresLedger {
         let Some((room, per_user_limit, discount, status, starts_at, ends_at)) = head else {
             return Err(LedgerError::Fenced);
         };
-        // Lock the usage rows (in customer order) and read the stored orders in one round trip.
-        // The orders are read with the statement's snapshot, which may predate a batch that held
-        // one of these locks; an order it stored is then met again at insert and re-read below.
-        let order_ids: Vec<String> = batch.rows.iter().map(|r| r.order_id.clone()).collect();
-        let rows = sqlx::query(&format!(
-            "WITH locked AS ( \
-               SELECT customer_id, used FROM customer_usage \
-               WHERE voucher_code = $2 AND customer_id = ANY($3) ORDER BY customer_id FOR UPDATE) \
-             SELECT {RESERVATION_COLUMNS}, NULL::BIGINT AS used FROM reservations \
-             WHERE order_id = ANY($1) \
-             UNION ALL \
-             SELECT NULL, NULL, customer_id, NULL, NULL, NULL, used FROM locked"
-        ))
-        .bind(&order_ids)
+        // Lock the usage rows (in customer order), then read the stored orders: a new statement,
+        // so it sees what a same-customer batch that held those locks committed (its snapshot
+        // is taken after the locks are granted).
+        let used: HashMap<i64, i64> = sqlx::query_as(
+            "SELECT customer_id, used FROM customer_usage \
+             WHERE voucher_code = $1 AND customer_id = ANY($2) ORDER BY customer_id FOR UPDATE",
+        )
         .bind(code)
         .bind(&customers)
         .fetch_all(&mut *tx)
-        .await?;
-        let mut existing = Vec::new();
-        let mut used: HashMap<i64, i64> = HashMap::new();
-        for row in &rows {
-            match row.try_get::<Option<i64>, _>("used")? {
-                Some(n) => {
-                    used.insert(row.try_get("customer_id")?, n);
-                }
-                None => existing.push(reservation_from(row)?),
-            }
-        }
+        .await?
+        .into_iter()
+        .collect();
+        let order_ids: Vec<String> = batch.rows.iter().map(|r| r.order_id.clone()).collect();
+        let existing = orders_in(&mut tx, &order_ids).await?;
 
         let blocked = super::refuses_new(&status, starts_at, ends_at, batch.now);
         let plan = plan_batch(code, &batch.rows, &existing, &used, per_user_limit, blocked);
