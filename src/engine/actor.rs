@@ -69,6 +69,8 @@ pub(crate) struct Recall;
 const VOUCHER_REFRESH_MS: i64 = 1000;
 /// How soon an actor waiting for recalled units asks the ledger again.
 const RECALL_PROBE_MS: i64 = 50;
+/// How often an actor waiting for units repeats its RECALL.
+const RECALL_REPEAT_MS: i64 = 100;
 
 struct Pending {
     req: ReserveRequest,
@@ -461,7 +463,7 @@ impl VoucherActor {
                         // flight): wait a little for them instead of refusing at once.
                         self.hold_for(Hold::Waiting, RECALL_PROBE_MS);
                         if now >= self.next_recall {
-                            self.next_recall = now + self.core.settings.soldout_probe_ms;
+                            self.next_recall = now + RECALL_REPEAT_MS;
                             self.core.signals.publish(&self.code, Signal::Recall);
                         }
                     } else {
