@@ -294,18 +294,29 @@ impl VoucherActor {
     /// before a reaper may take the lease); units left in expiring ones are handed back.
     fn drop_unservable_leases(&mut self, now: Millis) {
         let safety = self.core.settings.lease_safety_ms;
+        self.give_back_leases(now, LeaseEvent::Lost, |l| {
+            l.room() > 0 && l.expires_at - safety > now
+        });
+    }
+
+    /// Stops serving from every lease `keep` rejects (never the one the batch in flight draws
+    /// on) and hands their unused units back to `free`.
+    fn give_back_leases(
+        &mut self,
+        now: Millis,
+        event: LeaseEvent,
+        keep: impl Fn(&LocalLease) -> bool,
+    ) {
         let in_flight = self.committing;
-        let mut keep = VecDeque::with_capacity(self.leases.len());
-        for l in self.leases.drain(..) {
-            let expiring = l.expires_at - safety <= now;
-            if Some(l.id) == in_flight || (l.room() > 0 && !expiring) {
-                keep.push_back(l);
-            } else if l.room() > 0 {
-                m::lease(LeaseEvent::Lost);
-                spawn_return(&self.core, l.id, now);
-            }
+        let (kept, dropped): (VecDeque<LocalLease>, VecDeque<LocalLease>) = self
+            .leases
+            .drain(..)
+            .partition(|l| Some(l.id) == in_flight || keep(l));
+        self.leases = kept;
+        for l in dropped.into_iter().filter(|l| l.room() > 0) {
+            m::lease(event);
+            spawn_return(&self.core, l.id, now);
         }
-        self.leases = keep;
     }
 
     fn start_batch(&mut self, ctx: &mut Context<Self>) {
@@ -555,18 +566,8 @@ impl VoucherActor {
     /// Returns every lease not drawn on by the batch in flight (that one follows when it lands).
     fn return_idle_leases(&mut self) {
         let now = self.now();
-        let in_flight = self.committing;
-        self.recall_pending = in_flight.is_some();
-        let mut keep = VecDeque::new();
-        for l in self.leases.drain(..) {
-            if Some(l.id) == in_flight {
-                keep.push_back(l);
-            } else if l.room() > 0 {
-                m::lease(LeaseEvent::Recalled);
-                spawn_return(&self.core, l.id, now);
-            }
-        }
-        self.leases = keep;
+        self.recall_pending = self.committing.is_some();
+        self.give_back_leases(now, LeaseEvent::Recalled, |_| false);
     }
 
     /// Re-reads the voucher's definition from the ledger.
@@ -593,10 +594,7 @@ impl VoucherActor {
         let s = &core.settings;
         let idle = now - self.last_activity;
         if idle >= s.lease_idle_timeout_ms && self.committing.is_none() && self.pending.is_empty() {
-            for l in self.leases.drain(..) {
-                m::lease(LeaseEvent::Returned);
-                spawn_return(&self.core, l.id, now);
-            }
+            self.give_back_leases(now, LeaseEvent::Returned, |_| false);
         }
         self.renew_if_due(now, ctx);
         // A sold-out or dry actor with nothing to serve probes the ledger at a fixed rate. The
@@ -712,9 +710,7 @@ impl Actor for VoucherActor {
         self.fail_all(EngineError::Unavailable);
         self.core.forget(&self.code, self.generation);
         let now = self.now();
-        for l in self.leases.drain(..) {
-            spawn_return(&self.core, l.id, now);
-        }
+        self.give_back_leases(now, LeaseEvent::Returned, |_| false);
     }
 }
 
