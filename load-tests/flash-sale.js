@@ -5,7 +5,7 @@ import exec from 'k6/execution';
 import { check } from 'k6';
 import { Counter } from 'k6/metrics';
 import http from 'k6/http';
-import { BASES, createVoucher, createdOnServers, checkLedger, reserve, warm } from './lib.js';
+import { BASES, createVoucher, createdOnServers, checkLedger, reserve, warm, latencyThreshold } from './lib.js';
 
 const TOTAL = parseInt(__ENV.TOTAL || '1000', 10);
 const PEAK = parseInt(__ENV.PEAK_RATE || '5000', 10);
@@ -28,12 +28,11 @@ export const options = {
       ],
     },
   },
-  thresholds: {
+  thresholds: Object.assign(latencyThreshold(), {
     checks: ['rate==1.0'],
     http_req_failed: ['rate==0'],
-    'http_req_duration{kind:reserve}': ['p(99)<100'],
     reservations_created: [`count<=${TOTAL}`],
-  },
+  }),
   summaryTrendStats: ['avg', 'p(50)', 'p(90)', 'p(99)', 'max'],
 };
 

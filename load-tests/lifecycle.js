@@ -4,7 +4,7 @@
 import exec from 'k6/execution';
 import { check } from 'k6';
 import http from 'k6/http';
-import { base, createVoucher, createdOnServers, checkLedger, reserve, warm } from './lib.js';
+import { base, createVoucher, createdOnServers, checkLedger, reserve, warm, latencyThreshold } from './lib.js';
 
 const RATE = parseInt(__ENV.RATE || '500', 10);
 
@@ -21,11 +21,10 @@ export const options = {
       maxVUs: 1000,
     },
   },
-  thresholds: {
+  thresholds: Object.assign(latencyThreshold(), {
     checks: ['rate==1.0'],
     http_req_failed: ['rate==0'],
-    'http_req_duration{kind:reserve}': ['p(99)<100'],
-  },
+  }),
   summaryTrendStats: ['avg', 'p(50)', 'p(90)', 'p(99)', 'max'],
 };
 

@@ -4,7 +4,7 @@ use actix_web::{web, HttpResponse};
 use serde::Serialize;
 
 use super::{check_code, timestamp, ApiError, AppState};
-use crate::engine::VoucherView;
+use crate::domain::Voucher;
 
 #[derive(Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -18,16 +18,16 @@ pub struct PublicVoucher<'a> {
     sold_out: bool,
 }
 
-impl<'a> From<&'a VoucherView> for PublicVoucher<'a> {
-    fn from(v: &'a VoucherView) -> Self {
+impl<'a> PublicVoucher<'a> {
+    fn new(v: &'a Voucher, sold_out: bool) -> Self {
         Self {
-            code: &v.voucher.code,
-            discount_amount: v.voucher.discount_amount,
-            min_order_amount: v.voucher.min_order_amount,
-            starts_at: timestamp(v.voucher.starts_at),
-            ends_at: timestamp(v.voucher.ends_at),
-            status: v.voucher.status.as_str(),
-            sold_out: v.sold_out(),
+            code: &v.code,
+            discount_amount: v.discount_amount,
+            min_order_amount: v.min_order_amount,
+            starts_at: timestamp(v.starts_at),
+            ends_at: timestamp(v.ends_at),
+            status: v.status.as_str(),
+            sold_out,
         }
     }
 }
@@ -38,6 +38,6 @@ pub async fn get(
 ) -> Result<HttpResponse, ApiError> {
     let code = path.into_inner();
     check_code(&code)?;
-    let view = state.engine.voucher(&code).await?;
-    Ok(HttpResponse::Ok().json(PublicVoucher::from(&view)))
+    let (voucher, sold_out) = state.engine.public_voucher(&code).await?;
+    Ok(HttpResponse::Ok().json(PublicVoucher::new(&voucher, sold_out)))
 }

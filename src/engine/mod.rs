@@ -365,6 +365,17 @@ impl EngineHandle {
             .ok_or(EngineError::NotFound)
     }
 
+    /// The public view: the voucher and whether nothing is left to sell (one ledger read).
+    pub async fn public_voucher(&self, code: &str) -> Result<(Voucher, bool), EngineError> {
+        let (voucher, available) = self
+            .core
+            .ledger
+            .voucher_stock(code)
+            .await?
+            .ok_or(EngineError::NotFound)?;
+        Ok((voucher, available == 0))
+    }
+
     pub async fn voucher(&self, code: &str) -> Result<VoucherView, EngineError> {
         let voucher = self
             .core

@@ -56,6 +56,12 @@ impl Ledger for Dedicated {
             .await
     }
 
+    async fn voucher_stock(&self, code: &str) -> Result<Option<(Voucher, i64)>, LedgerError> {
+        let code = code.to_string();
+        self.run(move |l| async move { l.voucher_stock(&code).await })
+            .await
+    }
+
     async fn update_voucher(
         &self,
         code: &str,

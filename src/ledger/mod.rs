@@ -155,6 +155,8 @@ pub trait Ledger: Send + Sync + 'static {
     async fn ping(&self) -> Result<(), LedgerError>;
     async fn create_voucher(&self, voucher: &Voucher, now: Millis) -> Result<(), LedgerError>;
     async fn voucher(&self, code: &str) -> Result<Option<Voucher>, LedgerError>;
+    /// A voucher and the units still to be had (free plus unused in active leases), in one read.
+    async fn voucher_stock(&self, code: &str) -> Result<Option<(Voucher, i64)>, LedgerError>;
     /// Applies a patch; `total_limit` may only grow, and what it grows by becomes `free`.
     async fn update_voucher(
         &self,

@@ -15,10 +15,11 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use sqlx::{Postgres, Transaction};
+use sqlx::{Postgres, Row, Transaction};
 
 use super::rows::{
     group_restocks, reservation_from, voucher_from, RESERVATION_COLUMNS, VOUCHER_COLUMNS,
+    VOUCHER_STOCK_SQL,
 };
 use super::{
     plan_batch, resolve_plan, Batch, Closing, Counters, Grant, Lease, Ledger, LedgerError, Planned,
@@ -140,6 +141,17 @@ impl Ledger for PostgresLedger {
         .fetch_optional(&self.pool)
         .await?;
         Ok(row.as_ref().map(voucher_from).transpose()?)
+    }
+
+    async fn voucher_stock(&self, code: &str) -> Result<Option<(Voucher, i64)>, LedgerError> {
+        let row = sqlx::query(VOUCHER_STOCK_SQL)
+            .bind(code)
+            .fetch_optional(&self.pool)
+            .await?;
+        match row {
+            Some(row) => Ok(Some((voucher_from(&row)?, row.try_get("available")?))),
+            None => Ok(None),
+        }
     }
 
     async fn update_voucher(

@@ -12,6 +12,12 @@ pub const RESERVATION_COLUMNS: &str =
 pub const VOUCHER_COLUMNS: &str = "code, discount_amount, min_order_amount, total_limit, \
      per_user_limit, starts_at, ends_at, status";
 
+/// A voucher and the units still to be had: `free` plus the unused part of active leases.
+pub const VOUCHER_STOCK_SQL: &str = "SELECT code, discount_amount, min_order_amount, total_limit, \
+     per_user_limit, starts_at, ends_at, status, CAST(free + COALESCE((SELECT SUM(l.granted - \
+     l.consumed) FROM leases l WHERE l.voucher_code = vouchers.code AND l.state = 'ACTIVE'), 0) \
+     AS BIGINT) AS available FROM vouchers WHERE code = $1";
+
 pub fn reservation_from<'r, R>(row: &'r R) -> Result<Reservation, sqlx::Error>
 where
     R: Row,

@@ -9,6 +9,8 @@ use std::collections::HashMap;
 use std::str::FromStr;
 use std::time::Duration;
 
+use sqlx::Row;
+
 use async_trait::async_trait;
 use serde_json::json;
 use sqlx::sqlite::{
@@ -17,7 +19,7 @@ use sqlx::sqlite::{
 
 use super::rows::{
     group_restocks, per_customer, reservation_from, voucher_from, RESERVATION_COLUMNS,
-    VOUCHER_COLUMNS,
+    VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
 };
 use super::{
     plan_batch, resolve_plan, usage_deltas, Batch, Closing, Counters, Grant, Lease, Ledger,
@@ -150,6 +152,17 @@ impl Ledger for SqliteLedger {
         .fetch_optional(&self.reader)
         .await?;
         Ok(row.as_ref().map(voucher_from).transpose()?)
+    }
+
+    async fn voucher_stock(&self, code: &str) -> Result<Option<(Voucher, i64)>, LedgerError> {
+        let row = sqlx::query(VOUCHER_STOCK_SQL)
+            .bind(code)
+            .fetch_optional(&self.reader)
+            .await?;
+        match row {
+            Some(row) => Ok(Some((voucher_from(&row)?, row.try_get("available")?))),
+            None => Ok(None),
+        }
     }
 
     async fn update_voucher(

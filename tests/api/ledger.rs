@@ -86,6 +86,9 @@ async fn grants_never_exceed_free(l: &SharedLedger) {
     ));
     let c = balanced(l, "G").await;
     assert_eq!((c.free, c.leased_unused), (0, 10));
+    let (v, available) = l.voucher_stock("G").await.unwrap().unwrap();
+    assert_eq!((v.code.as_str(), available), ("G", 10));
+    assert!(l.voucher_stock("NOPE").await.unwrap().is_none());
 }
 
 async fn batches_apply_idempotency_and_limits(l: &SharedLedger) {
