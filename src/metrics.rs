@@ -174,6 +174,12 @@ pub fn reservation(outcome: Outcome) {
     counter!(RESERVATIONS, "outcome" => outcome.label()).increment(1);
 }
 
+pub fn reservations(outcome: Outcome, n: u64) {
+    if n > 0 {
+        counter!(RESERVATIONS, "outcome" => outcome.label()).increment(n);
+    }
+}
+
 pub fn request_latency(route: &'static str, elapsed: Duration) {
     histogram!(REQUEST_SECONDS, "route" => route).record(elapsed.as_secs_f64());
 }

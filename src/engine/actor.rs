@@ -12,11 +12,11 @@ use tokio::sync::oneshot;
 
 use super::sizing::{block_size, low_water, RateEstimator};
 use super::soldout::VoucherShared;
-use super::{Core, EngineError};
+use super::{error_outcome, Core, EngineError, Reserved};
 use crate::clock::Millis;
 use crate::domain::{Reservation, ReserveRequest, Voucher};
 use crate::ledger::{Batch, BatchRow, Grant, LedgerError, RowOutcome};
-use crate::metrics::{self as m, LeaseEvent};
+use crate::metrics::{self as m, LeaseEvent, Outcome};
 use crate::signals::Signal;
 
 /// The actor's answer to one reserve.
@@ -25,6 +25,59 @@ pub(crate) enum Reply {
     Created(Reservation),
     Replayed(Reservation),
     Failed(EngineError),
+}
+
+impl Reply {
+    fn outcome(&self) -> Outcome {
+        match self {
+            Self::Created(_) => Outcome::Created,
+            Self::Replayed(_) => Outcome::Replayed,
+            Self::Failed(e) => error_outcome(e),
+        }
+    }
+
+    pub(crate) fn into_result(self) -> Result<Reserved, EngineError> {
+        match self {
+            Self::Created(reservation) => Ok(Reserved {
+                reservation,
+                replayed: false,
+            }),
+            Self::Replayed(reservation) => Ok(Reserved {
+                reservation,
+                replayed: true,
+            }),
+            Self::Failed(e) => Err(e),
+        }
+    }
+}
+
+/// Answers reserves and counts them by outcome; the counts are recorded once, when the tally is
+/// dropped (once per batch where there is one).
+#[derive(Default)]
+struct Tally(Vec<(Outcome, u64)>);
+
+impl Tally {
+    fn answer(&mut self, p: Pending, reply: Reply) {
+        let outcome = reply.outcome();
+        match self.0.iter_mut().find(|(o, _)| *o == outcome) {
+            Some((_, n)) => *n += 1,
+            None => self.0.push((outcome, 1)),
+        }
+        let _ = p.reply.send(reply);
+    }
+
+    /// Answers one reserve on its own.
+    fn one(p: Pending, reply: Reply) {
+        Tally::default().answer(p, reply);
+    }
+}
+
+impl Drop for Tally {
+    fn drop(&mut self) {
+        for (outcome, n) in self.0.drain(..) {
+            m::reservations(outcome, n);
+        }
+    }
 }
 
 #[derive(Message)]
@@ -188,8 +241,9 @@ impl VoucherActor {
 
     /// Answers every waiting reserve and warm-up with `err`.
     fn fail_all(&mut self, err: EngineError) {
+        let mut tally = Tally::default();
         for p in self.pending.drain(..) {
-            let _ = p.reply.send(Reply::Failed(err.clone()));
+            tally.answer(p, Reply::Failed(err.clone()));
         }
         for w in self.warm_waiters.drain(..) {
             let _ = w.send(Err(err.clone()));
@@ -223,7 +277,7 @@ impl VoucherActor {
     /// Queues a reserve that passed eligibility, or answers it at once.
     fn admit(&mut self, p: Pending, now: Millis) {
         if self.missing {
-            let _ = p.reply.send(Reply::Failed(EngineError::NotFound));
+            Tally::one(p, Reply::Failed(EngineError::NotFound));
             return;
         }
         let Some(v) = &self.voucher else {
@@ -231,9 +285,7 @@ impl VoucherActor {
             return;
         };
         if let Err(reason) = v.check_eligible(now, p.req.order_amount) {
-            let _ = p
-                .reply
-                .send(Reply::Failed(EngineError::NotEligible(reason)));
+            Tally::one(p, Reply::Failed(EngineError::NotEligible(reason)));
             return;
         }
         // Only eligible demand drives lease sizing: refused requests leave no trace.
@@ -281,9 +333,12 @@ impl VoucherActor {
                 };
                 match hold {
                     Hold::Dry | Hold::Waiting => self.answer_without_units(waiting, ctx),
-                    Hold::Down => waiting.into_iter().for_each(|p| {
-                        let _ = p.reply.send(Reply::Failed(EngineError::Unavailable));
-                    }),
+                    Hold::Down => {
+                        let mut tally = Tally::default();
+                        for p in waiting {
+                            tally.answer(p, Reply::Failed(EngineError::Unavailable));
+                        }
+                    }
                 }
             }
             _ => {}
@@ -376,6 +431,7 @@ impl VoucherActor {
                 {
                     self.refresh_voucher(ctx);
                 }
+                let mut tally = Tally::default();
                 for (p, o) in taken.into_iter().zip(outcomes) {
                     let reply = match o {
                         RowOutcome::Created(r) => {
@@ -388,7 +444,7 @@ impl VoucherActor {
                             Reply::Failed(EngineError::NotEligible(reason))
                         }
                     };
-                    let _ = p.reply.send(reply);
+                    tally.answer(p, reply);
                 }
                 if let Some(l) = self.leases.iter_mut().find(|l| l.id == lease_id) {
                     l.used -= n - consumed;
@@ -405,8 +461,9 @@ impl VoucherActor {
             Err(e) => {
                 // No 201 without a commit: every request of the batch gets 503 and may retry
                 // (idempotently). The lease is no longer trusted.
+                let mut tally = Tally::default();
                 for p in taken {
-                    let _ = p.reply.send(Reply::Failed(EngineError::Unavailable));
+                    tally.answer(p, Reply::Failed(EngineError::Unavailable));
                 }
                 self.leases.retain(|l| l.id != lease_id);
                 if matches!(e, LedgerError::Fenced) {
@@ -544,12 +601,14 @@ impl VoucherActor {
                 Ok(rows) => rows.into_iter().map(|r| (r.order_id.clone(), r)).collect(),
                 Err(_) => {
                     m::ledger_error("find_orders");
+                    let mut tally = Tally::default();
                     for p in waiting {
-                        let _ = p.reply.send(Reply::Failed(EngineError::Unavailable));
+                        tally.answer(p, Reply::Failed(EngineError::Unavailable));
                     }
                     return;
                 }
             };
+            let mut tally = Tally::default();
             for p in waiting {
                 let reply = match found.get(&p.req.order_id) {
                     Some(r) if r.is_retry_of(&code, p.req.customer_id) => {
@@ -558,7 +617,7 @@ impl VoucherActor {
                     Some(_) => Reply::Failed(EngineError::AlreadyUsed),
                     None => Reply::Failed(EngineError::OutOfStock),
                 };
-                let _ = p.reply.send(reply);
+                tally.answer(p, reply);
             }
         }));
     }
@@ -722,6 +781,7 @@ impl Handler<Reserve> for VoucherActor {
         self.last_activity = now;
         if self.pending.len() >= self.core.settings.max_pending {
             m::mailbox_full();
+            m::reservation(Outcome::Unavailable);
             let _ = msg.reply.send(Reply::Failed(EngineError::Unavailable));
             return;
         }

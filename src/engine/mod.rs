@@ -28,9 +28,7 @@ use crate::domain::{Ineligible, Reservation, ReserveRequest, Voucher, VoucherPat
 use crate::ledger::{Counters, LedgerError, Restock, SharedLedger};
 use crate::metrics::{self as m, Outcome};
 use crate::signals::{Publisher, Signal};
-use actor::{
-    Drain, Recall, Reload, Reply, Reserve, Restocked, SoldOutElsewhere, VoucherActor, Warm,
-};
+use actor::{Drain, Recall, Reload, Reserve, Restocked, SoldOutElsewhere, VoucherActor, Warm};
 use sizing::SizingParams;
 use soldout::VoucherShared;
 
@@ -70,6 +68,26 @@ impl From<LedgerError> for EngineError {
                 Self::Unavailable
             }
         }
+    }
+}
+
+/// The metric outcome of a reserve's answer.
+pub(crate) fn outcome_of(res: &Result<Reserved, EngineError>) -> Outcome {
+    match res {
+        Ok(r) if r.replayed => Outcome::Replayed,
+        Ok(_) => Outcome::Created,
+        Err(e) => error_outcome(e),
+    }
+}
+
+pub(crate) fn error_outcome(e: &EngineError) -> Outcome {
+    match e {
+        EngineError::OutOfStock => Outcome::OutOfStock,
+        EngineError::AlreadyUsed => Outcome::AlreadyUsed,
+        EngineError::NotEligible(_) => Outcome::NotEligible,
+        EngineError::NotFound => Outcome::NotFound,
+        EngineError::Invalid(_) => Outcome::Invalid,
+        _ => Outcome::Unavailable,
     }
 }
 
@@ -226,32 +244,18 @@ impl EngineHandle {
 
     /// Reserves one unit for an order. A sold-out voucher is answered from memory, except for
     /// orders that may have won, which the ledger answers.
+    ///
+    /// Outcomes are counted where they are decided: here for what the frontend answers itself,
+    /// in the actor for the rest (once per batch where there is one).
     pub async fn reserve(&self, code: &str, req: ReserveRequest) -> Result<Reserved, EngineError> {
-        let res = self.reserve_inner(code, req).await;
-        m::reservation(match &res {
-            Ok(r) if r.replayed => Outcome::Replayed,
-            Ok(_) => Outcome::Created,
-            Err(EngineError::OutOfStock) => Outcome::OutOfStock,
-            Err(EngineError::AlreadyUsed) => Outcome::AlreadyUsed,
-            Err(EngineError::NotEligible(_)) => Outcome::NotEligible,
-            Err(EngineError::NotFound) => Outcome::NotFound,
-            Err(EngineError::Invalid(_)) => Outcome::Invalid,
-            Err(_) => Outcome::Unavailable,
-        });
-        res
-    }
-
-    async fn reserve_inner(
-        &self,
-        code: &str,
-        req: ReserveRequest,
-    ) -> Result<Reserved, EngineError> {
         for _ in 0..3 {
             let entry = self.core.entry(code);
             if entry.shared.is_sold_out() {
                 m::sold_out_short_circuit();
                 entry.shared.count_short_circuit();
-                return self.answer_sold_out(code, &req, &entry.shared).await;
+                let res = self.answer_sold_out(code, &req, &entry.shared).await;
+                m::reservation(outcome_of(&res));
+                return res;
             }
             let (tx, rx) = oneshot::channel();
             match entry.addr.try_send(Reserve {
@@ -261,6 +265,7 @@ impl EngineHandle {
                 Ok(()) => {}
                 Err(SendError::Full(_)) => {
                     m::mailbox_full();
+                    m::reservation(Outcome::Unavailable);
                     return Err(EngineError::Unavailable);
                 }
                 Err(SendError::Closed(_)) => {
@@ -270,24 +275,20 @@ impl EngineHandle {
                 }
             }
             return match tokio::time::timeout(self.core.request_timeout, rx).await {
-                Ok(Ok(Reply::Created(r))) => Ok(Reserved {
-                    reservation: r,
-                    replayed: false,
-                }),
-                Ok(Ok(Reply::Replayed(r))) => Ok(Reserved {
-                    reservation: r,
-                    replayed: true,
-                }),
-                Ok(Ok(Reply::Failed(e))) => Err(e),
+                Ok(Ok(reply)) => reply.into_result(),
                 // The actor stopped without answering. Asking again is safe: a reserve is
                 // idempotent by order id, so one that did commit comes back as its 201.
                 Ok(Err(_)) => {
                     self.core.forget(code, entry.generation);
                     continue;
                 }
-                Err(_) => Err(EngineError::Unavailable),
+                Err(_) => {
+                    m::reservation(Outcome::Unavailable);
+                    Err(EngineError::Unavailable)
+                }
             };
         }
+        m::reservation(Outcome::Unavailable);
         Err(EngineError::Unavailable)
     }
 
