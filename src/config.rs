@@ -81,12 +81,14 @@ pub struct JobSettings {
 
 impl Settings {
     /// Loads the layers; `file` is the optional `--config` file.
-    pub fn load(file: Option<&Path>) -> Result<Self, figment::Error> {
+    pub fn load(file: Option<&Path>) -> Result<Self, Box<figment::Error>> {
         let mut fig = Figment::from(Toml::string(DEFAULT_TOML));
         if let Some(file) = file {
             fig = fig.merge(Toml::file_exact(file));
         }
-        fig.merge(Env::prefixed("VOUCHERS__").split("__")).extract()
+        fig.merge(Env::prefixed("VOUCHERS__").split("__"))
+            .extract()
+            .map_err(Box::new)
     }
 
     /// The embedded defaults alone, for tests.

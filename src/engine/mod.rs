@@ -524,10 +524,13 @@ impl EngineHandle {
         Ok(units)
     }
 
-    /// Recomputes every voucher's counters from the rows; returns the codes that do not balance.
+    /// Recomputes the counters of every voucher that can still change (its window has not ended
+    /// more than a reservation TTL and a minute ago) from the rows; returns the codes that do
+    /// not balance. Vouchers long over stay as they were last seen.
     pub async fn reconcile(&self) -> Result<Vec<String>, EngineError> {
+        let ending_after = self.now_ms() - self.core.settings.reservation_ttl_ms - 60_000;
         let mut unbalanced = Vec::new();
-        for code in self.core.ledger.voucher_codes().await? {
+        for code in self.core.ledger.voucher_codes(ending_after).await? {
             if let Some(c) = self.core.ledger.counters(&code).await? {
                 m::voucher_units(&code, &c);
                 if !c.balanced {

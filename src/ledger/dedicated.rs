@@ -172,7 +172,8 @@ impl Ledger for Dedicated {
             .await
     }
 
-    async fn voucher_codes(&self) -> Result<Vec<String>, LedgerError> {
-        self.run(|l| async move { l.voucher_codes().await }).await
+    async fn voucher_codes(&self, ending_after: Millis) -> Result<Vec<String>, LedgerError> {
+        self.run(move |l| async move { l.voucher_codes(ending_after).await })
+            .await
     }
 }

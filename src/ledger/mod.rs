@@ -220,7 +220,9 @@ pub trait Ledger: Send + Sync + 'static {
     /// Counters of one voucher, with the reconciliation verdict.
     async fn counters(&self, code: &str) -> Result<Option<Counters>, LedgerError>;
     /// Codes of every voucher, for the reconciler.
-    async fn voucher_codes(&self) -> Result<Vec<String>, LedgerError>;
+    /// Codes of the vouchers whose window ends after `ending_after`: the ones whose counters can
+    /// still change by themselves (sales, expiries), which the reconciler watches.
+    async fn voucher_codes(&self, ending_after: Millis) -> Result<Vec<String>, LedgerError>;
 }
 
 pub type SharedLedger = Arc<dyn Ledger>;
@@ -425,6 +427,57 @@ pub async fn connect(url: &str, max_connections: u32) -> anyhow::Result<SharedLe
     }
 }
 
+/// Applies an operator's patch to a voucher; returns the new voucher and the units the total grew
+/// by (they become `free`). The total may only grow and the window must stay non-empty.
+pub fn apply_patch(current: &Voucher, patch: &VoucherPatch) -> Result<(Voucher, i64), LedgerError> {
+    let mut next = current.clone();
+    if let Some(status) = patch.status {
+        next.status = status;
+    }
+    if let Some(ends_at) = patch.ends_at {
+        if ends_at <= next.starts_at {
+            return Err(LedgerError::Invalid("endsAt must be after startsAt"));
+        }
+        next.ends_at = ends_at;
+    }
+    let mut added = 0;
+    if let Some(total) = patch.total_limit {
+        if total < current.total_limit {
+            return Err(LedgerError::Invalid("totalLimit may only grow"));
+        }
+        added = total - current.total_limit;
+        next.total_limit = total;
+    }
+    Ok((next, added))
+}
+
+/// The reconciliation verdict: recomputes each term from the rows and compares it with the
+/// counters (DESIGN §3). `by_status` counts reservation rows per status, `consumed` sums
+/// `consumed` over every lease of the voucher, `usage` sums the per-customer usage rows.
+pub fn reconcile(
+    mut c: Counters,
+    by_status: &[(String, i64)],
+    consumed: i64,
+    usage: i64,
+) -> Counters {
+    let count = |s: &str| {
+        by_status
+            .iter()
+            .find(|(status, _)| status == s)
+            .map_or(0, |(_, n)| *n)
+    };
+    let (rows_reserved, rows_confirmed, rows_released) =
+        (count("RESERVED"), count("CONFIRMED"), count("RELEASED"));
+    c.balanced = c.total_limit == c.free + c.leased_unused + c.reserved + c.confirmed
+        && c.reserved == rows_reserved
+        && c.confirmed == rows_confirmed
+        && c.released == rows_released
+        && consumed == rows_reserved + rows_confirmed + rows_released
+        && usage == rows_reserved + rows_confirmed
+        && c.reserved + c.confirmed <= c.total_limit;
+    c
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -540,55 +593,4 @@ mod tests {
             vec![(1, 1), (2, 2)]
         );
     }
-}
-
-/// Applies an operator's patch to a voucher; returns the new voucher and the units the total grew
-/// by (they become `free`). The total may only grow and the window must stay non-empty.
-pub fn apply_patch(current: &Voucher, patch: &VoucherPatch) -> Result<(Voucher, i64), LedgerError> {
-    let mut next = current.clone();
-    if let Some(status) = patch.status {
-        next.status = status;
-    }
-    if let Some(ends_at) = patch.ends_at {
-        if ends_at <= next.starts_at {
-            return Err(LedgerError::Invalid("endsAt must be after startsAt"));
-        }
-        next.ends_at = ends_at;
-    }
-    let mut added = 0;
-    if let Some(total) = patch.total_limit {
-        if total < current.total_limit {
-            return Err(LedgerError::Invalid("totalLimit may only grow"));
-        }
-        added = total - current.total_limit;
-        next.total_limit = total;
-    }
-    Ok((next, added))
-}
-
-/// The reconciliation verdict: recomputes each term from the rows and compares it with the
-/// counters (DESIGN §3). `by_status` counts reservation rows per status, `consumed` sums
-/// `consumed` over every lease of the voucher, `usage` sums the per-customer usage rows.
-pub fn reconcile(
-    mut c: Counters,
-    by_status: &[(String, i64)],
-    consumed: i64,
-    usage: i64,
-) -> Counters {
-    let count = |s: &str| {
-        by_status
-            .iter()
-            .find(|(status, _)| status == s)
-            .map_or(0, |(_, n)| *n)
-    };
-    let (rows_reserved, rows_confirmed, rows_released) =
-        (count("RESERVED"), count("CONFIRMED"), count("RELEASED"));
-    c.balanced = c.total_limit == c.free + c.leased_unused + c.reserved + c.confirmed
-        && c.reserved == rows_reserved
-        && c.confirmed == rows_confirmed
-        && c.released == rows_released
-        && consumed == rows_reserved + rows_confirmed + rows_released
-        && usage == rows_reserved + rows_confirmed
-        && c.reserved + c.confirmed <= c.total_limit;
-    c
 }

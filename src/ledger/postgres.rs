@@ -18,8 +18,8 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{Postgres, Row, Transaction};
 
 use super::rows::{
-    group_restocks, reservation_from, voucher_from, RESERVATION_COLUMNS, VOUCHER_COLUMNS,
-    VOUCHER_STOCK_SQL,
+    group_restocks, reservation_from, voucher_from, LIVE_CODES_SQL, RESERVATION_COLUMNS,
+    VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
 };
 use super::{
     plan_batch, resolve_plan, Batch, Closing, Counters, Grant, Lease, Ledger, LedgerError, Planned,
@@ -472,12 +472,11 @@ impl Ledger for PostgresLedger {
         )))
     }
 
-    async fn voucher_codes(&self) -> Result<Vec<String>, LedgerError> {
-        Ok(
-            sqlx::query_scalar("SELECT code FROM vouchers ORDER BY code")
-                .fetch_all(&self.pool)
-                .await?,
-        )
+    async fn voucher_codes(&self, ending_after: Millis) -> Result<Vec<String>, LedgerError> {
+        Ok(sqlx::query_scalar(LIVE_CODES_SQL)
+            .bind(ending_after)
+            .fetch_all(&self.pool)
+            .await?)
     }
 }
 

@@ -12,6 +12,9 @@ pub const RESERVATION_COLUMNS: &str =
 pub const VOUCHER_COLUMNS: &str = "code, discount_amount, min_order_amount, total_limit, \
      per_user_limit, starts_at, ends_at, status";
 
+/// Codes of vouchers whose window ends after `$1`.
+pub const LIVE_CODES_SQL: &str = "SELECT code FROM vouchers WHERE ends_at > $1 ORDER BY code";
+
 /// A voucher and the units still to be had: `free` plus the unused part of active leases.
 pub const VOUCHER_STOCK_SQL: &str = "SELECT code, discount_amount, min_order_amount, total_limit, \
      per_user_limit, starts_at, ends_at, status, CAST(free + COALESCE((SELECT SUM(l.granted - \

@@ -18,8 +18,8 @@ use sqlx::sqlite::{
 };
 
 use super::rows::{
-    group_restocks, per_customer, reservation_from, voucher_from, RESERVATION_COLUMNS,
-    VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
+    group_restocks, per_customer, reservation_from, voucher_from, LIVE_CODES_SQL,
+    RESERVATION_COLUMNS, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
 };
 use super::{
     plan_batch, resolve_plan, usage_deltas, Batch, Closing, Counters, Grant, Lease, Ledger,
@@ -555,12 +555,11 @@ impl Ledger for SqliteLedger {
         )))
     }
 
-    async fn voucher_codes(&self) -> Result<Vec<String>, LedgerError> {
-        Ok(
-            sqlx::query_scalar("SELECT code FROM vouchers ORDER BY code")
-                .fetch_all(&self.reader)
-                .await?,
-        )
+    async fn voucher_codes(&self, ending_after: Millis) -> Result<Vec<String>, LedgerError> {
+        Ok(sqlx::query_scalar(LIVE_CODES_SQL)
+            .bind(ending_after)
+            .fetch_all(&self.reader)
+            .await?)
     }
 }
 

@@ -499,10 +499,17 @@ async fn edits_follow_the_rules(l: &SharedLedger) {
     ));
     let c = balanced(l, "E").await;
     assert_eq!(c.free, 8);
-    let mut codes = l.voucher_codes().await.unwrap();
-    codes.retain(|c| c == "E");
-    assert_eq!(codes, vec!["E"]);
-    let _: HashMap<(), ()> = HashMap::new();
+    // E ends a day after NOW: watched until then, not after.
+    assert!(l
+        .voucher_codes(NOW)
+        .await
+        .unwrap()
+        .contains(&"E".to_string()));
+    assert!(!l
+        .voucher_codes(NOW + 2 * 86_400_000)
+        .await
+        .unwrap()
+        .contains(&"E".to_string()));
 }
 
 #[tokio::test]
