@@ -38,6 +38,35 @@ pub fn random_hex(bytes: usize) -> String {
     buf.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// Units a previous run of this node left in leases (it crashed, so it could not return them)
+/// come back at once instead of after the lease TTL. The embedded ledger has one node, so every
+/// ACTIVE lease is an earlier run's; in a cluster only a configured, stable node id identifies
+/// its own. Either way the fence keeps this safe: a lease closed under a live process only
+/// makes its next batch fail with 503.
+async fn reclaim_leases_of_earlier_runs(
+    ledger: &ledger::SharedLedger,
+    settings: &Settings,
+    node_id: &str,
+    now: i64,
+) -> anyhow::Result<()> {
+    let restocks = if settings.ledger.url.starts_with("sqlite:") {
+        ledger.reap_expired(i64::MAX).await
+    } else if !settings.node.id.is_empty() {
+        ledger.return_node_leases(node_id, now).await
+    } else {
+        return Ok(());
+    };
+    let units: i64 = restocks
+        .context("reclaim leases of earlier runs")?
+        .iter()
+        .map(|r| r.units)
+        .sum();
+    if units > 0 {
+        tracing::info!(units, "reclaimed units left in leases by an earlier run");
+    }
+    Ok(())
+}
+
 impl Application {
     /// Builds everything and binds the listener; must run inside an actix `System`.
     pub async fn build(settings: Settings, clock: SharedClock) -> anyhow::Result<Self> {
@@ -79,6 +108,7 @@ impl Application {
             signal_tasks.push(task);
             p
         };
+        reclaim_leases_of_earlier_runs(&ledger, &settings, &node_id, clock.now_ms()).await?;
         let (engine, shards) = EngineHandle::start(
             ledger,
             clock,
