@@ -266,13 +266,7 @@ async fn public_routes_answer_with_the_contract_shapes() {
     for key in ["orderId", "discountAmount", "expiresAt"] {
         assert!(b.get(key).is_some(), "missing {key}: {b}");
     }
-    let mut res = app
-        .client
-        .get(format!("{}/metrics", app.base))
-        .send()
-        .await
-        .unwrap();
-    let text = String::from_utf8(res.body().await.unwrap().to_vec()).unwrap();
+    let text = crate::helpers::metrics_text(&app.client, &app.base).await;
     assert!(
         text.contains("vouchers_reservations_total{outcome=\"created\"}"),
         "{text}"

@@ -10,7 +10,9 @@ use futures_util::future::join_all;
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 
-use crate::helpers::{client, eventually, send, try_reserve, Answer, Node, TOKEN};
+use crate::helpers::{
+    client, create_voucher, eventually, metrics_text, send, try_reserve, Answer, Node, TOKEN,
+};
 use crate::ledger::fresh_pg_schema;
 use crate::proxy::Proxy;
 
@@ -75,17 +77,15 @@ impl Cluster {
         self.nodes[i].base.clone()
     }
 
+    /// Every node's base URL, in node order.
+    fn bases(&self) -> Vec<String> {
+        self.nodes.iter().map(|n| n.base.clone()).collect()
+    }
+
     async fn create(&self, code: &str, total: i64, per_user: i64) {
         let body = json!({"code": code, "discountAmount": 100, "totalLimit": total, "perUserLimit": per_user,
                           "startsAt": "2020-01-01T00:00:00Z", "endsAt": "2099-01-01T00:00:00Z"});
-        let (s, b) = send(
-            &self.client,
-            "POST",
-            &format!("{}/admin/vouchers", self.base(0)),
-            Some(TOKEN),
-            Some(&body),
-        )
-        .await;
+        let (s, b) = create_voucher(&self.client, &self.base(0), &body).await;
         assert_eq!(s, 201, "{b}");
     }
 
@@ -162,7 +162,7 @@ async fn three_nodes_uneven_traffic_sell_every_unit_exactly_once() {
     let cluster = Cluster::start(3, &db, &redis, &[]).await;
     let code = code("UNEVEN");
     cluster.create(&code, 1000, 1).await;
-    let bases: Vec<String> = (0..3).map(|i| cluster.base(i)).collect();
+    let bases = cluster.bases();
     let started = Instant::now();
     let mut answers = Vec::new();
     let mut sold_out_at = None;
@@ -287,7 +287,7 @@ async fn a_killed_node_loses_nothing_and_its_units_are_sold_by_the_others() {
     let mut cluster = Cluster::start(3, &db, &redis, &env).await;
     let code = code("KILL");
     cluster.create(&code, 1000, 1).await;
-    let bases: Vec<String> = (0..3).map(|i| cluster.base(i)).collect();
+    let bases = cluster.bases();
     // Warm node 2 with a big lease, then kill it in the middle of its traffic.
     let first = flood(&cluster.client, &bases, &[1, 1, 2], &code, 1..301, 32).await;
     let acked_before: Vec<String> = first
@@ -417,7 +417,7 @@ async fn a_paused_node_is_fenced_after_its_lease_is_reaped() {
     let cluster = Cluster::start(3, &db, &redis, &env).await;
     let code = code("STOP");
     cluster.create(&code, 300, 1).await;
-    let bases: Vec<String> = (0..3).map(|i| cluster.base(i)).collect();
+    let bases = cluster.bases();
     let warm = flood(&cluster.client, &bases, &[1, 1, 1], &code, 1..61, 16).await;
     assert_eq!(count(&warm, 201), 60);
     let pool = cluster.pg().await;
@@ -507,7 +507,7 @@ async fn pausing_on_one_node_stops_every_node() {
     let cluster = Cluster::start(3, &db, &redis, &[]).await;
     let code = code("PAUSEV");
     cluster.create(&code, 100, 1).await;
-    let bases: Vec<String> = (0..3).map(|i| cluster.base(i)).collect();
+    let bases = cluster.bases();
     let warm = flood(&cluster.client, &bases, &[1, 1, 1], &code, 1..31, 8).await;
     assert_eq!(count(&warm, 201), 30);
     let patch = |status: &'static str| {
@@ -540,12 +540,9 @@ async fn pausing_on_one_node_stops_every_node() {
     }
     for base in &bases[1..] {
         eventually("UPDATED signal received", Duration::from_secs(10), || {
-            let (c, url) = (cluster.client.clone(), format!("{base}/metrics"));
+            let c = cluster.client.clone();
             async move {
-                let mut r = c.get(url).send().await.unwrap();
-                let text =
-                    String::from_utf8(r.body().limit(1 << 22).await.unwrap().to_vec()).unwrap();
-                text.lines().any(|l| {
+                metrics_text(&c, base).await.lines().any(|l| {
                     l.starts_with("vouchers_signals_total")
                         && l.contains("event=\"received\"")
                         && l.contains("kind=\"UPDATED\"")
@@ -584,7 +581,7 @@ async fn losing_redis_mid_sale_keeps_selling_correctly() {
     let cluster = Cluster::start(3, &db, &redis_via_proxy, &[]).await;
     let code = code("NOREDIS");
     cluster.create(&code, 600, 1).await;
-    let bases: Vec<String> = (0..3).map(|i| cluster.base(i)).collect();
+    let bases = cluster.bases();
     let mut answers = flood(&cluster.client, &bases, &[6, 3, 1], &code, 1..201, 32).await;
     proxy.cut();
     let mut next = 201;
@@ -618,13 +615,7 @@ async fn losing_redis_mid_sale_keeps_selling_correctly() {
         (json!(600), json!(true)),
         "{v}"
     );
-    let mut r = cluster
-        .client
-        .get(format!("{}/metrics", bases[0]))
-        .send()
-        .await
-        .unwrap();
-    let text = String::from_utf8(r.body().limit(1 << 22).await.unwrap().to_vec()).unwrap();
+    let text = metrics_text(&cluster.client, &bases[0]).await;
     assert!(
         text.contains("vouchers_redis_up 0"),
         "the outage shows in the metrics"
@@ -641,7 +632,7 @@ async fn losing_postgres_fails_fast_and_recovers() {
     let cluster = Cluster::start(2, &db_via_proxy, &redis, &[]).await;
     let code = code("NOPG");
     cluster.create(&code, 1000, 1).await;
-    let bases: Vec<String> = (0..2).map(|i| cluster.base(i)).collect();
+    let bases = cluster.bases();
     assert_eq!(
         count(
             &flood(&cluster.client, &bases, &[1, 1], &code, 1..41, 8).await,

@@ -8,7 +8,9 @@ use std::time::Duration;
 use futures_util::future::join_all;
 use serde_json::json;
 
-use crate::helpers::{client, eventually, send, temp_dir, try_reserve, Node, TOKEN};
+use crate::helpers::{
+    client, create_voucher, eventually, send, temp_dir, try_reserve, Node, TOKEN,
+};
 
 const FAST_LEASES: [(&str, &str); 4] = [
     ("VOUCHERS__ENGINE__LEASE_TTL_MS", "2000"),
@@ -25,15 +27,7 @@ async fn acknowledged_reservations_survive_sigkill() {
     let c = client();
     let body = json!({"code": "DUR", "discountAmount": 100, "totalLimit": 1000, "perUserLimit": 1,
                       "startsAt": "2020-01-01T00:00:00Z", "endsAt": "2099-01-01T00:00:00Z"});
-    let (s, _) = send(
-        &c,
-        "POST",
-        &format!("{}/admin/vouchers", node.base),
-        Some(TOKEN),
-        Some(&body),
-    )
-    .await;
-    assert_eq!(s, 201);
+    assert_eq!(create_voucher(&c, &node.base, &body).await.0, 201);
 
     // 32 clients send distinct customers without pause until the process is gone; it dies
     // (SIGKILL) right after the 100th acknowledgement, with requests still in flight.
@@ -157,15 +151,7 @@ async fn a_graceful_stop_returns_every_unused_unit() {
     let node = Node::start(&db, &[]).await;
     let c = client();
     let body = json!({"code": "BYE", "discountAmount": 100, "totalLimit": 500, "perUserLimit": 1});
-    let (s, _) = send(
-        &c,
-        "POST",
-        &format!("{}/admin/vouchers", node.base),
-        Some(TOKEN),
-        Some(&body),
-    )
-    .await;
-    assert_eq!(s, 201);
+    assert_eq!(create_voucher(&c, &node.base, &body).await.0, 201);
     let (s, _) = send(
         &c,
         "POST",

@@ -124,9 +124,7 @@ impl TestApp {
     }
 
     pub async fn create_voucher_with(&self, body: Value) -> Answer {
-        let url = format!("{}/admin/vouchers", self.base);
-        let answer = send(&self.client, "POST", &url, Some(TOKEN), Some(&body)).await;
-        answer
+        create_voucher(&self.client, &self.base, &body).await
     }
 
     pub async fn reserve(&self, code: &str, customer: i64, order: impl AsRef<str>) -> Answer {
@@ -172,6 +170,29 @@ pub async fn reserve(
     let url = format!("{base}/vouchers/{code}/reservations");
     let body = json!({ "customerId": customer, "orderId": order, "orderAmount": 5000 });
     send(client, "POST", &url, None, Some(&body)).await
+}
+
+/// `POST /admin/vouchers` with the test token.
+pub async fn create_voucher(client: &awc::Client, base: &str, body: &Value) -> Answer {
+    send(
+        client,
+        "POST",
+        &format!("{base}/admin/vouchers"),
+        Some(TOKEN),
+        Some(body),
+    )
+    .await
+}
+
+/// The Prometheus text a node exports.
+pub async fn metrics_text(client: &awc::Client, base: &str) -> String {
+    let mut res = client
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .expect("scrape");
+    let bytes = res.body().limit(1 << 22).await.expect("metrics body");
+    String::from_utf8(bytes.to_vec()).expect("metrics are text")
 }
 
 /// Polls `check` until it returns true, failing after `deadline`.
