@@ -49,6 +49,10 @@ pub struct NodeSettings {
 pub struct LedgerSettings {
     pub url: String,
     pub max_connections: u32,
+    /// Merged group-commit transactions in flight at once (0: 1 on SQLite, 2 on PostgreSQL).
+    pub commit_pipeline: usize,
+    /// Most reservation rows the committer merges into one transaction.
+    pub max_merged_rows: usize,
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -15,6 +15,10 @@ pub const LEASE_EVENTS: &str = "vouchers_lease_events_total";
 pub const LEASE_GRANTED_UNITS: &str = "vouchers_lease_granted_units_total";
 pub const BATCH_SIZE: &str = "vouchers_batch_size";
 pub const BATCH_COMMIT_SECONDS: &str = "vouchers_batch_commit_duration_seconds";
+pub const LEDGER_COMMITS: &str = "vouchers_ledger_commits_total";
+pub const COMMIT_BATCHES: &str = "vouchers_ledger_commit_batches";
+pub const COMMIT_ROWS: &str = "vouchers_ledger_commit_rows";
+pub const COMMIT_SECONDS: &str = "vouchers_ledger_commit_duration_seconds";
 pub const LEDGER_ERRORS: &str = "vouchers_ledger_errors_total";
 pub const MAILBOX_FULL: &str = "vouchers_mailbox_full_total";
 pub const VOUCHER_UNITS: &str = "vouchers_units";
@@ -98,6 +102,12 @@ pub fn install() -> PrometheusHandle {
                 .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)
                 .and_then(|b| {
                     b.set_buckets_for_metric(Matcher::Full(BATCH_SIZE.into()), SIZE_BUCKETS)
+                })
+                .and_then(|b| {
+                    b.set_buckets_for_metric(Matcher::Full(COMMIT_BATCHES.into()), SIZE_BUCKETS)
+                })
+                .and_then(|b| {
+                    b.set_buckets_for_metric(Matcher::Full(COMMIT_ROWS.into()), SIZE_BUCKETS)
                 });
             match builder.and_then(|b| b.install_recorder()) {
                 Ok(handle) => {
@@ -165,6 +175,9 @@ fn register_catalogue() {
     counter!(SOLD_OUT_SHORT_CIRCUITS).increment(0);
     counter!(LEASE_GRANTED_UNITS).increment(0);
     counter!(MAILBOX_FULL).increment(0);
+    for result in ["ok", "failed"] {
+        counter!(LEDGER_COMMITS, "result" => result).increment(0);
+    }
     counter!(RECONCILE_MISMATCHES).increment(0);
     counter!(EXPIRED).increment(0);
     gauge!(ACTIVE_ACTORS).increment(0.0);
@@ -199,6 +212,15 @@ pub fn lease_granted_units(units: i64) {
 pub fn batch(size: usize, elapsed: Duration) {
     histogram!(BATCH_SIZE).record(size as f64);
     histogram!(BATCH_COMMIT_SECONDS).record(elapsed.as_secs_f64());
+}
+
+/// One merged transaction of the node-wide group committer: how many batches (vouchers) and
+/// rows it carried, how long it took, and whether it committed.
+pub fn merged_commit(batches: usize, rows: usize, elapsed: Duration, ok: bool) {
+    counter!(LEDGER_COMMITS, "result" => if ok { "ok" } else { "failed" }).increment(1);
+    histogram!(COMMIT_BATCHES).record(batches as f64);
+    histogram!(COMMIT_ROWS).record(rows as f64);
+    histogram!(COMMIT_SECONDS).record(elapsed.as_secs_f64());
 }
 
 pub fn ledger_error(op: &'static str) {

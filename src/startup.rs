@@ -76,12 +76,8 @@ impl Application {
             .enable_all()
             .build()
             .context("start the ledger runtime")?;
-        let ledger = ledger::connect_on(
-            ledger_rt.handle().clone(),
-            &settings.ledger.url,
-            settings.ledger.max_connections,
-        )
-        .context("connect ledger")?;
+        let ledger = ledger::connect_on(ledger_rt.handle().clone(), &settings.ledger)
+            .context("connect ledger")?;
         let node_id = if settings.node.id.is_empty() {
             format!("node-{}", random_hex(4))
         } else {

@@ -1,4 +1,5 @@
-//! Runs every ledger call on a runtime of its own.
+//! Runs every ledger call on a runtime of its own, and sends `commit_batch` through the node-wide
+//! group committer.
 //!
 //! Database sockets belong to the reactor of the runtime that opened them. Without this, a pool
 //! connection opened by a busy HTTP worker would only be polled when that worker gets round to
@@ -11,18 +12,27 @@ use std::future::Future;
 use async_trait::async_trait;
 use tokio::runtime::Handle;
 
-use super::{Batch, Counters, Grant, Ledger, LedgerError, Restock, RowOutcome, SharedLedger};
+use super::committer::Committer;
+use super::{
+    Batch, BatchResults, Counters, Grant, Ledger, LedgerError, Restock, RowOutcome, SharedLedger,
+};
 use crate::clock::Millis;
 use crate::domain::{Reservation, Voucher, VoucherPatch};
 
 pub struct Dedicated {
     inner: SharedLedger,
     rt: Handle,
+    /// Where the actors' batches go: merged with every other voucher's into shared transactions.
+    committer: Committer,
 }
 
 impl Dedicated {
-    pub fn new(inner: SharedLedger, rt: Handle) -> Self {
-        Self { inner, rt }
+    pub(crate) fn new(inner: SharedLedger, rt: Handle, committer: Committer) -> Self {
+        Self {
+            inner,
+            rt,
+            committer,
+        }
     }
 
     async fn run<T, F, Fut>(&self, f: F) -> Result<T, LedgerError>
@@ -117,8 +127,12 @@ impl Ledger for Dedicated {
     }
 
     async fn commit_batch(&self, batch: &Batch) -> Result<Vec<RowOutcome>, LedgerError> {
-        let batch = batch.clone();
-        self.run(move |l| async move { l.commit_batch(&batch).await })
+        self.committer.commit(batch.clone()).await
+    }
+
+    async fn commit_batches(&self, batches: &[Batch]) -> Result<BatchResults, LedgerError> {
+        let batches = batches.to_vec();
+        self.run(move |l| async move { l.commit_batches(&batches).await })
             .await
     }
 

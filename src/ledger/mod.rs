@@ -7,6 +7,7 @@
 //! (`tests/api/ledger.rs`). The decision of which rows of a batch win is the pure function
 //! [`plan_batch`], shared by both, so the two stores cannot disagree on it.
 
+mod committer;
 mod dedicated;
 pub mod postgres;
 mod rows;
@@ -192,8 +193,20 @@ pub trait Ledger: Send + Sync + 'static {
         node: &str,
         now: Millis,
     ) -> Result<Vec<Restock>, LedgerError>;
-    /// Commits a batch in one transaction, behind the fence. Outcomes are in row order.
-    async fn commit_batch(&self, batch: &Batch) -> Result<Vec<RowOutcome>, LedgerError>;
+    /// Commits a batch in one transaction, behind the fence. Outcomes are in row order. The
+    /// one-batch case of [`Ledger::commit_batches`].
+    async fn commit_batch(&self, batch: &Batch) -> Result<Vec<RowOutcome>, LedgerError> {
+        let mut results = self.commit_batches(std::slice::from_ref(batch)).await?;
+        results
+            .pop()
+            .unwrap_or(Err(LedgerError::Invalid("no result for the batch")))
+    }
+    /// Commits several batches (of any vouchers and leases) in one transaction: the node-wide
+    /// group commit. Each batch passes its own fence and gets its own outcomes, as if the
+    /// batches had committed one after the other in slice order; a batch refused as a whole
+    /// (`Fenced`, `NotFound`) takes nothing and leaves the others to commit. The outer error
+    /// means the transaction failed and nothing of any batch was committed.
+    async fn commit_batches(&self, batches: &[Batch]) -> Result<BatchResults, LedgerError>;
     /// The reservations with these order ids (any voucher), for answering repeats without a lease.
     async fn find_orders(&self, order_ids: &[String]) -> Result<Vec<Reservation>, LedgerError>;
     /// Order ids of a voucher's live (reserved or confirmed) reservations: the won set of §5.
@@ -226,6 +239,9 @@ pub trait Ledger: Send + Sync + 'static {
 }
 
 pub type SharedLedger = Arc<dyn Ledger>;
+
+/// One result per batch of a merged commit, in the order the batches were given.
+pub type BatchResults = Vec<Result<Vec<RowOutcome>, LedgerError>>;
 
 /// What [`plan_batch`] decided for one row.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -393,20 +409,47 @@ pub fn usage_deltas(rows: &[BatchRow], inserted: impl Iterator<Item = usize>) ->
     v
 }
 
-/// Opens the ledger a URL names on `rt` (a runtime that does nothing else, so database I/O is
-/// never delayed by busy HTTP workers) and returns a handle usable from any runtime.
+/// Opens the ledger the settings name on `rt` (a runtime that does nothing else, so database
+/// I/O is never delayed by busy HTTP workers) and returns a handle usable from any runtime. Its
+/// `commit_batch` goes through the node-wide group committer ([`committer`]), which merges the
+/// batches of every voucher of the node into shared transactions.
 pub fn connect_on(
     rt: tokio::runtime::Handle,
-    url: &str,
-    max_connections: u32,
+    settings: &crate::config::LedgerSettings,
 ) -> anyhow::Result<SharedLedger> {
     // Opened from a plain thread that blocks on `rt`, so the pool's connections and background
     // tasks belong to it. Start-up only.
-    let (url2, rt2) = (url.to_string(), rt.clone());
-    let inner = std::thread::spawn(move || rt2.block_on(connect(&url2, max_connections)))
+    let (url, max_connections, rt2) = (settings.url.clone(), settings.max_connections, rt.clone());
+    let inner = std::thread::spawn(move || rt2.block_on(connect(&url, max_connections)))
         .join()
         .map_err(|_| anyhow::anyhow!("ledger start-up thread panicked"))??;
-    Ok(Arc::new(dedicated::Dedicated::new(inner, rt)))
+    Ok(grouped(inner, rt, settings))
+}
+
+/// Wraps a ledger so that every call runs on `rt` and `commit_batch` goes through a node-wide
+/// group committer spawned there (see [`committer`]).
+pub fn grouped(
+    inner: SharedLedger,
+    rt: tokio::runtime::Handle,
+    settings: &crate::config::LedgerSettings,
+) -> SharedLedger {
+    let pipeline = match settings.commit_pipeline {
+        // SQLite has one writer: a second transaction in flight would only queue behind it.
+        0 if settings.url.starts_with("sqlite:") => 1,
+        0 => 2,
+        n => n,
+    };
+    let merged = inner.clone();
+    let committer = committer::Committer::start(
+        &rt,
+        pipeline,
+        settings.max_merged_rows.max(1),
+        Arc::new(move |batches| {
+            let ledger = merged.clone();
+            Box::pin(async move { ledger.commit_batches(&batches).await })
+        }),
+    );
+    Arc::new(dedicated::Dedicated::new(inner, rt, committer))
 }
 
 /// Opens the ledger a URL names: `sqlite://…` or `postgres://…`, and runs its migrations.

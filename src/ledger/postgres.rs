@@ -6,10 +6,13 @@
 //! re-read and answered as a replay or `ALREADY_USED`). Everything that moves units between
 //! `free` and leases or reservations (grant, return, reap, release, expiry, confirm, edits)
 //! locks the voucher row first, in code order when several. Batches never touch the voucher
-//! row: `reserved` is derived from the leases (see the migration). A batch costs a fixed number
-//! of round trips however many rows it holds: rows travel as arrays (`UNNEST`, `= ANY`).
+//! row: `reserved` is derived from the leases (see the migration).
+//!
+//! The node's merged group commit (the batches of many vouchers) is one call of the server-side
+//! function `vouchers_commit_batches` (migration 0002): rows travel as arrays, the call is its
+//! own transaction, and no lock is held across a network round trip.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -22,13 +25,19 @@ use super::rows::{
     VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
 };
 use super::{
-    plan_batch, resolve_plan, Batch, Closing, Counters, Grant, Lease, Ledger, LedgerError, Planned,
-    Restock, RowOutcome, LEASE_FILTER,
+    resolve_plan, Batch, BatchResults, Closing, Counters, Grant, Lease, Ledger, LedgerError,
+    Planned, Restock, RowOutcome, LEASE_FILTER,
 };
 use crate::clock::Millis;
-use crate::domain::{Reservation, Voucher, VoucherPatch};
+use crate::domain::{Ineligible, Reservation, ReservationStatus, Voucher, VoucherPatch};
 
-const MIGRATIONS: &[(i64, &str)] = &[(1, include_str!("../../migrations/postgres/0001_init.sql"))];
+const MIGRATIONS: &[(i64, &str)] = &[
+    (1, include_str!("../../migrations/postgres/0001_init.sql")),
+    (
+        2,
+        include_str!("../../migrations/postgres/0002_merged_commit.sql"),
+    ),
+];
 
 /// An arbitrary constant that names this schema's migration lock.
 const MIGRATION_LOCK: i64 = 0x766f_7563_6865_7273;
@@ -284,17 +293,21 @@ impl Ledger for PostgresLedger {
         self.close_leases(Closing::Node(node), now).await
     }
 
-    async fn commit_batch(&self, batch: &Batch) -> Result<Vec<RowOutcome>, LedgerError> {
-        // Locks are taken in a fixed order, but two vouchers racing for one order id (or the
-        // database's own choices) can still end in a deadlock; the victim's batch runs again.
+    async fn commit_batches(&self, batches: &[Batch]) -> Result<BatchResults, LedgerError> {
+        // Lock order is fixed, but two calls racing for one order id (or the database's own
+        // choices) can still end in a deadlock; the victim runs again.
         let mut attempt = 0;
         loop {
-            match self.try_commit_batch(batch).await {
+            match self.try_commit_batches(batches).await {
                 Err(LedgerError::Unavailable(sqlx::Error::Database(e)))
                     if e.code().as_deref() == Some("40P01") && attempt < 2 =>
                 {
                     attempt += 1;
-                    tracing::warn!(code = %batch.voucher_code, attempt, "batch deadlocked; retrying");
+                    tracing::warn!(
+                        attempt,
+                        batches = batches.len(),
+                        "merged commit deadlocked; retrying"
+                    );
                 }
                 other => return other,
             }
@@ -481,123 +494,46 @@ impl Ledger for PostgresLedger {
 }
 
 impl PostgresLedger {
-    async fn try_commit_batch(&self, batch: &Batch) -> Result<Vec<RowOutcome>, LedgerError> {
-        let code = batch.voucher_code.as_str();
-        let mut customers: Vec<i64> = batch.rows.iter().map(|r| r.customer_id).collect();
-        customers.sort_unstable();
-        customers.dedup();
-        let mut tx = self.pool.begin().await?;
-        // The customers' usage rows are created if missing (in customer order, so two batches
-        // sharing customers cannot deadlock), and the fence: this node's lease, locked for the
-        // batch, must still be ACTIVE.
-        type Head = (i64, i64, i64, String, i64, i64);
-        let head: Option<Head> = sqlx::query_as(
-            "WITH missing AS ( \
-               INSERT INTO customer_usage (voucher_code, customer_id, used) \
-               SELECT $2, c, 0 FROM UNNEST($3::bigint[]) AS t (c) ORDER BY c \
-               ON CONFLICT (voucher_code, customer_id) DO NOTHING) \
-             SELECT l.granted - l.consumed, v.per_user_limit, v.discount_amount, \
-                    v.status, v.starts_at, v.ends_at \
-             FROM leases l JOIN vouchers v ON v.code = l.voucher_code \
-             WHERE l.id = $1 AND l.voucher_code = $2 AND l.state = 'ACTIVE' FOR UPDATE OF l",
-        )
-        .bind(batch.lease_id)
-        .bind(code)
-        .bind(&customers)
-        .fetch_optional(&mut *tx)
-        .await?;
-        let Some((room, per_user_limit, discount, status, starts_at, ends_at)) = head else {
-            return Err(LedgerError::Fenced);
-        };
-        // Lock the usage rows (in customer order), then read the stored orders: a new statement,
-        // so it sees what a same-customer batch that held those locks committed (its snapshot
-        // is taken after the locks are granted).
-        let used: HashMap<i64, i64> = sqlx::query_as(
-            "SELECT customer_id, used FROM customer_usage \
-             WHERE voucher_code = $1 AND customer_id = ANY($2) ORDER BY customer_id FOR UPDATE",
-        )
-        .bind(code)
-        .bind(&customers)
-        .fetch_all(&mut *tx)
-        .await?
-        .into_iter()
-        .collect();
-        let order_ids: Vec<String> = batch.rows.iter().map(|r| r.order_id.clone()).collect();
-        let existing = orders_in(&mut tx, &order_ids).await?;
-
-        let blocked = super::refuses_new(&status, starts_at, ends_at, batch.now);
-        let plan = plan_batch(code, &batch.rows, &existing, &used, per_user_limit, blocked);
-        let planned: Vec<usize> = plan
-            .iter()
-            .enumerate()
-            .filter(|(_, p)| matches!(p, Planned::Insert))
-            .map(|(i, _)| i)
-            .collect();
-        if planned.len() as i64 > room {
-            return Err(LedgerError::Fenced);
-        }
-        let mut plan = plan;
-        let mut created = HashMap::new();
-        if !planned.is_empty() {
-            let ids: Vec<&str> = planned
-                .iter()
-                .map(|&i| batch.rows[i].order_id.as_str())
-                .collect();
-            let custs: Vec<i64> = planned.iter().map(|&i| batch.rows[i].customer_id).collect();
-            // One statement writes the batch: the rows (sorted by order id, so racing inserts of
-            // the same ids wait in one order; an id stored meanwhile is skipped), the lease's
-            // consumed units and the customers' usage.
-            let inserted: HashSet<String> = sqlx::query_scalar(
-                "WITH ins AS ( \
-                   INSERT INTO reservations (order_id, voucher_code, customer_id, lease_id, \
-                     discount_amount, status, created_at, expires_at, updated_at) \
-                   SELECT o, $3, c, $4, $5, 'RESERVED', $6, $7, $6 \
-                   FROM UNNEST($1::text[], $2::bigint[]) AS t (o, c) ORDER BY o \
-                   ON CONFLICT (order_id) DO NOTHING RETURNING order_id, customer_id), \
-                 lease AS ( \
-                   UPDATE leases SET consumed = consumed + (SELECT COUNT(*) FROM ins) WHERE id = $4), \
-                 usage AS ( \
-                   UPDATE customer_usage u SET used = u.used + d.n \
-                   FROM (SELECT customer_id, COUNT(*) AS n FROM ins GROUP BY customer_id) d \
-                   WHERE u.voucher_code = $3 AND u.customer_id = d.customer_id) \
-                 SELECT order_id FROM ins",
-            )
-            .bind(&ids)
-            .bind(&custs)
-            .bind(code)
-            .bind(batch.lease_id)
-            .bind(discount)
-            .bind(batch.now)
-            .bind(batch.expires_at)
-            .fetch_all(&mut *tx)
-            .await?
-            .into_iter()
-            .collect();
-            // Rows whose id another batch stored meanwhile: the stored row answers them.
-            let lost: Vec<String> = planned
-                .iter()
-                .map(|&i| batch.rows[i].order_id.clone())
-                .filter(|o| !inserted.contains(o))
-                .collect();
-            if !lost.is_empty() {
-                let stored = orders_in(&mut tx, &lost).await?;
-                for &i in &planned {
-                    if let Some(r) = stored.iter().find(|r| r.order_id == batch.rows[i].order_id) {
-                        plan[i] = if r.is_retry_of(code, batch.rows[i].customer_id) {
-                            Planned::Replay(r.clone())
-                        } else {
-                            Planned::AlreadyUsed
-                        };
-                    }
-                }
+    /// One merged transaction: one call of `vouchers_commit_batches` per group of distinct
+    /// vouchers (one group, one round trip, unless a voucher repeats), then, only when another
+    /// transaction stored one of the order ids meanwhile, one read of those rows.
+    async fn try_commit_batches(&self, batches: &[Batch]) -> Result<BatchResults, LedgerError> {
+        let groups = distinct_voucher_groups(batches);
+        let mut verdicts = Vec::with_capacity(groups.len());
+        if let [group] = groups.as_slice() {
+            verdicts.push(call_merged(&self.pool, batches, group).await?);
+        } else {
+            let mut tx = self.pool.begin().await?;
+            for group in &groups {
+                verdicts.push(call_merged(&mut *tx, batches, group).await?);
             }
-            let won = planned
-                .into_iter()
-                .filter(|&i| inserted.contains(&batch.rows[i].order_id));
-            created = super::created_rows(batch, won, discount);
+            tx.commit().await?;
         }
-        tx.commit().await?;
-        Ok(resolve_plan(plan, &created))
+        let lost: Vec<String> = verdicts
+            .iter()
+            .flatten()
+            .filter(|v| v.verdict == "LOST")
+            .map(|v| v.order_id.clone())
+            .collect();
+        let stored = if lost.is_empty() {
+            Vec::new()
+        } else {
+            self.find_orders(&lost).await?
+        };
+        let mut results: Vec<Option<Result<Vec<RowOutcome>, LedgerError>>> =
+            batches.iter().map(|_| None).collect();
+        for (group, rows) in groups.iter().zip(verdicts) {
+            let mut rows = rows.into_iter();
+            for &i in group {
+                let batch = &batches[i];
+                let mine: Vec<Verdict> = rows.by_ref().take(batch.rows.len()).collect();
+                results[i] = Some(resolve_verdicts(batch, mine, &stored));
+            }
+        }
+        Ok(results
+            .into_iter()
+            .map(|r| r.unwrap_or(Err(LedgerError::Invalid("batch left out of the merge"))))
+            .collect())
     }
 
     /// Returns or reaps leases: their vouchers are locked first (in code order), then the
@@ -640,20 +576,6 @@ impl PostgresLedger {
     }
 }
 
-/// The stored reservations with these order ids, inside a transaction.
-async fn orders_in(tx: &mut Tx, order_ids: &[String]) -> Result<Vec<Reservation>, LedgerError> {
-    let rows = sqlx::query(&format!(
-        "SELECT {RESERVATION_COLUMNS} FROM reservations WHERE order_id = ANY($1)"
-    ))
-    .bind(order_ids)
-    .fetch_all(&mut **tx)
-    .await?;
-    Ok(rows
-        .iter()
-        .map(reservation_from)
-        .collect::<Result<_, _>>()?)
-}
-
 /// Puts the unused units of closed leases back to `free`.
 async fn give_back(tx: &mut Tx, rows: Vec<(String, i64)>) -> Result<Vec<Restock>, LedgerError> {
     let restocks = group_restocks(rows);
@@ -672,4 +594,176 @@ async fn give_back(tx: &mut Tx, rows: Vec<(String, i64)>) -> Result<Vec<Restock>
         .await?;
     }
     Ok(restocks)
+}
+
+/// Batch indexes split so that no voucher appears twice in one group (the precondition of
+/// `vouchers_commit_batches`); the node's committer sends distinct vouchers, so this is almost
+/// always one group in slice order.
+fn distinct_voucher_groups(batches: &[Batch]) -> Vec<Vec<usize>> {
+    let mut groups: Vec<(HashSet<&str>, Vec<usize>)> = Vec::new();
+    for (i, b) in batches.iter().enumerate() {
+        match groups
+            .iter_mut()
+            .find(|(codes, _)| !codes.contains(b.voucher_code.as_str()))
+        {
+            Some((codes, members)) => {
+                codes.insert(&b.voucher_code);
+                members.push(i);
+            }
+            None => groups.push((HashSet::from([b.voucher_code.as_str()]), vec![i])),
+        }
+    }
+    groups.into_iter().map(|(_, members)| members).collect()
+}
+
+/// The function's answer for one row.
+#[derive(Debug)]
+struct Verdict {
+    order_id: String,
+    verdict: String,
+    discount: Option<i64>,
+    /// The stored reservation that answers a `REPLAYED` row.
+    stored: Option<(String, i64, String, i64)>,
+}
+
+/// Calls `vouchers_commit_batches` for the batches `group` names, in one round trip.
+async fn call_merged<'e, E>(
+    ex: E,
+    batches: &[Batch],
+    group: &[usize],
+) -> Result<Vec<Verdict>, LedgerError>
+where
+    E: sqlx::Executor<'e, Database = Postgres>,
+{
+    let n_rows: usize = group.iter().map(|&i| batches[i].rows.len()).sum();
+    let (mut leases, mut codes, mut nows, mut expires) = (
+        Vec::with_capacity(group.len()),
+        Vec::with_capacity(group.len()),
+        Vec::with_capacity(group.len()),
+        Vec::with_capacity(group.len()),
+    );
+    let (mut row_batch, mut orders, mut customers) = (
+        Vec::with_capacity(n_rows),
+        Vec::with_capacity(n_rows),
+        Vec::with_capacity(n_rows),
+    );
+    for (pos, &i) in group.iter().enumerate() {
+        let b = &batches[i];
+        leases.push(b.lease_id);
+        codes.push(b.voucher_code.as_str());
+        nows.push(b.now);
+        expires.push(b.expires_at);
+        for row in &b.rows {
+            row_batch.push(pos as i32 + 1);
+            orders.push(row.order_id.as_str());
+            customers.push(row.customer_id);
+        }
+    }
+    type Out = (
+        i32,
+        String,
+        Option<i64>,
+        Option<String>,
+        Option<i64>,
+        Option<String>,
+        Option<i64>,
+    );
+    let out: Vec<Out> = sqlx::query_as(
+        "SELECT out_idx, out_verdict, out_discount, out_voucher, out_customer, out_status, \
+         out_expires FROM vouchers_commit_batches($1, $2, $3, $4, $5, $6, $7)",
+    )
+    .bind(&leases)
+    .bind(&codes)
+    .bind(&nows)
+    .bind(&expires)
+    .bind(&row_batch)
+    .bind(&orders)
+    .bind(&customers)
+    .fetch_all(ex)
+    .await?;
+    if out.len() != n_rows {
+        return Err(LedgerError::Unavailable(sqlx::Error::Protocol(
+            "merged commit returned the wrong number of rows".into(),
+        )));
+    }
+    Ok(out
+        .into_iter()
+        .map(
+            |(idx, verdict, discount, voucher, customer, status, expires)| {
+                let stored = match (voucher, customer, status, expires) {
+                    (Some(v), Some(c), Some(s), Some(e)) => Some((v, c, s, e)),
+                    _ => None,
+                };
+                Verdict {
+                    order_id: orders
+                        .get((idx as usize).wrapping_sub(1))
+                        .map(|o| o.to_string())
+                        .unwrap_or_default(),
+                    verdict,
+                    discount,
+                    stored,
+                }
+            },
+        )
+        .collect())
+}
+
+/// Turns one batch's verdicts into its outcomes (or its refusal as a whole).
+fn resolve_verdicts(
+    batch: &Batch,
+    verdicts: Vec<Verdict>,
+    stored: &[Reservation],
+) -> Result<Vec<RowOutcome>, LedgerError> {
+    if verdicts.len() != batch.rows.len() {
+        return Err(LedgerError::Invalid("merged commit lost rows of a batch"));
+    }
+    if verdicts.iter().any(|v| v.verdict == "FENCED") {
+        return Err(LedgerError::Fenced);
+    }
+    let code = batch.voucher_code.as_str();
+    let mut plan = Vec::with_capacity(verdicts.len());
+    let mut won = Vec::new();
+    let mut discount = 0;
+    for (i, v) in verdicts.into_iter().enumerate() {
+        let row = &batch.rows[i];
+        let planned = match v.verdict.as_str() {
+            "INSERT" => {
+                won.push(i);
+                discount = v.discount.unwrap_or(discount);
+                Planned::Insert
+            }
+            "REPLAYED" => match (v.stored, v.discount) {
+                (Some((voucher_code, customer_id, status, expires_at)), Some(discount_amount)) => {
+                    Planned::Replay(Reservation {
+                        order_id: row.order_id.clone(),
+                        voucher_code,
+                        customer_id,
+                        discount_amount,
+                        status: ReservationStatus::parse(&status)
+                            .ok_or(LedgerError::Invalid("stored reservation status"))?,
+                        expires_at,
+                    })
+                }
+                _ => return Err(LedgerError::Invalid("replay without its stored row")),
+            },
+            "SAME" => match batch.rows[..i]
+                .iter()
+                .position(|r| r.order_id == row.order_id)
+            {
+                Some(j) => Planned::SameAs(j),
+                None => Planned::AlreadyUsed,
+            },
+            "LOST" => match stored.iter().find(|r| r.order_id == row.order_id) {
+                Some(r) if r.is_retry_of(code, row.customer_id) => Planned::Replay(r.clone()),
+                _ => Planned::AlreadyUsed,
+            },
+            "PAUSED" => Planned::NotEligible(Ineligible::Paused),
+            "NOT_STARTED" => Planned::NotEligible(Ineligible::NotStarted),
+            "ENDED" => Planned::NotEligible(Ineligible::Ended),
+            _ => Planned::AlreadyUsed,
+        };
+        plan.push(planned);
+    }
+    let created = super::created_rows(batch, won, discount);
+    Ok(resolve_plan(plan, &created))
 }

@@ -22,8 +22,8 @@ use super::rows::{
     RESERVATION_COLUMNS, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
 };
 use super::{
-    plan_batch, resolve_plan, usage_deltas, Batch, Closing, Counters, Grant, Lease, Ledger,
-    LedgerError, Planned, Restock, RowOutcome, LEASE_FILTER,
+    plan_batch, resolve_plan, usage_deltas, Batch, BatchResults, Closing, Counters, Grant, Lease,
+    Ledger, LedgerError, Planned, Restock, RowOutcome, LEASE_FILTER,
 };
 use crate::clock::Millis;
 use crate::domain::{Reservation, Voucher, VoucherPatch};
@@ -294,113 +294,14 @@ impl Ledger for SqliteLedger {
         self.close_leases(Closing::Node(node), now).await
     }
 
-    async fn commit_batch(&self, batch: &Batch) -> Result<Vec<RowOutcome>, LedgerError> {
-        let code = batch.voucher_code.as_str();
+    async fn commit_batches(&self, batches: &[Batch]) -> Result<BatchResults, LedgerError> {
         let mut tx = self.writer.begin().await?;
-        let (per_user_limit, discount, status, starts_at, ends_at): (i64, i64, String, i64, i64) =
-            sqlx::query_as(
-                "SELECT per_user_limit, discount_amount, status, starts_at, ends_at \
-                 FROM vouchers WHERE code = ?",
-            )
-            .bind(code)
-            .fetch_optional(&mut *tx)
-            .await?
-            .ok_or(LedgerError::NotFound)?;
-        let order_ids: Vec<&str> = batch.rows.iter().map(|r| r.order_id.as_str()).collect();
-        let existing = sqlx::query(&format!(
-            "SELECT {RESERVATION_COLUMNS} FROM reservations \
-             WHERE order_id IN (SELECT value FROM json_each(?))"
-        ))
-        .bind(json_list(&order_ids))
-        .fetch_all(&mut *tx)
-        .await?
-        .iter()
-        .map(reservation_from)
-        .collect::<Result<Vec<_>, _>>()?;
-        let customers: Vec<i64> = batch.rows.iter().map(|r| r.customer_id).collect();
-        let used: HashMap<i64, i64> = sqlx::query_as(
-            "SELECT customer_id, used FROM customer_usage \
-             WHERE voucher_code = ? AND customer_id IN (SELECT value FROM json_each(?))",
-        )
-        .bind(code)
-        .bind(json_list(&customers))
-        .fetch_all(&mut *tx)
-        .await?
-        .into_iter()
-        .collect();
-
-        let blocked = super::refuses_new(&status, starts_at, ends_at, batch.now);
-        let plan = plan_batch(code, &batch.rows, &existing, &used, per_user_limit, blocked);
-        let inserts: Vec<usize> = plan
-            .iter()
-            .enumerate()
-            .filter(|(_, p)| matches!(p, Planned::Insert))
-            .map(|(i, _)| i)
-            .collect();
-        let k = inserts.len() as i64;
-        let mut created = HashMap::new();
-        if k > 0 {
-            // The fence: only an ACTIVE lease with room may be drawn on.
-            let fenced = sqlx::query(
-                "UPDATE leases SET consumed = consumed + ? \
-                 WHERE id = ? AND voucher_code = ? AND state = 'ACTIVE' AND consumed + ? <= granted",
-            )
-            .bind(k)
-            .bind(batch.lease_id)
-            .bind(code)
-            .bind(k)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected()
-                != 1;
-            if fenced {
-                return Err(LedgerError::Fenced);
-            }
-            let rows: Vec<serde_json::Value> = inserts
-                .iter()
-                .map(|&i| json!([batch.rows[i].order_id, batch.rows[i].customer_id]))
-                .collect();
-            let inserted = sqlx::query(
-                "INSERT INTO reservations (order_id, voucher_code, customer_id, lease_id, \
-                 discount_amount, status, created_at, expires_at, updated_at) \
-                 SELECT json_extract(value, '$[0]'), ?, json_extract(value, '$[1]'), ?, ?, \
-                 'RESERVED', ?, ?, ? FROM json_each(?)",
-            )
-            .bind(code)
-            .bind(batch.lease_id)
-            .bind(discount)
-            .bind(batch.now)
-            .bind(batch.expires_at)
-            .bind(batch.now)
-            .bind(json_list(&rows))
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-            if inserted != k as u64 {
-                return Err(LedgerError::Unavailable(sqlx::Error::Protocol(
-                    "reservation insert count mismatch".into(),
-                )));
-            }
-            let deltas = usage_deltas(&batch.rows, inserts.iter().copied());
-            sqlx::query(
-                "INSERT INTO customer_usage (voucher_code, customer_id, used) \
-                 SELECT ?, json_extract(value, '$[0]'), json_extract(value, '$[1]') \
-                 FROM json_each(?) WHERE true \
-                 ON CONFLICT (voucher_code, customer_id) DO UPDATE SET used = used + excluded.used",
-            )
-            .bind(code)
-            .bind(json_list(&deltas))
-            .execute(&mut *tx)
-            .await?;
-            sqlx::query("UPDATE vouchers SET reserved = reserved + ? WHERE code = ?")
-                .bind(k)
-                .bind(code)
-                .execute(&mut *tx)
-                .await?;
-            created = super::created_rows(batch, inserts.iter().copied(), discount);
+        let mut results = Vec::with_capacity(batches.len());
+        for batch in batches {
+            results.push(apply_batch(&mut tx, batch).await?);
         }
         tx.commit().await?;
-        Ok(resolve_plan(plan, &created))
+        Ok(results)
     }
 
     async fn find_orders(&self, order_ids: &[String]) -> Result<Vec<Reservation>, LedgerError> {
@@ -635,4 +536,123 @@ async fn release_units(
     .execute(&mut **tx)
     .await?;
     Ok(restocks)
+}
+
+/// Applies one batch inside a merged transaction. The outer error aborts the whole transaction;
+/// the inner one (`NotFound`, `Fenced`) refuses this batch alone, before it wrote anything.
+async fn apply_batch(
+    tx: &mut sqlx::SqliteConnection,
+    batch: &Batch,
+) -> Result<Result<Vec<RowOutcome>, LedgerError>, LedgerError> {
+    let code = batch.voucher_code.as_str();
+    let Some((per_user_limit, discount, status, starts_at, ends_at)): Option<(
+        i64,
+        i64,
+        String,
+        i64,
+        i64,
+    )> = sqlx::query_as(
+        "SELECT per_user_limit, discount_amount, status, starts_at, ends_at \
+                 FROM vouchers WHERE code = ?",
+    )
+    .bind(code)
+    .fetch_optional(&mut *tx)
+    .await?
+    else {
+        return Ok(Err(LedgerError::NotFound));
+    };
+    let order_ids: Vec<&str> = batch.rows.iter().map(|r| r.order_id.as_str()).collect();
+    let existing = sqlx::query(&format!(
+        "SELECT {RESERVATION_COLUMNS} FROM reservations \
+             WHERE order_id IN (SELECT value FROM json_each(?))"
+    ))
+    .bind(json_list(&order_ids))
+    .fetch_all(&mut *tx)
+    .await?
+    .iter()
+    .map(reservation_from)
+    .collect::<Result<Vec<_>, _>>()?;
+    let customers: Vec<i64> = batch.rows.iter().map(|r| r.customer_id).collect();
+    let used: HashMap<i64, i64> = sqlx::query_as(
+        "SELECT customer_id, used FROM customer_usage \
+             WHERE voucher_code = ? AND customer_id IN (SELECT value FROM json_each(?))",
+    )
+    .bind(code)
+    .bind(json_list(&customers))
+    .fetch_all(&mut *tx)
+    .await?
+    .into_iter()
+    .collect();
+
+    let blocked = super::refuses_new(&status, starts_at, ends_at, batch.now);
+    let plan = plan_batch(code, &batch.rows, &existing, &used, per_user_limit, blocked);
+    let inserts: Vec<usize> = plan
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| matches!(p, Planned::Insert))
+        .map(|(i, _)| i)
+        .collect();
+    let k = inserts.len() as i64;
+    let mut created = HashMap::new();
+    if k > 0 {
+        // The fence: only an ACTIVE lease with room may be drawn on.
+        let fenced = sqlx::query(
+                "UPDATE leases SET consumed = consumed + ? \
+                 WHERE id = ? AND voucher_code = ? AND state = 'ACTIVE' AND consumed + ? <= granted",
+            )
+            .bind(k)
+            .bind(batch.lease_id)
+            .bind(code)
+            .bind(k)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected()
+                != 1;
+        if fenced {
+            return Ok(Err(LedgerError::Fenced));
+        }
+        let rows: Vec<serde_json::Value> = inserts
+            .iter()
+            .map(|&i| json!([batch.rows[i].order_id, batch.rows[i].customer_id]))
+            .collect();
+        let inserted = sqlx::query(
+            "INSERT INTO reservations (order_id, voucher_code, customer_id, lease_id, \
+                 discount_amount, status, created_at, expires_at, updated_at) \
+                 SELECT json_extract(value, '$[0]'), ?, json_extract(value, '$[1]'), ?, ?, \
+                 'RESERVED', ?, ?, ? FROM json_each(?)",
+        )
+        .bind(code)
+        .bind(batch.lease_id)
+        .bind(discount)
+        .bind(batch.now)
+        .bind(batch.expires_at)
+        .bind(batch.now)
+        .bind(json_list(&rows))
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if inserted != k as u64 {
+            return Err(LedgerError::Unavailable(sqlx::Error::Protocol(
+                "reservation insert count mismatch".into(),
+            )));
+        }
+        let deltas = usage_deltas(&batch.rows, inserts.iter().copied());
+        sqlx::query(
+            "INSERT INTO customer_usage (voucher_code, customer_id, used) \
+                 SELECT ?, json_extract(value, '$[0]'), json_extract(value, '$[1]') \
+                 FROM json_each(?) WHERE true \
+                 ON CONFLICT (voucher_code, customer_id) DO UPDATE SET used = used + excluded.used",
+        )
+        .bind(code)
+        .bind(json_list(&deltas))
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query("UPDATE vouchers SET reserved = reserved + ? WHERE code = ?")
+            .bind(k)
+            .bind(code)
+            .execute(&mut *tx)
+            .await?;
+        created = super::created_rows(batch, inserts.iter().copied(), discount);
+    }
+    Ok(Ok(resolve_plan(plan, &created)))
 }

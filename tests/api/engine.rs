@@ -15,13 +15,18 @@ use crate::helpers::{eventually, temp_dir, test_settings};
 async fn engine() -> (EngineHandle, ManualClock) {
     let dir = temp_dir("engine");
     let url = format!("sqlite://{}/ledger.db", dir.display());
-    let ledger = ledger::connect(&url, 2).await.unwrap();
+    let settings = test_settings(&url);
+    // Batches go through the node-wide group committer, as in the service.
+    let ledger = ledger::grouped(
+        ledger::connect(&url, 2).await.unwrap(),
+        tokio::runtime::Handle::current(),
+        &settings.ledger,
+    );
     let clock = ManualClock::starting_now();
-    let settings = test_settings(&url).engine;
     let (engine, _shards) = EngineHandle::start(
         ledger,
         Arc::new(clock.clone()),
-        settings,
+        settings.engine,
         "engine-test".into(),
         Duration::from_secs(5),
         Publisher::disabled(),
@@ -89,4 +94,53 @@ async fn reserves_sell_out_and_come_back_without_http() {
         engine.reserve("NOPE", req(1, "x")).await,
         Err(EngineError::NotFound)
     );
+}
+
+/// Many vouchers hot at once: their batches share the node's transactions, and each voucher
+/// still sells exactly its units, every 201 in the ledger.
+#[actix_web::test]
+async fn many_hot_vouchers_at_once_each_sell_exactly_their_units() {
+    let (engine, clock) = engine().await;
+    let now = clock.now_ms();
+    let codes: Vec<String> = (0..40).map(|i| format!("HOT{i}")).collect();
+    for code in &codes {
+        let v = Voucher {
+            code: code.clone(),
+            discount_amount: 7,
+            min_order_amount: 0,
+            total_limit: 5,
+            per_user_limit: 1,
+            starts_at: now - 1,
+            ends_at: now + 3_600_000,
+            status: VoucherStatus::Active,
+        };
+        engine.create_voucher(&v).await.unwrap();
+    }
+    let requests = codes
+        .iter()
+        .flat_map(|code| (1..=8).map(move |c| (code.clone(), c, format!("{code}-o{c}"))));
+    let answers = join_all(requests.map(|(code, c, order)| {
+        let e = engine.clone();
+        async move { (code.clone(), e.reserve(&code, req(c, &order)).await) }
+    }))
+    .await;
+    for code in &codes {
+        let mine: Vec<_> = answers.iter().filter(|(c, _)| c == code).collect();
+        let created = mine.iter().filter(|(_, a)| a.is_ok()).count();
+        let refused = mine
+            .iter()
+            .filter(|(_, a)| *a == Err(EngineError::OutOfStock))
+            .count();
+        assert_eq!((created, refused), (5, 3), "{code}: {mine:?}");
+        let view = engine.voucher(code).await.unwrap();
+        assert_eq!(
+            (
+                view.counters.reserved,
+                view.counters.free + view.counters.leased_unused
+            ),
+            (5, 0),
+            "{code}: the ledger holds exactly the 201s"
+        );
+    }
+    assert!(engine.reconcile().await.unwrap().is_empty());
 }

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 
 use futures_util::future::join_all;
-use vouchers::domain::{ReservationStatus, Voucher, VoucherPatch, VoucherStatus};
+use vouchers::domain::{Ineligible, ReservationStatus, Voucher, VoucherPatch, VoucherStatus};
 use vouchers::ledger::{self, Batch, BatchRow, LedgerError, RowOutcome, SharedLedger};
 
 use crate::helpers::temp_dir;
@@ -59,6 +59,7 @@ pub async fn conformance(l: SharedLedger) {
     concurrent_grants_and_batches_never_oversell(&l).await;
     concurrent_batches_agree_on_customers_and_orders(&l).await;
     edits_follow_the_rules(&l).await;
+    merged_batches_settle_each_batch_on_its_own(&l).await;
 }
 
 async fn grants_never_exceed_free(l: &SharedLedger) {
@@ -470,6 +471,138 @@ async fn concurrent_batches_agree_on_customers_and_orders(l: &SharedLedger) {
     );
     let c = balanced(l, "X").await;
     assert_eq!(c.reserved, 20);
+}
+
+/// The node-wide group commit: batches of several vouchers (and a voucher twice) in one
+/// transaction, as if committed one after the other. A fenced batch takes nothing and the others
+/// commit; limits, replays and order-id clashes are decided per row, across batches too.
+async fn merged_batches_settle_each_batch_on_its_own(l: &SharedLedger) {
+    for (code, per_user) in [("M1", 1), ("M2", 1), ("M3", 1), ("M4", 1)] {
+        l.create_voucher(&voucher(code, 10, per_user), NOW)
+            .await
+            .unwrap();
+    }
+    let lease = |code: &'static str, units: i64| async move {
+        l.grant(code, "n1", units, NOW, TTL)
+            .await
+            .unwrap()
+            .lease
+            .unwrap()
+            .id
+    };
+    let (m1, m1b, m2, m3, m4) = (
+        lease("M1", 3).await,
+        lease("M1", 2).await,
+        lease("M2", 2).await,
+        lease("M3", 3).await,
+        lease("M4", 2).await,
+    );
+    // A stored order of M3 that the merged batch replays.
+    let stored = l
+        .commit_batch(&batch("M3", m3, rows(&[("m3-old", 30)])))
+        .await
+        .unwrap();
+    // M2's lease is gone (returned), so its batch is fenced; M4 is paused in the ledger.
+    l.return_lease(m2, NOW).await.unwrap();
+    l.update_voucher(
+        "M4",
+        &VoucherPatch {
+            status: Some(VoucherStatus::Paused),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+
+    let results = l
+        .commit_batches(&[
+            batch("M1", m1, rows(&[("m1-a", 10), ("m1-b", 11), ("m1-c", 10)])),
+            batch("M2", m2, rows(&[("m2-a", 20)])),
+            batch(
+                "M3",
+                m3,
+                rows(&[("m3-old", 30), ("m3-new", 31), ("m1-a", 32), ("m3-new", 31)]),
+            ),
+            batch("M4", m4, rows(&[("m4-a", 40)])),
+            // M1 again, on its other lease: customer 10 is already at the limit of 1.
+            batch("M1", m1b, rows(&[("m1-d", 12), ("m1-e", 10)])),
+        ])
+        .await
+        .expect("the merged transaction commits");
+    assert_eq!(results.len(), 5);
+    let m1_out = results[0].as_ref().expect("M1 commits");
+    assert!(matches!(m1_out[0], RowOutcome::Created(_)));
+    assert!(matches!(m1_out[1], RowOutcome::Created(_)));
+    assert_eq!(
+        m1_out[2],
+        RowOutcome::AlreadyUsed,
+        "customer 10 hit the limit"
+    );
+    assert!(
+        matches!(results[1], Err(LedgerError::Fenced)),
+        "M2's lease was returned: {:?}",
+        results[1]
+    );
+    let m3_out = results[2].as_ref().expect("M3 commits");
+    assert_eq!(
+        m3_out[0],
+        match &stored[0] {
+            RowOutcome::Created(r) => RowOutcome::Replayed(r.clone()),
+            other => panic!("the stored order was not created: {other:?}"),
+        },
+        "a stored order replays as it was stored"
+    );
+    assert!(matches!(m3_out[1], RowOutcome::Created(_)));
+    assert_eq!(
+        m3_out[2],
+        RowOutcome::AlreadyUsed,
+        "an order id M1's batch took in the same transaction"
+    );
+    assert!(
+        matches!((&m3_out[1], &m3_out[3]), (RowOutcome::Created(a), RowOutcome::Replayed(b)) if a == b),
+        "a repeat inside the batch gets the first row's reservation: {m3_out:?}"
+    );
+    assert_eq!(
+        results[3].as_ref().expect("M4 answers")[0],
+        RowOutcome::NotEligible(Ineligible::Paused)
+    );
+    let m1b_out = results[4].as_ref().expect("M1's second batch commits");
+    assert!(matches!(m1b_out[0], RowOutcome::Created(_)));
+    assert_eq!(
+        m1b_out[1],
+        RowOutcome::AlreadyUsed,
+        "the limit spans batches"
+    );
+
+    assert!(
+        l.find_orders(&["m2-a".into(), "m4-a".into(), "m1-c".into(), "m1-e".into()])
+            .await
+            .unwrap()
+            .is_empty(),
+        "refused rows and fenced batches leave no trace"
+    );
+    let m1_a = l.find_orders(&["m1-a".into()]).await.unwrap();
+    assert_eq!(
+        (
+            m1_a.len(),
+            m1_a[0].voucher_code.as_str(),
+            m1_a[0].customer_id
+        ),
+        (1, "M1", 10)
+    );
+    let expect = [("M1", 3, 2), ("M2", 0, 0), ("M3", 2, 1), ("M4", 0, 2)];
+    for (code, reserved, leased_unused) in expect {
+        let c = balanced(l, code).await;
+        assert_eq!(
+            (
+                c.reserved,
+                c.leased_unused,
+                c.free + c.leased_unused + c.reserved
+            ),
+            (reserved, leased_unused, 10),
+            "{code}: {c:?}"
+        );
+    }
 }
 
 async fn edits_follow_the_rules(l: &SharedLedger) {

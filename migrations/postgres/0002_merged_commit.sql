@@ -1,0 +1,147 @@
+-- The node-wide group commit in one round trip (DESIGN §2, §3, §4).
+--
+-- One call commits the batches of many vouchers at once. Each batch draws on its own lease and
+-- passes its own fence; every row gets its own verdict. The vouchers of one call are distinct
+-- (the caller splits repeats into another call of the same transaction), so per-customer
+-- limits never span two batches of a call.
+--
+-- Locks, in this order, so that calls of different nodes never wait on each other in a cycle:
+--   1. missing usage rows are created, in (voucher, customer) order;
+--   2. the batches' leases, in id order (the fence);
+--   3. the customers' usage rows, in (voucher, customer) order;
+--   4. new reservation rows, in order-id order (a row another transaction stored meanwhile is
+--      skipped and reported LOST; the caller reads the stored row after commit).
+-- Voucher rows are only read: batches never queue on them.
+--
+-- Verdicts per row: INSERT (a new reservation), REPLAYED (the stored order of the same voucher
+-- and customer answers it), SAME (a repeat of an earlier row of the batch: it gets that row's
+-- answer), ALREADY_USED, PAUSED / NOT_STARTED / ENDED (the ledger's copy of the voucher refuses
+-- new reservations), LOST (see 4), FENCED (the batch's lease is no longer ACTIVE or too small:
+-- nothing of the batch is written).
+
+CREATE OR REPLACE FUNCTION vouchers_commit_batches(
+    p_lease    BIGINT[],  -- per batch: the lease it draws on
+    p_code     TEXT[],    -- per batch: its voucher
+    p_now      BIGINT[],  -- per batch: the node's time when the batch formed
+    p_expires  BIGINT[],  -- per batch: when its reservations expire unless confirmed
+    p_batch    INT[],     -- per row: 1-based index of its batch
+    p_order    TEXT[],    -- per row
+    p_customer BIGINT[]   -- per row
+) RETURNS TABLE (
+    out_idx      INT,
+    out_verdict  TEXT,
+    out_discount BIGINT,
+    out_voucher  TEXT,
+    out_customer BIGINT,
+    out_status   TEXT,
+    out_expires  BIGINT
+)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+BEGIN
+    INSERT INTO customer_usage (voucher_code, customer_id, used)
+    SELECT DISTINCT p_code[t.b], t.c, 0::BIGINT FROM unnest(p_batch, p_customer) AS t (b, c)
+    ORDER BY 1, 2
+    ON CONFLICT (voucher_code, customer_id) DO NOTHING;
+
+    PERFORM 1 FROM leases WHERE id = ANY (p_lease) ORDER BY id FOR UPDATE;
+
+    PERFORM 1 FROM customer_usage u
+    JOIN (SELECT DISTINCT p_code[t.b] AS code, t.c FROM unnest(p_batch, p_customer) AS t (b, c)) k
+      ON u.voucher_code = k.code AND u.customer_id = k.c
+    ORDER BY u.voucher_code, u.customer_id
+    FOR UPDATE OF u;
+
+    -- A new statement: its snapshot sees everything committed before the locks were granted.
+    RETURN QUERY
+    WITH r AS (
+        SELECT t.i::int AS idx, t.b, t.o, t.c, p_code[t.b] AS code
+        FROM unnest(p_batch, p_order, p_customer) WITH ORDINALITY AS t (b, o, c, i)
+    ),
+    h AS (
+        SELECT b.i::int AS b, l.granted - l.consumed AS room, v.per_user_limit, v.discount_amount,
+               CASE WHEN v.status <> 'ACTIVE' THEN 'PAUSED'
+                    WHEN p_now[b.i] < v.starts_at THEN 'NOT_STARTED'
+                    WHEN p_now[b.i] >= v.ends_at THEN 'ENDED' END AS blocked
+        FROM unnest(p_lease, p_code) WITH ORDINALITY AS b (lease_id, code, i)
+        JOIN leases l ON l.id = b.lease_id AND l.voucher_code = b.code AND l.state = 'ACTIVE'
+        JOIN vouchers v ON v.code = b.code
+    ),
+    s AS (
+        SELECT x.order_id, x.voucher_code, x.customer_id, x.discount_amount, x.status, x.expires_at
+        FROM reservations x WHERE x.order_id = ANY (p_order)
+    ),
+    f AS (
+        SELECT DISTINCT ON (r.o) r.o, r.idx AS first_idx, r.code AS first_code, r.c AS first_c
+        FROM r ORDER BY r.o, r.idx
+    ),
+    p AS (
+        SELECT r.idx, r.b, r.o, r.c, r.code, h.b IS NULL AS dead, h.room, h.per_user_limit,
+               COALESCE(s.discount_amount, h.discount_amount) AS discount,
+               s.voucher_code AS s_voucher, s.customer_id AS s_customer, s.status AS s_status,
+               s.expires_at AS s_expires,
+               CASE
+                 WHEN s.order_id IS NOT NULL THEN
+                   CASE WHEN s.voucher_code = r.code AND s.customer_id = r.c
+                             AND s.status <> 'RELEASED'
+                        THEN 'REPLAYED' ELSE 'ALREADY_USED' END
+                 WHEN f.first_idx <> r.idx THEN
+                   CASE WHEN f.first_code = r.code AND f.first_c = r.c
+                        THEN 'SAME' ELSE 'ALREADY_USED' END
+                 WHEN h.blocked IS NOT NULL THEN h.blocked
+                 ELSE 'CANDIDATE'
+               END AS v0
+        FROM r
+        JOIN f ON f.o = r.o
+        LEFT JOIN h ON h.b = r.b
+        LEFT JOIN s ON s.order_id = r.o
+    ),
+    q AS (
+        SELECT p.*,
+               CASE WHEN p.v0 <> 'CANDIDATE' THEN p.v0
+                    WHEN COALESCE(u.used, 0) + row_number() OVER (
+                           PARTITION BY p.code, p.c, p.v0 ORDER BY p.idx) <= p.per_user_limit
+                    THEN 'INSERT'
+                    ELSE 'ALREADY_USED' END AS v1
+        FROM p
+        LEFT JOIN customer_usage u ON u.voucher_code = p.code AND u.customer_id = p.c
+    ),
+    k AS (
+        SELECT q.b,
+               bool_or(q.dead)
+                 OR count(*) FILTER (WHERE q.v1 = 'INSERT') > COALESCE(min(q.room), 0) AS fenced
+        FROM q GROUP BY q.b
+    ),
+    ins AS (
+        INSERT INTO reservations (order_id, voucher_code, customer_id, lease_id, discount_amount,
+                                  status, created_at, expires_at, updated_at)
+        SELECT q.o, q.code, q.c, p_lease[q.b], q.discount, 'RESERVED', p_now[q.b],
+               p_expires[q.b], p_now[q.b]
+        FROM q JOIN k ON k.b = q.b
+        WHERE q.v1 = 'INSERT' AND NOT k.fenced
+        ORDER BY q.o
+        ON CONFLICT (order_id) DO NOTHING
+        RETURNING order_id, lease_id, voucher_code, customer_id
+    ),
+    lu AS (
+        UPDATE leases l SET consumed = l.consumed + d.n
+        FROM (SELECT ins.lease_id, count(*) AS n FROM ins GROUP BY ins.lease_id) d
+        WHERE l.id = d.lease_id
+    ),
+    uu AS (
+        UPDATE customer_usage u SET used = u.used + d.n
+        FROM (SELECT ins.voucher_code, ins.customer_id, count(*) AS n
+              FROM ins GROUP BY ins.voucher_code, ins.customer_id) d
+        WHERE u.voucher_code = d.voucher_code AND u.customer_id = d.customer_id
+    )
+    SELECT q.idx,
+           CASE WHEN k.fenced THEN 'FENCED'
+                WHEN q.v1 = 'INSERT' AND ins.order_id IS NULL THEN 'LOST'
+                ELSE q.v1 END,
+           q.discount, q.s_voucher, q.s_customer, q.s_status, q.s_expires
+    FROM q
+    JOIN k ON k.b = q.b
+    LEFT JOIN ins ON ins.order_id = q.o AND q.v1 = 'INSERT'
+    ORDER BY q.idx;
+END
+$$;

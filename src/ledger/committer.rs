@@ -1,0 +1,269 @@
+//! The node-wide group committer (DESIGN §2, group commit).
+//!
+//! Every voucher actor of a node hands its batch here instead of opening a transaction of its
+//! own. The committer merges everything pending, from every voucher, into one call of
+//! [`Ledger::commit_batches`] (one transaction: one fsync on SQLite, one round trip on
+//! PostgreSQL) and answers each batch with its own result. Up to `pipeline` merged transactions
+//! are in flight at once; while they commit, the queue fills with the next one (double
+//! buffering), so under load the ledger is never idle and a batch waits at most one cycle
+//! behind other vouchers' work. A lone batch on an idle node is committed at once, as it was
+//! before: per-voucher batching is the one-batch case.
+//!
+//! The queue is bounded by construction: an actor has at most one batch in flight, so it holds
+//! at most one job per live actor. It is still a bounded channel, and a full one answers
+//! `Unavailable` (the actor's requests get `503`) rather than growing.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio::sync::{mpsc, oneshot, Semaphore};
+
+use super::{Batch, BatchResults, LedgerError, RowOutcome};
+use crate::metrics as m;
+
+/// What commits a merged transaction: [`super::Ledger::commit_batches`] of the node's ledger.
+pub(crate) type CommitFn = Arc<
+    dyn Fn(Vec<Batch>) -> Pin<Box<dyn Future<Output = Result<BatchResults, LedgerError>> + Send>>
+        + Send
+        + Sync,
+>;
+
+/// One actor's batch waiting for a merged transaction.
+struct Job {
+    batch: Batch,
+    reply: oneshot::Sender<CommitResult>,
+}
+
+/// The handle actors' commits go through. Cheap to clone.
+#[derive(Clone)]
+pub(crate) struct Committer {
+    queue: mpsc::Sender<Job>,
+}
+
+/// Jobs the queue holds before new batches are refused.
+const QUEUE_CAPACITY: usize = 65_536;
+
+impl Committer {
+    /// Spawns the committer loop on `rt`; it ends when every handle is dropped.
+    pub(crate) fn start(
+        rt: &tokio::runtime::Handle,
+        pipeline: usize,
+        max_rows: usize,
+        commit: CommitFn,
+    ) -> Self {
+        let (queue, rx) = mpsc::channel(QUEUE_CAPACITY);
+        rt.spawn(run(commit, rx, pipeline.max(1), max_rows.max(1)));
+        Self { queue }
+    }
+
+    /// Queues `batch` for the next merged transaction; the receiver gets its own result.
+    fn submit(&self, batch: Batch) -> Result<oneshot::Receiver<CommitResult>, LedgerError> {
+        let (reply, answer) = oneshot::channel();
+        self.queue
+            .try_send(Job { batch, reply })
+            .map_err(|_| unavailable("group commit queue is full or closed"))?;
+        Ok(answer)
+    }
+
+    /// Commits `batch` in the next merged transaction and returns its own result.
+    pub(crate) async fn commit(&self, batch: Batch) -> CommitResult {
+        self.submit(batch)?
+            .await
+            .unwrap_or_else(|_| Err(unavailable("group committer stopped")))
+    }
+}
+
+type CommitResult = Result<Vec<RowOutcome>, LedgerError>;
+
+fn unavailable(why: &'static str) -> LedgerError {
+    LedgerError::Unavailable(sqlx::Error::Protocol(why.into()))
+}
+
+async fn run(commit: CommitFn, mut rx: mpsc::Receiver<Job>, pipeline: usize, max_rows: usize) {
+    let slots = Arc::new(Semaphore::new(pipeline));
+    // A job that would have taken a transaction past `max_rows` opens the next one.
+    let mut carried: Option<Job> = None;
+    loop {
+        // Wait for a free slot first: while every slot commits, jobs pile up in the queue and
+        // all go into the next transaction.
+        let Ok(permit) = slots.clone().acquire_owned().await else {
+            return;
+        };
+        let first = match carried.take() {
+            Some(job) => job,
+            None => match rx.recv().await {
+                Some(job) => job,
+                None => return,
+            },
+        };
+        let mut rows = first.batch.rows.len();
+        let mut jobs = vec![first];
+        while rows < max_rows {
+            match rx.try_recv() {
+                Ok(job) if rows + job.batch.rows.len() > max_rows => {
+                    carried = Some(job);
+                    break;
+                }
+                Ok(job) => {
+                    rows += job.batch.rows.len();
+                    jobs.push(job);
+                }
+                Err(_) => break,
+            }
+        }
+        let (batches, replies): (Vec<Batch>, Vec<_>) =
+            jobs.into_iter().map(|j| (j.batch, j.reply)).unzip();
+        let n = batches.len();
+        let transaction = commit(batches);
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let result = transaction.await;
+            m::merged_commit(n, rows, started.elapsed(), result.is_ok());
+            drop(permit);
+            match result {
+                Ok(results) if results.len() == n => {
+                    for (reply, res) in replies.into_iter().zip(results) {
+                        let _ = reply.send(res);
+                    }
+                }
+                Ok(_) => {
+                    tracing::error!("merged commit answered the wrong number of batches");
+                    for reply in replies {
+                        let _ = reply.send(Err(unavailable("merged commit result mismatch")));
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, batches = n, "merged commit failed");
+                    for reply in replies {
+                        let _ = reply.send(Err(unavailable("merged commit failed")));
+                    }
+                }
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ledger::BatchRow;
+    use std::sync::Mutex;
+
+    fn batch(code: &str, rows: usize) -> Batch {
+        Batch {
+            voucher_code: code.into(),
+            lease_id: 1,
+            now: 0,
+            expires_at: 1,
+            rows: (0..rows)
+                .map(|i| BatchRow {
+                    order_id: format!("{code}-{i}"),
+                    customer_id: 1 + i as i64,
+                })
+                .collect(),
+        }
+    }
+
+    /// A commit function that records the vouchers of every merged call and holds the first
+    /// call open until `release` fires, so that the test controls what queues behind it.
+    fn recording(
+        release: oneshot::Receiver<()>,
+    ) -> (
+        CommitFn,
+        Arc<Mutex<Vec<Vec<String>>>>,
+        mpsc::UnboundedReceiver<()>,
+    ) {
+        let calls = Arc::new(Mutex::new(Vec::<Vec<String>>::new()));
+        let gate = Arc::new(Mutex::new(Some(release)));
+        let (started_tx, started) = mpsc::unbounded_channel();
+        let seen = calls.clone();
+        let commit: CommitFn = Arc::new(move |batches: Vec<Batch>| {
+            let codes: Vec<String> = batches.iter().map(|b| b.voucher_code.clone()).collect();
+            seen.lock().unwrap().push(codes);
+            let gate = gate.lock().unwrap().take();
+            let started_tx = started_tx.clone();
+            Box::pin(async move {
+                let _ = started_tx.send(());
+                if let Some(gate) = gate {
+                    let _ = gate.await;
+                }
+                Ok(batches
+                    .iter()
+                    .map(|b| match b.voucher_code.as_str() {
+                        "FENCED" => Err(LedgerError::Fenced),
+                        _ => Ok(vec![RowOutcome::AlreadyUsed; b.rows.len()]),
+                    })
+                    .collect())
+            })
+        });
+        (commit, calls, started)
+    }
+
+    #[tokio::test]
+    async fn batches_queued_behind_a_commit_share_the_next_transaction() {
+        let (release, gate) = oneshot::channel();
+        let (commit, calls, mut started) = recording(gate);
+        let c = Committer::start(&tokio::runtime::Handle::current(), 1, 10_000, commit);
+        let first = c.submit(batch("A", 3)).unwrap();
+        started.recv().await.unwrap();
+        // The first transaction is in flight and holds the only slot: everything else waits.
+        let rest: Vec<_> = ["B", "C", "FENCED", "D"]
+            .iter()
+            .map(|code| c.submit(batch(code, 2)).unwrap())
+            .collect();
+        release.send(()).unwrap();
+        assert_eq!(first.await.unwrap().unwrap().len(), 3);
+        let answers: Vec<_> = futures_util::future::join_all(rest).await;
+        assert_eq!(answers[0].as_ref().unwrap().as_ref().unwrap().len(), 2);
+        assert!(
+            matches!(answers[2], Ok(Err(LedgerError::Fenced))),
+            "each batch gets its own result"
+        );
+        assert!(answers[3].as_ref().unwrap().is_ok());
+        assert_eq!(
+            *calls.lock().unwrap(),
+            vec![
+                vec!["A".to_string()],
+                vec!["B".into(), "C".into(), "FENCED".into(), "D".into()]
+            ],
+            "one transaction for the first batch, one for everything that queued behind it"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_transaction_stops_at_max_rows_and_the_rest_opens_the_next() {
+        let (release, gate) = oneshot::channel();
+        let (commit, calls, mut started) = recording(gate);
+        let c = Committer::start(&tokio::runtime::Handle::current(), 1, 4, commit);
+        let first = c.submit(batch("A", 1)).unwrap();
+        started.recv().await.unwrap();
+        let rest: Vec<_> = ["B", "C", "D"]
+            .iter()
+            .map(|code| c.submit(batch(code, 2)).unwrap())
+            .collect();
+        release.send(()).unwrap();
+        first.await.unwrap().unwrap();
+        for answer in futures_util::future::join_all(rest).await {
+            answer.unwrap().unwrap();
+        }
+        assert_eq!(
+            *calls.lock().unwrap(),
+            vec![
+                vec!["A".to_string()],
+                vec!["B".into(), "C".into()],
+                vec!["D".into()]
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_failed_transaction_answers_every_batch_in_it_unavailable() {
+        let commit: CommitFn =
+            Arc::new(|_| Box::pin(async { Err(LedgerError::Invalid("the database went away")) }));
+        let c = Committer::start(&tokio::runtime::Handle::current(), 2, 100, commit);
+        let res = c.commit(batch("A", 2)).await;
+        assert!(matches!(res, Err(LedgerError::Unavailable(_))), "{res:?}");
+    }
+}
