@@ -1,6 +1,7 @@
 -- wrk script: POST reserves with distinct customers and order ids, and count answers by status.
---   wrk -t2 -c256 -d15s -s load-tests/wrk-reserve.lua http://127.0.0.1:8080 -- CODE [ORDER_PREFIX]
--- Give each wrk process its own ORDER_PREFIX when several run against one voucher.
+--   wrk -t2 -c256 -d15s -s load-tests/wrk-reserve.lua http://127.0.0.1:8080 -- CODE [ORDER_PREFIX] [VOUCHERS]
+-- Give each wrk process its own ORDER_PREFIX when several run against one voucher. With VOUCHERS
+-- = N > 1, requests go round-robin to the vouchers CODE0 … CODE{N-1} (many hot vouchers at once).
 local threads = {}
 local counter = 0
 
@@ -12,6 +13,7 @@ end
 function init(args)
   code = args[1] or "BENCH"
   prefix = args[2] or code
+  vouchers = tonumber(args[3] or "1")
   statuses = {}
   wrk.method = "POST"
   wrk.headers["Content-Type"] = "application/json"
@@ -21,7 +23,9 @@ function request()
   counter = counter + 1
   local customer = (id + 10 * (tonumber(prefix:match("(%d+)$")) or 0)) * 100000000 + counter
   local body = string.format('{"customerId":%d,"orderId":"%s-%d","orderAmount":10000}', customer, prefix, customer)
-  return wrk.format(nil, "/vouchers/" .. code .. "/reservations", nil, body)
+  local target = code
+  if vouchers > 1 then target = code .. (counter % vouchers) end
+  return wrk.format(nil, "/vouchers/" .. target .. "/reservations", nil, body)
 end
 
 function response(status)

@@ -1,0 +1,275 @@
+#!/usr/bin/env python3
+"""Throughput and latency of POST …/reservations on this machine, as ratios to yardsticks measured
+in the same run (absolute figures on a shared 2-core box drift 10-20 % between runs).
+
+In one run, against the release build, each for DURATION seconds of wrk (CONNS connections,
+distinct customers and order ids):
+
+  ceiling      actix-web alone, parsing the same body (`baseline ceiling`): 100 %
+  pg-sql       the one-row-per-request SQL solution on PostgreSQL (`baseline postgres`)
+  redis-lua    the Redis Lua gateway, one script call per request (`baseline redis`)
+  engine       one node on SQLite (the embedded default) and one node on PostgreSQL, each with
+               one hot voucher and with 100 hot vouchers at once, as a sold-out flood (1000 units
+               in all) and as a voucher that never sells out (every request a durable
+               reservation)
+
+For every engine row it checks the books (201s seen by wrk vs the ledger, oversold units) and
+reports ledger transactions per 1000 reservations: the node's merged group commits
+(`vouchers_ledger_commits_total`), the actors' batches that went into them
+(`vouchers_batch_size_count`), and on PostgreSQL every transaction the database ran
+(`pg_stat_database`, grants, renewals and reads included).
+
+Usage: scripts/bench.sh [--duration S] [--conns N] [--only NAME,…]
+Traffic goes to 127.0.0.1 only; every process it starts is stopped at the end.
+"""
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.join(ROOT, "target", "release")
+PG_ADMIN = os.environ.get("BENCH_PG_ADMIN", "postgres://postgres@127.0.0.1:5432/test")
+REDIS = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379")
+TOKEN = f"bench-{random.randrange(1 << 30)}"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(method, url, body=None, token=None):
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("Content-Type", "application/json")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            text = r.read().decode()
+            return r.status, (json.loads(text) if text.strip().startswith(("{", "[")) else text)
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def wait_ready(url, proc, log):
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"bench: process exited early; log:\n{open(log).read()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except Exception:
+            time.sleep(0.1)
+    sys.exit(f"bench: {url} not ready after 60 s")
+
+
+class Procs:
+    def __init__(self, work):
+        self.work, self.procs = work, []
+
+    def start(self, name, argv, env=None, ready=None):
+        log = os.path.join(self.work, f"{name}.log")
+        p = subprocess.Popen(argv, env={**os.environ, **(env or {})}, cwd=ROOT,
+                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        self.procs.append(p)
+        if ready:
+            wait_ready(ready, p, log)
+        return p
+
+    def stop(self, p):
+        p.terminate()
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+    def stop_all(self):
+        for p in self.procs:
+            if p.poll() is None:
+                self.stop(p)
+
+
+def wrk(base, code, prefix, vouchers, args):
+    out = subprocess.run(
+        ["wrk", f"-t{args.threads}", f"-c{args.conns}", f"-d{args.duration}s", "-s",
+         os.path.join(ROOT, "load-tests", "wrk-reserve.lua"), base, "--", code, prefix,
+         str(vouchers)],
+        capture_output=True, text=True, check=True).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    m = re.search(r"p50 ([\d.]+)ms p99 ([\d.]+)ms", out)
+    statuses = {int(k): int(v) for k, v in re.findall(r"status (\d+): (\d+)", out)}
+    errors = re.search(r"Socket errors: (.*)", out)
+    return {"rps": rps, "p50": float(m.group(1)), "p99": float(m.group(2)),
+            "statuses": statuses, "socket_errors": errors.group(1) if errors else ""}
+
+
+def scrape(base):
+    status, text = http("GET", f"{base}/metrics")
+    sums = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name_labels, value = line.rsplit(" ", 1)
+        sums[name_labels] = float(value)
+    return sums
+
+
+def metric(snap, prefix, label=""):
+    return sum(v for k, v in snap.items() if k.startswith(prefix) and label in k)
+
+
+def psql(url, sql):
+    return subprocess.run(["psql", "-Atq", url, "-c", sql], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def pg_xacts(db):
+    return int(psql(PG_ADMIN, f"select xact_commit + xact_rollback from pg_stat_database "
+                              f"where datname = '{db}'") or 0)
+
+
+def run_engine_scenario(name, base, codes, total_each, args, db=None):
+    for code in codes:
+        s, body = http("POST", f"{base}/admin/vouchers",
+                       {"code": code, "discountAmount": 100, "totalLimit": total_each,
+                        "perUserLimit": 1}, TOKEN)
+        assert s == 201, (s, body)
+    for code in codes:
+        s, body = http("POST", f"{base}/admin/vouchers/{code}/warm", None, TOKEN)
+        assert s == 204, (s, body)
+    before, xa = scrape(base), pg_xacts(db) if db else 0
+    stem = codes[0] if len(codes) == 1 else codes[0][:-1]
+    r = wrk(base, stem, f"{stem}-n0", len(codes), args)
+    time.sleep(1)  # wrk stops with answers in flight: let them land before reading the books
+    after, xb = scrape(base), pg_xacts(db) if db else 0
+    sold = 0
+    balanced = True
+    for code in codes:
+        s, view = http("GET", f"{base}/admin/vouchers/{code}", None, TOKEN)
+        sold += view["reserved"] + view["confirmed"]
+        balanced &= view["balanced"]
+    d = lambda p, label="": metric(after, p, label) - metric(before, p, label)
+    commits = d("vouchers_ledger_commits_total", 'result="ok"')
+    batches = d("vouchers_batch_size_count")
+    per_k = lambda n: 1000 * n / sold if sold else float("nan")
+    r.update(name=name, sold=sold, created=r["statuses"].get(201, 0), balanced=balanced,
+             oversold=max(0, sold - total_each * len(codes)),
+             commits_k=per_k(commits), batches_k=per_k(batches),
+             pg_k=per_k(xb - xa) if db else None)
+    return r
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--duration", type=int, default=int(os.environ.get("DURATION", 10)))
+    ap.add_argument("--conns", type=int, default=int(os.environ.get("CONNS", 256)))
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("THREADS", 2)))
+    ap.add_argument("--only", default="", help="comma-separated: ceiling,pg-sql,redis-lua,sqlite,postgres")
+    args = ap.parse_args()
+    only = set(filter(None, args.only.split(",")))
+    want = lambda n: not only or n in only
+    for tool in ("wrk", "psql", "redis-cli"):
+        if not shutil.which(tool):
+            sys.exit(f"bench: install {tool}")
+    subprocess.run(["cargo", "build", "--release", "--bins"], cwd=ROOT, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    work = tempfile.mkdtemp(prefix="vouchers-bench-")
+    procs = Procs(work)
+    db = f"vouchers_bench_{random.randrange(1 << 30)}"
+    psql(PG_ADMIN, f"CREATE DATABASE {db}")
+    db_url = PG_ADMIN.rsplit("/", 1)[0] + "/" + db
+    rows = []
+    tag = f"{random.randrange(1 << 20):05x}"
+    try:
+        for name, mode, url in (("ceiling", "ceiling", None), ("pg-sql", "postgres", db_url),
+                                ("redis-lua", "redis", REDIS)):
+            if not want(name):
+                continue
+            port = free_port()
+            argv = [os.path.join(BIN, "baseline"), mode, str(port)] + ([url] if url else [])
+            p = procs.start(name, argv)
+            base = f"http://127.0.0.1:{port}"
+            deadline = time.time() + 30
+            while time.time() < deadline:  # the baselines have no health route: any answer will do
+                try:
+                    socket.create_connection(("127.0.0.1", port), 1).close()
+                    break
+                except OSError:
+                    time.sleep(0.1)
+            code = f"B{tag}{name.replace('-', '')}"
+            http("POST", f"{base}/vouchers/{code}/reservations",
+                 {"customerId": 1, "orderId": f"{code}-warm", "orderAmount": 1})
+            r = wrk(base, code, f"{code}-n0", 1, args)
+            r.update(name=name)
+            rows.append(r)
+            procs.stop(p)
+        for ledger in ("sqlite", "postgres"):
+            if not want(ledger):
+                continue
+            port = free_port()
+            base = f"http://127.0.0.1:{port}"
+            env = {"VOUCHERS__HTTP__PORT": str(port), "VOUCHERS__ADMIN__TOKEN": TOKEN,
+                   "VOUCHERS__NODE__ID": f"bench-{ledger}", "RUST_LOG": "warn",
+                   "VOUCHERS__LEDGER__URL": (f"sqlite://{work}/ledger.db" if ledger == "sqlite"
+                                             else db_url)}
+            argv = [os.path.join(BIN, "vouchers")]
+            if ledger == "postgres":
+                argv += ["--config", "config/cluster.toml"]
+                env["VOUCHERS__REDIS__URL"] = ""
+            p = procs.start(f"engine-{ledger}", argv, env, ready=f"{base}/health/ready")
+            for kind, total in (("flood", 1000), ("never", 10 ** 9)):
+                for n in (1, 100):
+                    stem = f"{kind.upper()}{tag}{ledger[0].upper()}{n}V"
+                    codes = [stem] if n == 1 else [f"{stem}{i}" for i in range(n)]
+                    each = total if kind == "never" else total // n
+                    rows.append(run_engine_scenario(
+                        f"{ledger} {kind} {n}v", base, codes, each, args,
+                        db if ledger == "postgres" else None))
+            procs.stop(p)
+    finally:
+        procs.stop_all()
+        subprocess.run(["psql", "-q", PG_ADMIN, "-c", f"DROP DATABASE IF EXISTS {db} WITH (FORCE)"],
+                       capture_output=True)
+        shutil.rmtree(work, ignore_errors=True)
+    report(rows, args)
+
+
+def report(rows, args):
+    ceiling = next((r["rps"] for r in rows if r["name"] == "ceiling"), None)
+    print(f"release build, {os.cpu_count()} cores, wrk -t{args.threads} -c{args.conns} "
+          f"-d{args.duration}s on the same machine")
+    print()
+    print("| run | req/s | % of ceiling | p50 ms | p99 ms | 201s (wrk) | ledger sold | oversold "
+          "| balanced | merged commits /1k | actor batches /1k | PG xacts /1k |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    fmt = lambda v, f="{:.1f}": "" if v is None else f.format(v)
+    for r in rows:
+        pct = f"{100 * r['rps'] / ceiling:.0f} %" if ceiling else ""
+        print(f"| {r['name']} | {r['rps']:,.0f} | {pct} | {r['p50']:.2f} | {r['p99']:.2f} "
+              f"| {r['statuses'].get(201, 0)} | {fmt(r.get('sold'), '{}')} "
+              f"| {fmt(r.get('oversold'), '{}')} | {fmt(r.get('balanced'), '{}')} "
+              f"| {fmt(r.get('commits_k'))} | {fmt(r.get('batches_k'))} | {fmt(r.get('pg_k'))} |")
+    bad = [r["name"] for r in rows if r.get("oversold") or r.get("balanced") is False]
+    errs = [f"{r['name']}: {r['socket_errors']}" for r in rows if r["socket_errors"]]
+    if errs:
+        print("\nsocket errors: " + "; ".join(errs))
+    if bad:
+        sys.exit(f"bench: books wrong in {bad}")
+
+
+if __name__ == "__main__":
+    main()
