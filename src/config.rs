@@ -61,6 +61,8 @@ pub struct EngineSettings {
     pub mailbox_capacity: usize,
     pub max_pending: usize,
     pub max_batch: usize,
+    /// Batches an actor may have in the group committer at once (at least 1).
+    pub batches_in_flight: usize,
     pub reservation_ttl_ms: i64,
     pub lease_ttl_ms: i64,
     pub lease_safety_ms: i64,

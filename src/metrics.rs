@@ -94,6 +94,36 @@ const SIZE_BUCKETS: &[f64] = &[
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 
+/// Handles of the metrics recorded on every request, resolved once when the recorder is
+/// installed: recording through them is an atomic add, not a registry lookup by name and labels.
+struct Hot {
+    /// One per [`Outcome`], in `OUTCOMES` order.
+    reservations: Vec<metrics::Counter>,
+    short_circuits: metrics::Counter,
+    /// One per route label of [`ROUTES`].
+    latency: Vec<metrics::Histogram>,
+    batch_size: metrics::Histogram,
+    batch_seconds: metrics::Histogram,
+}
+
+static HOT: OnceLock<Hot> = OnceLock::new();
+
+/// The `route` labels of [`REQUEST_SECONDS`].
+const ROUTES: [&str; 8] = [
+    "reserve",
+    "reservation",
+    "confirm",
+    "voucher",
+    "admin",
+    "metrics",
+    "health",
+    "other",
+];
+
+fn hot() -> Option<&'static Hot> {
+    HOT.get()
+}
+
 /// Installs the process-wide Prometheus recorder once and returns its handle.
 pub fn install() -> PrometheusHandle {
     HANDLE
@@ -112,6 +142,19 @@ pub fn install() -> PrometheusHandle {
             match builder.and_then(|b| b.install_recorder()) {
                 Ok(handle) => {
                     register_catalogue();
+                    let _ = HOT.set(Hot {
+                        reservations: OUTCOMES
+                            .iter()
+                            .map(|o| counter!(RESERVATIONS, "outcome" => o.label()))
+                            .collect(),
+                        short_circuits: counter!(SOLD_OUT_SHORT_CIRCUITS),
+                        latency: ROUTES
+                            .iter()
+                            .map(|r| histogram!(REQUEST_SECONDS, "route" => *r))
+                            .collect(),
+                        batch_size: histogram!(BATCH_SIZE),
+                        batch_seconds: histogram!(BATCH_COMMIT_SECONDS),
+                    });
                     handle
                 }
                 // Another recorder is installed (only in odd embeddings): render an empty one.
@@ -184,21 +227,39 @@ fn register_catalogue() {
 }
 
 pub fn reservation(outcome: Outcome) {
-    counter!(RESERVATIONS, "outcome" => outcome.label()).increment(1);
+    reservations(outcome, 1);
 }
 
 pub fn reservations(outcome: Outcome, n: u64) {
-    if n > 0 {
-        counter!(RESERVATIONS, "outcome" => outcome.label()).increment(n);
+    if n == 0 {
+        return;
+    }
+    let cached = hot().and_then(|h| {
+        let i = OUTCOMES.iter().position(|o| *o == outcome)?;
+        h.reservations.get(i)
+    });
+    match cached {
+        Some(c) => c.increment(n),
+        None => counter!(RESERVATIONS, "outcome" => outcome.label()).increment(n),
     }
 }
 
 pub fn request_latency(route: &'static str, elapsed: Duration) {
-    histogram!(REQUEST_SECONDS, "route" => route).record(elapsed.as_secs_f64());
+    let cached = hot().and_then(|h| {
+        let i = ROUTES.iter().position(|r| *r == route)?;
+        h.latency.get(i)
+    });
+    match cached {
+        Some(h) => h.record(elapsed.as_secs_f64()),
+        None => histogram!(REQUEST_SECONDS, "route" => route).record(elapsed.as_secs_f64()),
+    }
 }
 
 pub fn sold_out_short_circuit() {
-    counter!(SOLD_OUT_SHORT_CIRCUITS).increment(1);
+    match hot() {
+        Some(h) => h.short_circuits.increment(1),
+        None => counter!(SOLD_OUT_SHORT_CIRCUITS).increment(1),
+    }
 }
 
 pub fn lease(event: LeaseEvent) {
@@ -210,8 +271,16 @@ pub fn lease_granted_units(units: i64) {
 }
 
 pub fn batch(size: usize, elapsed: Duration) {
-    histogram!(BATCH_SIZE).record(size as f64);
-    histogram!(BATCH_COMMIT_SECONDS).record(elapsed.as_secs_f64());
+    match hot() {
+        Some(h) => {
+            h.batch_size.record(size as f64);
+            h.batch_seconds.record(elapsed.as_secs_f64());
+        }
+        None => {
+            histogram!(BATCH_SIZE).record(size as f64);
+            histogram!(BATCH_COMMIT_SECONDS).record(elapsed.as_secs_f64());
+        }
+    }
 }
 
 /// One merged transaction of the node-wide group committer: how many batches (vouchers) and

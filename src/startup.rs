@@ -76,8 +76,26 @@ impl Application {
             .enable_all()
             .build()
             .context("start the ledger runtime")?;
-        let ledger = ledger::connect_on(ledger_rt.handle().clone(), &settings.ledger)
-            .context("connect ledger")?;
+        let handle = ledger_rt.handle().clone();
+        let mut ledger_rt = Some(ledger_rt);
+        let built = Self::build_on(settings, clock, handle, &mut ledger_rt).await;
+        if built.is_err() {
+            // A runtime may not be dropped inside an async context: let it wind down by itself.
+            if let Some(rt) = ledger_rt.take() {
+                rt.shutdown_background();
+            }
+        }
+        built
+    }
+
+    async fn build_on(
+        settings: Settings,
+        clock: SharedClock,
+        ledger_handle: tokio::runtime::Handle,
+        ledger_rt: &mut Option<tokio::runtime::Runtime>,
+    ) -> anyhow::Result<Self> {
+        let ledger =
+            ledger::connect_on(ledger_handle, &settings.ledger).context("connect ledger")?;
         let node_id = if settings.node.id.is_empty() {
             format!("node-{}", random_hex(4))
         } else {
@@ -148,7 +166,7 @@ impl Application {
             shards,
             jobs,
             signals,
-            ledger_rt,
+            ledger_rt: ledger_rt.take().context("ledger runtime")?,
             admin_token,
         })
     }

@@ -6,17 +6,16 @@
 -- limits never span two batches of a call.
 --
 -- Locks, in this order, so that calls of different nodes never wait on each other in a cycle:
---   1. missing usage rows are created, in (voucher, customer) order;
---   2. the batches' leases, in id order (the fence);
---   3. the customers' usage rows, in (voucher, customer) order;
---   4. new reservation rows, in order-id order (a row another transaction stored meanwhile is
+--   1. the batches' leases, in id order (the fence);
+--   2. the customers' usage rows, created if missing, in (voucher, customer) order;
+--   3. new reservation rows, in order-id order (a row another transaction stored meanwhile is
 --      skipped and reported LOST; the caller reads the stored row after commit).
 -- Voucher rows are only read: batches never queue on them.
 --
 -- Verdicts per row: INSERT (a new reservation), REPLAYED (the stored order of the same voucher
 -- and customer answers it), SAME (a repeat of an earlier row of the batch: it gets that row's
 -- answer), ALREADY_USED, PAUSED / NOT_STARTED / ENDED (the ledger's copy of the voucher refuses
--- new reservations), LOST (see 4), FENCED (the batch's lease is no longer ACTIVE or too small:
+-- new reservations), LOST (see 3), FENCED (the batch's lease is no longer ACTIVE or too small:
 -- nothing of the batch is written).
 
 CREATE OR REPLACE FUNCTION vouchers_commit_batches(
@@ -39,18 +38,14 @@ CREATE OR REPLACE FUNCTION vouchers_commit_batches(
 LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 BEGIN
-    INSERT INTO customer_usage (voucher_code, customer_id, used)
-    SELECT DISTINCT p_code[t.b], t.c, 0::BIGINT FROM unnest(p_batch, p_customer) AS t (b, c)
-    ORDER BY 1, 2
-    ON CONFLICT (voucher_code, customer_id) DO NOTHING;
-
     PERFORM 1 FROM leases WHERE id = ANY (p_lease) ORDER BY id FOR UPDATE;
 
-    PERFORM 1 FROM customer_usage u
-    JOIN (SELECT DISTINCT p_code[t.b] AS code, t.c FROM unnest(p_batch, p_customer) AS t (b, c)) k
-      ON u.voucher_code = k.code AND u.customer_id = k.c
-    ORDER BY u.voucher_code, u.customer_id
-    FOR UPDATE OF u;
+    -- Creates the missing usage rows and locks the existing ones in one pass (an upsert that
+    -- changes nothing still locks the row it meets).
+    INSERT INTO customer_usage AS u (voucher_code, customer_id, used)
+    SELECT DISTINCT p_code[t.b], t.c, 0::BIGINT FROM unnest(p_batch, p_customer) AS t (b, c)
+    ORDER BY 1, 2
+    ON CONFLICT (voucher_code, customer_id) DO UPDATE SET used = u.used;
 
     -- A new statement: its snapshot sees everything committed before the locks were granted.
     RETURN QUERY

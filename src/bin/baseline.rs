@@ -51,7 +51,7 @@ return 1
 
 enum Mode {
     Ceiling,
-    Postgres(PgConnectOptions),
+    Postgres(Box<PgConnectOptions>),
     Redis(redis::Client),
 }
 
@@ -93,7 +93,7 @@ async fn reserve(
                 w.pg.get_or_init(|| async {
                     PgPoolOptions::new()
                         .max_connections(8)
-                        .connect_lazy_with(opts.clone())
+                        .connect_lazy_with((**opts).clone())
                 })
                 .await;
             match reserve_sql(pool, &code, &body, w.stock).await {
@@ -187,7 +187,9 @@ fn main() -> anyhow::Result<()> {
     let port: u16 = args.get(1).context(usage)?.parse().context("port")?;
     let mode = match (args.first().map(String::as_str), args.get(2)) {
         (Some("ceiling"), _) => Mode::Ceiling,
-        (Some("postgres"), Some(url)) => Mode::Postgres(url.parse().context("postgres url")?),
+        (Some("postgres"), Some(url)) => {
+            Mode::Postgres(Box::new(url.parse().context("postgres url")?))
+        }
         (Some("redis"), Some(url)) => Mode::Redis(redis::Client::open(url.as_str())?),
         _ => anyhow::bail!(usage),
     };
@@ -197,7 +199,7 @@ fn main() -> anyhow::Result<()> {
         .unwrap_or(i64::MAX / 2);
     actix_rt::System::new().block_on(async move {
         if let Mode::Postgres(opts) = &mode {
-            let pool = PgPoolOptions::new().connect_with(opts.clone()).await?;
+            let pool = PgPoolOptions::new().connect_with((**opts).clone()).await?;
             sqlx::raw_sql(
                 "CREATE TABLE IF NOT EXISTS baseline_stock (code TEXT PRIMARY KEY, \
                    remaining BIGINT NOT NULL CHECK (remaining >= 0)); \

@@ -174,8 +174,11 @@ pub(crate) struct VoucherActor {
     leases: VecDeque<LocalLease>,
     pending: VecDeque<Pending>,
     warm_waiters: Vec<oneshot::Sender<Result<(), EngineError>>>,
-    /// The lease of the batch in flight, if one is.
-    committing: Option<i64>,
+    /// The leases of the batches in flight (at most `engine.batches_in_flight`; a lease may
+    /// appear twice). A second batch waits in the node's group committer while the first
+    /// commits, so the requests that arrive meanwhile reach the next merged transaction instead
+    /// of waiting for this actor's answer first.
+    committing: Vec<i64>,
     granting: bool,
     renewing: bool,
     /// A ledger lookup for reserves that arrived while the ledger had nothing is in flight; the
@@ -216,7 +219,7 @@ impl VoucherActor {
             leases: VecDeque::new(),
             pending: VecDeque::new(),
             warm_waiters: Vec::new(),
-            committing: None,
+            committing: Vec::new(),
             granting: false,
             renewing: false,
             looking_up: false,
@@ -301,8 +304,11 @@ impl VoucherActor {
         }
         let now = self.now();
         self.drop_unservable_leases(now);
-        if self.committing.is_none() && !self.pending.is_empty() {
-            self.start_batch(ctx);
+        let in_flight = self.core.settings.batches_in_flight.max(1);
+        while self.committing.len() < in_flight && !self.pending.is_empty() {
+            if !self.start_batch(ctx) {
+                break;
+            }
         }
         if let Some((_, until)) = self.hold {
             if now >= until {
@@ -317,7 +323,10 @@ impl VoucherActor {
         match self.hold {
             None if short && !self.granting => self.start_grant(ctx),
             Some((hold, _))
-                if room == 0 && self.committing.is_none() && !self.granting && !self.looking_up =>
+                if room == 0
+                    && self.committing.is_empty()
+                    && !self.granting
+                    && !self.looking_up =>
             {
                 let waiting: Vec<Pending> = match hold {
                     Hold::Waiting => {
@@ -362,11 +371,12 @@ impl VoucherActor {
         event: LeaseEvent,
         keep: impl Fn(&LocalLease) -> bool,
     ) {
-        let in_flight = self.committing;
+        let in_flight = std::mem::take(&mut self.committing);
         let (kept, dropped): (VecDeque<LocalLease>, VecDeque<LocalLease>) = self
             .leases
             .drain(..)
-            .partition(|l| Some(l.id) == in_flight || keep(l));
+            .partition(|l| in_flight.contains(&l.id) || keep(l));
+        self.committing = in_flight;
         self.leases = kept;
         for l in dropped.into_iter().filter(|l| l.room() > 0) {
             m::lease(event);
@@ -374,14 +384,15 @@ impl VoucherActor {
         }
     }
 
-    fn start_batch(&mut self, ctx: &mut Context<Self>) {
+    /// Sends the next batch to the node's group committer; false when there is nothing to send.
+    fn start_batch(&mut self, ctx: &mut Context<Self>) -> bool {
         let max_batch = self.core.settings.max_batch.max(1) as i64;
         let Some(lease) = self.leases.iter_mut().find(|l| l.room() > 0) else {
-            return;
+            return false;
         };
         let n = (self.pending.len() as i64).min(lease.room()).min(max_batch) as usize;
         if n == 0 {
-            return;
+            return false;
         }
         lease.used += n as i64;
         let lease_id = lease.id;
@@ -400,7 +411,7 @@ impl VoucherActor {
                 })
                 .collect(),
         };
-        self.committing = Some(lease_id);
+        self.committing.push(lease_id);
         let ledger = self.core.ledger.clone();
         let fut = async move {
             let started = Instant::now();
@@ -411,6 +422,7 @@ impl VoucherActor {
             m::batch(n, took);
             act.on_committed(lease_id, taken, res, ctx);
         }));
+        true
     }
 
     fn on_committed(
@@ -420,7 +432,9 @@ impl VoucherActor {
         res: Result<Vec<RowOutcome>, LedgerError>,
         ctx: &mut Context<Self>,
     ) {
-        self.committing = None;
+        if let Some(i) = self.committing.iter().position(|&id| id == lease_id) {
+            self.committing.swap_remove(i);
+        }
         let n = taken.len() as i64;
         match res {
             Ok(outcomes) => {
@@ -625,7 +639,7 @@ impl VoucherActor {
     /// Returns every lease not drawn on by the batch in flight (that one follows when it lands).
     fn return_idle_leases(&mut self) {
         let now = self.now();
-        self.recall_pending = self.committing.is_some();
+        self.recall_pending = !self.committing.is_empty();
         self.give_back_leases(now, LeaseEvent::Recalled, |_| false);
     }
 
@@ -652,7 +666,8 @@ impl VoucherActor {
         let core = self.core.clone();
         let s = &core.settings;
         let idle = now - self.last_activity;
-        if idle >= s.lease_idle_timeout_ms && self.committing.is_none() && self.pending.is_empty() {
+        if idle >= s.lease_idle_timeout_ms && self.committing.is_empty() && self.pending.is_empty()
+        {
             self.give_back_leases(now, LeaseEvent::Returned, |_| false);
         }
         self.renew_if_due(now, ctx);
@@ -660,7 +675,7 @@ impl VoucherActor {
         // probe is a grant: if units came back it takes them (and lowers the flag); if the
         // ledger is empty everywhere it raises the flag.
         let empty_handed =
-            self.room() == 0 && self.committing.is_none() && self.free_hint == Some(0);
+            self.room() == 0 && self.committing.is_empty() && self.free_hint == Some(0);
         if (self.shared.is_sold_out() || empty_handed)
             && now >= self.next_probe
             && !self.granting
@@ -676,7 +691,7 @@ impl VoucherActor {
         };
         if idle >= stop_after
             && self.leases.is_empty()
-            && self.committing.is_none()
+            && self.committing.is_empty()
             && !self.granting
             && self.pending.is_empty()
         {
@@ -858,8 +873,8 @@ impl Handler<Drain> for VoucherActor {
     fn handle(&mut self, _: Drain, _: &mut Context<Self>) {
         // Nothing more is served from here on; the engine returns the leases in one call.
         self.hold_for(Hold::Down, i64::MAX / 4);
-        let in_flight = self.committing;
-        self.leases.retain(|l| Some(l.id) == in_flight);
+        let in_flight = &self.committing;
+        self.leases.retain(|l| in_flight.contains(&l.id));
     }
 }
 

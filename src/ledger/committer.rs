@@ -168,13 +168,10 @@ mod tests {
 
     /// A commit function that records the vouchers of every merged call and holds the first
     /// call open until `release` fires, so that the test controls what queues behind it.
-    fn recording(
-        release: oneshot::Receiver<()>,
-    ) -> (
-        CommitFn,
-        Arc<Mutex<Vec<Vec<String>>>>,
-        mpsc::UnboundedReceiver<()>,
-    ) {
+    /// The vouchers of every merged call, in call order.
+    type Calls = Arc<Mutex<Vec<Vec<String>>>>;
+
+    fn recording(release: oneshot::Receiver<()>) -> (CommitFn, Calls, mpsc::UnboundedReceiver<()>) {
         let calls = Arc::new(Mutex::new(Vec::<Vec<String>>::new()));
         let gate = Arc::new(Mutex::new(Some(release)));
         let (started_tx, started) = mpsc::unbounded_channel();

@@ -12,6 +12,7 @@ mod dedicated;
 pub mod postgres;
 mod rows;
 pub mod sqlite;
+mod sqlite_raw;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -398,17 +399,6 @@ pub(crate) fn insert_unique<T>(res: Result<T, sqlx::Error>) -> Result<(), Ledger
     }
 }
 
-/// Per-customer usage to add for the inserted rows.
-pub fn usage_deltas(rows: &[BatchRow], inserted: impl Iterator<Item = usize>) -> Vec<(i64, i64)> {
-    let mut deltas: HashMap<i64, i64> = HashMap::new();
-    for i in inserted {
-        *deltas.entry(rows[i].customer_id).or_insert(0) += 1;
-    }
-    let mut v: Vec<(i64, i64)> = deltas.into_iter().collect();
-    v.sort_unstable();
-    v
-}
-
 /// Opens the ledger the settings name on `rt` (a runtime that does nothing else, so database
 /// I/O is never delayed by busy HTTP workers) and returns a handle usable from any runtime. Its
 /// `commit_batch` goes through the node-wide group committer ([`committer`]), which merges the
@@ -626,14 +616,5 @@ mod tests {
             Some(Ineligible::NotStarted)
         );
         assert_eq!(refuses_new("ACTIVE", 0, 10, 5), None);
-    }
-
-    #[test]
-    fn usage_deltas_group_by_customer() {
-        let rows = [row("a", 2), row("b", 1), row("c", 2)];
-        assert_eq!(
-            usage_deltas(&rows, [0, 1, 2].into_iter()),
-            vec![(1, 1), (2, 2)]
-        );
     }
 }

@@ -2,8 +2,9 @@
 //! a committed batch survives a crash of the process or the machine.
 //!
 //! All writes go through one connection (SQLite has one writer anyway; a single writer also rules
-//! out `SQLITE_BUSY` on lock upgrades), reads through a small pool of readers. Batches are set-based:
-//! the rows travel as one JSON array and every statement works on the whole set through `json_each`.
+//! out `SQLITE_BUSY` on lock upgrades), reads through a small pool of readers. The node's merged
+//! group commit is set-based: the rows of every batch travel as JSON arrays and each of its eight
+//! statements works on the whole set through `json_each`, however many vouchers it carries.
 
 use std::collections::HashMap;
 use std::str::FromStr;
@@ -21,12 +22,13 @@ use super::rows::{
     group_restocks, per_customer, reservation_from, voucher_from, LIVE_CODES_SQL,
     RESERVATION_COLUMNS, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
 };
+use super::sqlite_raw as raw;
 use super::{
-    plan_batch, resolve_plan, usage_deltas, Batch, BatchResults, Closing, Counters, Grant, Lease,
-    Ledger, LedgerError, Planned, Restock, RowOutcome, LEASE_FILTER,
+    plan_batch, resolve_plan, Batch, BatchResults, Closing, Counters, Grant, Lease, Ledger,
+    LedgerError, Planned, Restock, LEASE_FILTER,
 };
 use crate::clock::Millis;
-use crate::domain::{Reservation, Voucher, VoucherPatch};
+use crate::domain::{Reservation, ReservationStatus, Voucher, VoucherPatch};
 
 const MIGRATIONS: &[(i64, &str)] = &[(1, include_str!("../../migrations/sqlite/0001_init.sql"))];
 
@@ -49,14 +51,17 @@ impl SqliteLedger {
                 std::fs::create_dir_all(dir).map_err(sqlx::Error::Io)?;
             }
         }
+        // A local file: no ping before each use.
         let writer = SqlitePoolOptions::new()
             .max_connections(1)
+            .test_before_acquire(false)
             .acquire_timeout(Duration::from_secs(5))
             .connect_with(options.clone())
             .await?;
         migrate(&writer).await?;
         let reader = SqlitePoolOptions::new()
             .max_connections(readers.max(1))
+            .test_before_acquire(false)
             .acquire_timeout(Duration::from_secs(5))
             .connect_with(options.read_only(true))
             .await?;
@@ -65,6 +70,19 @@ impl SqliteLedger {
 }
 
 impl SqliteLedger {
+    /// Runs `work` on the writer connection's handle, on this thread, without sqlx's worker
+    /// (see [`raw`]). `work` must leave the handle outside any transaction, as [`raw::Tx`] does.
+    async fn on_writer<T>(
+        &self,
+        work: impl FnOnce(&raw::Db) -> Result<T, LedgerError>,
+    ) -> Result<T, LedgerError> {
+        let mut conn = self.writer.acquire().await?;
+        let mut locked = conn.lock_handle().await?;
+        // SAFETY: the handle stays locked out of sqlx's worker until `locked` drops.
+        let db = unsafe { raw::Db::new(locked.as_raw_handle()) };
+        work(&db)
+    }
+
     /// Returns or reaps leases; their unused units go back to `free`.
     async fn close_leases(
         &self,
@@ -207,52 +225,8 @@ impl Ledger for SqliteLedger {
         now: Millis,
         ttl_ms: i64,
     ) -> Result<Grant, LedgerError> {
-        let mut tx = self.writer.begin().await?;
-        let free: i64 = sqlx::query_scalar("SELECT free FROM vouchers WHERE code = ?")
-            .bind(code)
-            .fetch_optional(&mut *tx)
-            .await?
-            .ok_or(LedgerError::NotFound)?;
-        let leased_unused: i64 = sqlx::query_scalar(
-            "SELECT COALESCE(SUM(granted - consumed), 0) FROM leases \
-             WHERE voucher_code = ? AND state = 'ACTIVE'",
-        )
-        .bind(code)
-        .fetch_one(&mut *tx)
-        .await?;
-        let units = want.max(1).min(free);
-        let lease = if units > 0 {
-            sqlx::query("UPDATE vouchers SET free = free - ? WHERE code = ?")
-                .bind(units)
-                .bind(code)
-                .execute(&mut *tx)
-                .await?;
-            let expires_at = now + ttl_ms;
-            let id: i64 = sqlx::query_scalar(
-                "INSERT INTO leases (voucher_code, node_id, granted, consumed, state, granted_at, \
-                 expires_at) VALUES (?, ?, ?, 0, 'ACTIVE', ?, ?) RETURNING id",
-            )
-            .bind(code)
-            .bind(node)
-            .bind(units)
-            .bind(now)
-            .bind(expires_at)
-            .fetch_one(&mut *tx)
-            .await?;
-            Some(Lease {
-                id,
-                granted: units,
-                expires_at,
-            })
-        } else {
-            None
-        };
-        tx.commit().await?;
-        Ok(Grant {
-            lease,
-            free_after: free - units,
-            leased_unused,
-        })
+        self.on_writer(|db| grant_on(db, code, node, want, now, ttl_ms))
+            .await
     }
 
     async fn renew(
@@ -295,13 +269,7 @@ impl Ledger for SqliteLedger {
     }
 
     async fn commit_batches(&self, batches: &[Batch]) -> Result<BatchResults, LedgerError> {
-        let mut tx = self.writer.begin().await?;
-        let mut results = Vec::with_capacity(batches.len());
-        for batch in batches {
-            results.push(apply_batch(&mut tx, batch).await?);
-        }
-        tx.commit().await?;
-        Ok(results)
+        self.on_writer(|db| apply_merged(db, batches)).await
     }
 
     async fn find_orders(&self, order_ids: &[String]) -> Result<Vec<Reservation>, LedgerError> {
@@ -538,121 +506,326 @@ async fn release_units(
     Ok(restocks)
 }
 
-/// Applies one batch inside a merged transaction. The outer error aborts the whole transaction;
-/// the inner one (`NotFound`, `Fenced`) refuses this batch alone, before it wrote anything.
-async fn apply_batch(
-    tx: &mut sqlx::SqliteConnection,
-    batch: &Batch,
-) -> Result<Result<Vec<RowOutcome>, LedgerError>, LedgerError> {
-    let code = batch.voucher_code.as_str();
-    let Some((per_user_limit, discount, status, starts_at, ends_at)): Option<(
-        i64,
-        i64,
-        String,
-        i64,
-        i64,
-    )> = sqlx::query_as(
-        "SELECT per_user_limit, discount_amount, status, starts_at, ends_at \
-                 FROM vouchers WHERE code = ?",
-    )
-    .bind(code)
-    .fetch_optional(&mut *tx)
-    .await?
-    else {
-        return Ok(Err(LedgerError::NotFound));
-    };
-    let order_ids: Vec<&str> = batch.rows.iter().map(|r| r.order_id.as_str()).collect();
-    let existing = sqlx::query(&format!(
-        "SELECT {RESERVATION_COLUMNS} FROM reservations \
-             WHERE order_id IN (SELECT value FROM json_each(?))"
-    ))
-    .bind(json_list(&order_ids))
-    .fetch_all(&mut *tx)
-    .await?
-    .iter()
-    .map(reservation_from)
-    .collect::<Result<Vec<_>, _>>()?;
-    let customers: Vec<i64> = batch.rows.iter().map(|r| r.customer_id).collect();
-    let used: HashMap<i64, i64> = sqlx::query_as(
-        "SELECT customer_id, used FROM customer_usage \
-             WHERE voucher_code = ? AND customer_id IN (SELECT value FROM json_each(?))",
-    )
-    .bind(code)
-    .bind(json_list(&customers))
-    .fetch_all(&mut *tx)
-    .await?
-    .into_iter()
-    .collect();
+/// A voucher's rules as a batch needs them.
+struct Rules {
+    per_user_limit: i64,
+    discount: i64,
+    status: String,
+    starts_at: Millis,
+    ends_at: Millis,
+}
 
-    let blocked = super::refuses_new(&status, starts_at, ends_at, batch.now);
-    let plan = plan_batch(code, &batch.rows, &existing, &used, per_user_limit, blocked);
-    let inserts: Vec<usize> = plan
-        .iter()
-        .enumerate()
-        .filter(|(_, p)| matches!(p, Planned::Insert))
-        .map(|(i, _)| i)
-        .collect();
-    let k = inserts.len() as i64;
-    let mut created = HashMap::new();
-    if k > 0 {
-        // The fence: only an ACTIVE lease with room may be drawn on.
-        let fenced = sqlx::query(
-                "UPDATE leases SET consumed = consumed + ? \
-                 WHERE id = ? AND voucher_code = ? AND state = 'ACTIVE' AND consumed + ? <= granted",
-            )
-            .bind(k)
-            .bind(batch.lease_id)
-            .bind(code)
-            .bind(k)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected()
-                != 1;
-        if fenced {
-            return Ok(Err(LedgerError::Fenced));
-        }
-        let rows: Vec<serde_json::Value> = inserts
+/// A lease as the merged transaction found it.
+struct LeaseRoom {
+    voucher_code: String,
+    active: bool,
+    room: i64,
+}
+
+/// What a merged transaction reads before it decides: every batch's voucher, lease, stored
+/// orders and customers' usage, in four set-based statements.
+#[derive(Default)]
+struct MergedReads {
+    rules: HashMap<String, Rules>,
+    leases: HashMap<i64, LeaseRoom>,
+    stored: HashMap<String, Reservation>,
+    used: HashMap<(String, i64), i64>,
+}
+
+/// What a merged transaction writes once it decided, as the JSON rows of four set-based
+/// statements.
+#[derive(Default)]
+struct MergedWrites {
+    /// `[lease id, units]`: the fence, one entry per lease drawn on.
+    consumed: Vec<(i64, i64)>,
+    /// `[order, voucher, customer, lease, discount, now, expires]` per new reservation.
+    rows: Vec<serde_json::Value>,
+    /// `[voucher, customer, units]` per customer whose usage grows.
+    usage: Vec<(String, i64, i64)>,
+    /// `[voucher, units]` per voucher whose `reserved` grows.
+    reserved: Vec<(String, i64)>,
+}
+
+/// Decides every batch of a merged transaction, one after the other, each seeing what the ones
+/// before it took (order ids, usage, lease room). A batch for an unknown voucher gets
+/// `NotFound`; one whose new rows do not fit its lease (gone, or too small) gets `Fenced` and
+/// takes nothing.
+fn plan_merged(batches: &[Batch], mut reads: MergedReads) -> (BatchResults, MergedWrites) {
+    let mut results = Vec::with_capacity(batches.len());
+    let mut consumed: HashMap<i64, i64> = HashMap::new();
+    let mut usage: HashMap<(&str, i64), i64> = HashMap::new();
+    let mut reserved: HashMap<&str, i64> = HashMap::new();
+    let mut rows = Vec::new();
+    for batch in batches {
+        let code = batch.voucher_code.as_str();
+        let Some(v) = reads.rules.get(code) else {
+            results.push(Err(LedgerError::NotFound));
+            continue;
+        };
+        let existing: Vec<Reservation> = batch
+            .rows
             .iter()
-            .map(|&i| json!([batch.rows[i].order_id, batch.rows[i].customer_id]))
+            .filter_map(|r| reads.stored.get(&r.order_id).cloned())
             .collect();
-        let inserted = sqlx::query(
-            "INSERT INTO reservations (order_id, voucher_code, customer_id, lease_id, \
-                 discount_amount, status, created_at, expires_at, updated_at) \
-                 SELECT json_extract(value, '$[0]'), ?, json_extract(value, '$[1]'), ?, ?, \
-                 'RESERVED', ?, ?, ? FROM json_each(?)",
-        )
-        .bind(code)
-        .bind(batch.lease_id)
-        .bind(discount)
-        .bind(batch.now)
-        .bind(batch.expires_at)
-        .bind(batch.now)
-        .bind(json_list(&rows))
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-        if inserted != k as u64 {
-            return Err(LedgerError::Unavailable(sqlx::Error::Protocol(
-                "reservation insert count mismatch".into(),
-            )));
+        let used: HashMap<i64, i64> = batch
+            .rows
+            .iter()
+            .map(|r| {
+                let n = reads.used.get(&(code.to_string(), r.customer_id));
+                (r.customer_id, n.copied().unwrap_or(0))
+            })
+            .collect();
+        let blocked = super::refuses_new(&v.status, v.starts_at, v.ends_at, batch.now);
+        let plan = plan_batch(
+            code,
+            &batch.rows,
+            &existing,
+            &used,
+            v.per_user_limit,
+            blocked,
+        );
+        let inserts: Vec<usize> = plan
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| matches!(p, Planned::Insert))
+            .map(|(i, _)| i)
+            .collect();
+        let k = inserts.len() as i64;
+        if k > 0 {
+            // The fence: only an ACTIVE lease of this voucher with room may be drawn on.
+            match reads.leases.get_mut(&batch.lease_id) {
+                Some(l) if l.active && l.voucher_code == code && l.room >= k => l.room -= k,
+                _ => {
+                    results.push(Err(LedgerError::Fenced));
+                    continue;
+                }
+            }
+            *consumed.entry(batch.lease_id).or_insert(0) += k;
+            *reserved.entry(code).or_insert(0) += k;
         }
-        let deltas = usage_deltas(&batch.rows, inserts.iter().copied());
-        sqlx::query(
-            "INSERT INTO customer_usage (voucher_code, customer_id, used) \
-                 SELECT ?, json_extract(value, '$[0]'), json_extract(value, '$[1]') \
-                 FROM json_each(?) WHERE true \
-                 ON CONFLICT (voucher_code, customer_id) DO UPDATE SET used = used + excluded.used",
-        )
-        .bind(code)
-        .bind(json_list(&deltas))
-        .execute(&mut *tx)
-        .await?;
-        sqlx::query("UPDATE vouchers SET reserved = reserved + ? WHERE code = ?")
-            .bind(k)
-            .bind(code)
-            .execute(&mut *tx)
-            .await?;
-        created = super::created_rows(batch, inserts.iter().copied(), discount);
+        let created = super::created_rows(batch, inserts.iter().copied(), v.discount);
+        for r in created.values() {
+            rows.push(json!([
+                r.order_id,
+                code,
+                r.customer_id,
+                batch.lease_id,
+                r.discount_amount,
+                batch.now,
+                r.expires_at
+            ]));
+            *usage.entry((code, r.customer_id)).or_insert(0) += 1;
+            *reads
+                .used
+                .entry((code.to_string(), r.customer_id))
+                .or_insert(0) += 1;
+            reads.stored.insert(r.order_id.clone(), r.clone());
+        }
+        results.push(Ok(resolve_plan(plan, &created)));
     }
-    Ok(Ok(resolve_plan(plan, &created)))
+    let writes = MergedWrites {
+        consumed: consumed.into_iter().collect(),
+        rows,
+        usage: usage
+            .into_iter()
+            .map(|((c, u), n)| (c.to_string(), u, n))
+            .collect(),
+        reserved: reserved
+            .into_iter()
+            .map(|(c, n)| (c.to_string(), n))
+            .collect(),
+    };
+    (results, writes)
+}
+
+/// The four reads of a merged transaction.
+fn read_merged(db: &raw::Db, batches: &[Batch]) -> Result<MergedReads, LedgerError> {
+    let mut reads = MergedReads::default();
+    let codes: Vec<&str> = batches.iter().map(|b| b.voucher_code.as_str()).collect();
+    let mut q = db.query(
+        "SELECT code, per_user_limit, discount_amount, status, starts_at, ends_at \
+         FROM vouchers WHERE code IN (SELECT value FROM json_each(?1))",
+        &json_list(&codes),
+    )?;
+    while q.step()? {
+        let rules = Rules {
+            per_user_limit: q.int(1),
+            discount: q.int(2),
+            status: q.text(3),
+            starts_at: q.int(4),
+            ends_at: q.int(5),
+        };
+        reads.rules.insert(q.text(0), rules);
+    }
+    let ids: Vec<i64> = batches.iter().map(|b| b.lease_id).collect();
+    let mut q = db.query(
+        "SELECT id, voucher_code, state, granted - consumed FROM leases \
+         WHERE id IN (SELECT value FROM json_each(?1))",
+        &json_list(&ids),
+    )?;
+    while q.step()? {
+        let lease = LeaseRoom {
+            voucher_code: q.text(1),
+            active: q.text(2) == "ACTIVE",
+            room: q.int(3),
+        };
+        reads.leases.insert(q.int(0), lease);
+    }
+    let orders: Vec<&str> = batches
+        .iter()
+        .flat_map(|b| b.rows.iter().map(|r| r.order_id.as_str()))
+        .collect();
+    let mut q = db.query(
+        "SELECT order_id, voucher_code, customer_id, discount_amount, status, expires_at \
+         FROM reservations WHERE order_id IN (SELECT value FROM json_each(?1))",
+        &json_list(&orders),
+    )?;
+    while q.step()? {
+        let status = q.text(4);
+        let r = Reservation {
+            order_id: q.text(0),
+            voucher_code: q.text(1),
+            customer_id: q.int(2),
+            discount_amount: q.int(3),
+            status: ReservationStatus::parse(&status)
+                .ok_or(LedgerError::Invalid("stored reservation status"))?,
+            expires_at: q.int(5),
+        };
+        reads.stored.insert(r.order_id.clone(), r);
+    }
+    let pairs: Vec<(&str, i64)> = batches
+        .iter()
+        .flat_map(|b| {
+            b.rows
+                .iter()
+                .map(|r| (b.voucher_code.as_str(), r.customer_id))
+        })
+        .collect();
+    let mut q = db.query(
+        "SELECT u.voucher_code, u.customer_id, u.used FROM json_each(?1) AS j \
+         JOIN customer_usage u ON u.voucher_code = json_extract(j.value, '$[0]') \
+           AND u.customer_id = json_extract(j.value, '$[1]')",
+        &json_list(&pairs),
+    )?;
+    while q.step()? {
+        reads.used.insert((q.text(0), q.int(1)), q.int(2));
+    }
+    Ok(reads)
+}
+
+/// The four writes of a merged transaction. The fence is checked once more in SQL: a lease
+/// that lost its room since the read (only another writer could do that) fails the whole
+/// transaction rather than commit past it.
+fn write_merged(db: &raw::Db, w: &MergedWrites) -> Result<(), LedgerError> {
+    if w.rows.is_empty() {
+        return Ok(());
+    }
+    let fenced = db.run(db.query(
+        "UPDATE leases SET consumed = consumed + d.k \
+         FROM (SELECT json_extract(value, '$[0]') AS id, json_extract(value, '$[1]') AS k \
+               FROM json_each(?1)) AS d \
+         WHERE leases.id = d.id AND state = 'ACTIVE' AND consumed + d.k <= granted",
+        &json_list(&w.consumed),
+    )?)?;
+    if fenced != w.consumed.len() as u64 {
+        return Err(LedgerError::Unavailable(sqlx::Error::Protocol(
+            "lease changed under a merged commit".into(),
+        )));
+    }
+    let inserted = db.run(db.query(
+        "INSERT INTO reservations (order_id, voucher_code, customer_id, lease_id, \
+         discount_amount, status, created_at, expires_at, updated_at) \
+         SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]'), \
+           json_extract(value, '$[2]'), json_extract(value, '$[3]'), json_extract(value, '$[4]'), \
+           'RESERVED', json_extract(value, '$[5]'), json_extract(value, '$[6]'), \
+           json_extract(value, '$[5]') FROM json_each(?1)",
+        &json_list(&w.rows),
+    )?)?;
+    if inserted != w.rows.len() as u64 {
+        return Err(LedgerError::Unavailable(sqlx::Error::Protocol(
+            "reservation insert count mismatch".into(),
+        )));
+    }
+    db.run(db.query(
+        "INSERT INTO customer_usage (voucher_code, customer_id, used) \
+         SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]'), json_extract(value, '$[2]') \
+         FROM json_each(?1) WHERE true \
+         ON CONFLICT (voucher_code, customer_id) DO UPDATE SET used = used + excluded.used",
+        &json_list(&w.usage),
+    )?)?;
+    db.run(db.query(
+        "UPDATE vouchers SET reserved = reserved + d.n \
+         FROM (SELECT json_extract(value, '$[0]') AS code, json_extract(value, '$[1]') AS n \
+               FROM json_each(?1)) AS d WHERE vouchers.code = d.code",
+        &json_list(&w.reserved),
+    )?)?;
+    Ok(())
+}
+
+/// One merged transaction, start to commit, on the calling thread.
+fn apply_merged(db: &raw::Db, batches: &[Batch]) -> Result<BatchResults, LedgerError> {
+    let tx = db.begin()?;
+    let reads = read_merged(db, batches)?;
+    let (results, writes) = plan_merged(batches, reads);
+    write_merged(db, &writes)?;
+    tx.commit()?;
+    Ok(results)
+}
+
+/// Moves `min(want, free)` units into a new ACTIVE lease, in one transaction.
+fn grant_on(
+    db: &raw::Db,
+    code: &str,
+    node: &str,
+    want: i64,
+    now: Millis,
+    ttl_ms: i64,
+) -> Result<Grant, LedgerError> {
+    let tx = db.begin()?;
+    let (free, leased_unused) = {
+        let mut q = db.prepare(
+            "SELECT free, (SELECT COALESCE(SUM(granted - consumed), 0) FROM leases \
+             WHERE voucher_code = ?1 AND state = 'ACTIVE') FROM vouchers WHERE code = ?1",
+        )?;
+        q.bind_text(1, code)?;
+        if !q.step()? {
+            return Err(LedgerError::NotFound);
+        }
+        (q.int(0), q.int(1))
+    };
+    let units = want.max(1).min(free);
+    let lease = if units > 0 {
+        let mut take = db.prepare("UPDATE vouchers SET free = free - ?2 WHERE code = ?1")?;
+        take.bind_text(1, code)?;
+        take.bind_int(2, units)?;
+        db.run(take)?;
+        let expires_at = now + ttl_ms;
+        let mut insert = db.prepare(
+            "INSERT INTO leases (voucher_code, node_id, granted, consumed, state, granted_at, \
+             expires_at) VALUES (?1, ?2, ?3, 0, 'ACTIVE', ?4, ?5) RETURNING id",
+        )?;
+        insert.bind_text(1, code)?;
+        insert.bind_text(2, node)?;
+        insert.bind_int(3, units)?;
+        insert.bind_int(4, now)?;
+        insert.bind_int(5, expires_at)?;
+        if !insert.step()? {
+            return Err(LedgerError::Invalid("lease insert returned no id"));
+        }
+        let id = insert.int(0);
+        drop(insert);
+        Some(Lease {
+            id,
+            granted: units,
+            expires_at,
+        })
+    } else {
+        None
+    };
+    tx.commit()?;
+    Ok(Grant {
+        lease,
+        free_after: free - units,
+        leased_unused,
+    })
 }
