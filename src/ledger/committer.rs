@@ -14,6 +14,7 @@
 //! `Unavailable` (the actor's requests get `503`) rather than growing.
 
 use std::future::Future;
+use std::collections::{HashSet, VecDeque};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
@@ -83,36 +84,45 @@ fn unavailable(why: &'static str) -> LedgerError {
 
 async fn run(commit: CommitFn, mut rx: mpsc::Receiver<Job>, pipeline: usize, max_rows: usize) {
     let slots = Arc::new(Semaphore::new(pipeline));
-    // A job that would have taken a transaction past `max_rows` opens the next one.
-    let mut carried: Option<Job> = None;
+    // Jobs that could not join the transaction being filled: a second batch of a voucher
+    // already in it (the ledger decides one voucher once per transaction), or one that would
+    // have taken it past `max_rows`. They open the next transaction, in arrival order.
+    let mut deferred: VecDeque<Job> = VecDeque::new();
     loop {
         // Wait for a free slot first: while every slot commits, jobs pile up in the queue and
         // all go into the next transaction.
         let Ok(permit) = slots.clone().acquire_owned().await else {
             return;
         };
-        let first = match carried.take() {
-            Some(job) => job,
-            None => match rx.recv().await {
-                Some(job) => job,
+        if deferred.is_empty() {
+            match rx.recv().await {
+                Some(job) => deferred.push_back(job),
                 None => return,
-            },
-        };
-        let mut rows = first.batch.rows.len();
-        let mut jobs = vec![first];
-        while rows < max_rows {
-            match rx.try_recv() {
-                Ok(job) if rows + job.batch.rows.len() > max_rows => {
-                    carried = Some(job);
-                    break;
-                }
-                Ok(job) => {
-                    rows += job.batch.rows.len();
-                    jobs.push(job);
-                }
-                Err(_) => break,
             }
         }
+        let mut jobs: Vec<Job> = Vec::new();
+        let mut codes: HashSet<String> = HashSet::new();
+        let mut rows = 0;
+        let mut later: VecDeque<Job> = VecDeque::new();
+        let mut next = deferred.pop_front();
+        while let Some(job) = next {
+            let n = job.batch.rows.len();
+            if codes.contains(&job.batch.voucher_code) || (!jobs.is_empty() && rows + n > max_rows)
+            {
+                later.push_back(job);
+            } else {
+                rows += n;
+                codes.insert(job.batch.voucher_code.clone());
+                jobs.push(job);
+            }
+            if rows >= max_rows {
+                break;
+            }
+            next = deferred.pop_front().or_else(|| rx.try_recv().ok());
+        }
+        // Jobs set aside arrived before the ones not looked at yet: they go first.
+        later.extend(deferred.drain(..));
+        deferred = later;
         let (batches, replies): (Vec<Batch>, Vec<_>) =
             jobs.into_iter().map(|j| (j.batch, j.reply)).unzip();
         let n = batches.len();
@@ -251,6 +261,34 @@ mod tests {
                 vec!["A".to_string()],
                 vec!["B".into(), "C".into()],
                 vec!["D".into()]
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_voucher_appears_once_per_transaction_and_keeps_its_order() {
+        let (release, gate) = oneshot::channel();
+        let (commit, calls, mut started) = recording(gate);
+        let c = Committer::start(&tokio::runtime::Handle::current(), 1, 10_000, commit);
+        let first = c.submit(batch("A", 1)).unwrap();
+        started.recv().await.unwrap();
+        let rest: Vec<_> = ["B", "C", "B", "A", "B"]
+            .iter()
+            .map(|code| c.submit(batch(code, 1)).unwrap())
+            .collect();
+        release.send(()).unwrap();
+        first.await.unwrap().unwrap();
+        for answer in futures_util::future::join_all(rest).await {
+            answer.unwrap().unwrap();
+        }
+        let calls = calls.lock().unwrap().clone();
+        assert_eq!(
+            calls,
+            vec![
+                vec!["A".to_string()],
+                vec!["B".into(), "C".into(), "A".into()],
+                vec!["B".into()],
+                vec!["B".into()],
             ]
         );
     }
