@@ -9,7 +9,8 @@
 //! - [`engine`]: registry, shards and the per-voucher actor that serves reserves from leases and
 //!   group-commits them; [`engine::sizing`] is the pure lease-sizing logic.
 //! - [`ledger`]: the transactional source of truth (SQLite embedded, PostgreSQL in a cluster)
-//!   behind one trait, with the batch planner both stores share.
+//!   behind one trait, with the batch planner both stores share and the node-wide group
+//!   committer that merges every voucher's batches into shared transactions.
 //! - [`jobs`]: expiry sweeper, lease reaper, reconciler.
 //! - [`signals`]: Redis pub/sub hints between nodes (sold out, restock, recall, updated).
 //! - [`metrics`]: every metric name and the helpers that record them.
