@@ -2,8 +2,9 @@
 --
 -- One call commits the batches of many vouchers at once. Each batch draws on its own lease and
 -- passes its own fence; every row gets its own verdict. The vouchers of one call are distinct
--- (the caller splits repeats into another call of the same transaction), so per-customer
--- limits never span two batches of a call.
+-- and so are the order ids of different batches (the caller splits repeats into another call
+-- of the same transaction): per-customer limits never span two batches of a call, and an order
+-- id is never decided by another batch's row that does not insert.
 --
 -- Locks, in this order, so that calls of different nodes never wait on each other in a cycle:
 --   1. the batches' leases, in id order (the fence);
@@ -12,11 +13,11 @@
 --      skipped and reported LOST; the caller reads the stored row after commit).
 -- Voucher rows are only read: batches never queue on them.
 --
--- Verdicts per row: INSERT (a new reservation), REPLAYED (the stored order of the same voucher
--- and customer answers it), SAME (a repeat of an earlier row of the batch: it gets that row's
+-- Verdicts per row: NOT_FOUND (no such voucher), INSERT (a new reservation), REPLAYED (the
+-- stored order of the same voucher and customer answers it), SAME (a repeat of an earlier row of the batch: it gets that row's
 -- answer), ALREADY_USED, PAUSED / NOT_STARTED / ENDED (the ledger's copy of the voucher refuses
 -- new reservations), LOST (see 3), FENCED (the batch's lease is no longer ACTIVE or too small:
--- nothing of the batch is written).
+-- nothing of the batch is written; only a batch that would take units is fenced).
 
 CREATE OR REPLACE FUNCTION vouchers_commit_batches(
     p_lease    BIGINT[],  -- per batch: the lease it draws on
@@ -41,7 +42,8 @@ BEGIN
     PERFORM 1 FROM leases WHERE id = ANY (p_lease) ORDER BY id FOR UPDATE;
 
     -- Creates the missing usage rows and locks the existing ones in one pass (an upsert that
-    -- changes nothing still locks the row it meets).
+    -- changes nothing still locks the row it meets). Rows still at zero when the call ends are
+    -- deleted again (a usage of zero is the same as none), so refused rows leave no trace.
     INSERT INTO customer_usage AS u (voucher_code, customer_id, used)
     SELECT DISTINCT p_code[t.b], t.c, 0::BIGINT FROM unnest(p_batch, p_customer) AS t (b, c)
     ORDER BY 1, 2
@@ -54,13 +56,14 @@ BEGIN
         FROM unnest(p_batch, p_order, p_customer) WITH ORDINALITY AS t (b, o, c, i)
     ),
     h AS (
-        SELECT b.i::int AS b, l.granted - l.consumed AS room, v.per_user_limit, v.discount_amount,
+        SELECT b.i::int AS b, l.granted - l.consumed AS room, l.id IS NULL AS dead,
+               v.per_user_limit, v.discount_amount,
                CASE WHEN v.status <> 'ACTIVE' THEN 'PAUSED'
                     WHEN p_now[b.i] < v.starts_at THEN 'NOT_STARTED'
                     WHEN p_now[b.i] >= v.ends_at THEN 'ENDED' END AS blocked
         FROM unnest(p_lease, p_code) WITH ORDINALITY AS b (lease_id, code, i)
-        JOIN leases l ON l.id = b.lease_id AND l.voucher_code = b.code AND l.state = 'ACTIVE'
         JOIN vouchers v ON v.code = b.code
+        LEFT JOIN leases l ON l.id = b.lease_id AND l.voucher_code = b.code AND l.state = 'ACTIVE'
     ),
     s AS (
         SELECT x.order_id, x.voucher_code, x.customer_id, x.discount_amount, x.status, x.expires_at
@@ -71,11 +74,13 @@ BEGIN
         FROM r ORDER BY r.o, r.idx
     ),
     p AS (
-        SELECT r.idx, r.b, r.o, r.c, r.code, h.b IS NULL AS dead, h.room, h.per_user_limit,
+        SELECT r.idx, r.b, r.o, r.c, r.code, h.b IS NULL AS missing, h.dead, h.room,
+               h.per_user_limit,
                COALESCE(s.discount_amount, h.discount_amount) AS discount,
                s.voucher_code AS s_voucher, s.customer_id AS s_customer, s.status AS s_status,
                s.expires_at AS s_expires,
                CASE
+                 WHEN h.b IS NULL THEN 'NOT_FOUND'
                  WHEN s.order_id IS NOT NULL THEN
                    CASE WHEN s.voucher_code = r.code AND s.customer_id = r.c
                              AND s.status <> 'RELEASED'
@@ -101,10 +106,14 @@ BEGIN
         FROM p
         LEFT JOIN customer_usage u ON u.voucher_code = p.code AND u.customer_id = p.c
     ),
+    -- The fence, only for batches that would take units: a batch of replays and refusals
+    -- answers even on a lease that is gone.
     k AS (
         SELECT q.b,
-               bool_or(q.dead)
-                 OR count(*) FILTER (WHERE q.v1 = 'INSERT') > COALESCE(min(q.room), 0) AS fenced
+               count(*) FILTER (WHERE q.v1 = 'INSERT') > 0
+                 AND (bool_or(q.dead)
+                      OR count(*) FILTER (WHERE q.v1 = 'INSERT') > COALESCE(min(q.room), 0))
+                 AS fenced
         FROM q GROUP BY q.b
     ),
     ins AS (
@@ -128,6 +137,13 @@ BEGIN
         FROM (SELECT ins.voucher_code, ins.customer_id, count(*) AS n
               FROM ins GROUP BY ins.voucher_code, ins.customer_id) d
         WHERE u.voucher_code = d.voucher_code AND u.customer_id = d.customer_id
+    ),
+    zero AS (
+        DELETE FROM customer_usage u
+        USING (SELECT DISTINCT q.code, q.c FROM q) d
+        WHERE u.voucher_code = d.code AND u.customer_id = d.c AND u.used = 0
+          AND NOT EXISTS (SELECT 1 FROM ins
+                          WHERE ins.voucher_code = d.code AND ins.customer_id = d.c)
     )
     SELECT q.idx,
            CASE WHEN k.fenced THEN 'FENCED'

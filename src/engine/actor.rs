@@ -304,15 +304,15 @@ impl VoucherActor {
         }
         let now = self.now();
         self.drop_unservable_leases(now);
+        if let Some((_, until)) = self.hold {
+            if now >= until {
+                self.hold = None;
+            }
+        }
         let in_flight = self.core.settings.batches_in_flight.max(1);
         while self.committing.len() < in_flight && !self.pending.is_empty() {
             if !self.start_batch(ctx) {
                 break;
-            }
-        }
-        if let Some((_, until)) = self.hold {
-            if now >= until {
-                self.hold = None;
             }
         }
         let rate = self.rate.per_sec(now);
@@ -322,6 +322,14 @@ impl VoucherActor {
             || !self.warm_waiters.is_empty();
         match self.hold {
             None if short && !self.granting => self.start_grant(ctx),
+            // The ledger failed (or the node is draining): what waits gets 503 at once, whatever
+            // the lease still holds; no new batch starts while this lasts.
+            Some((Hold::Down, _)) => {
+                let mut tally = Tally::default();
+                for p in self.pending.drain(..) {
+                    tally.answer(p, Reply::Failed(EngineError::Unavailable));
+                }
+            }
             Some((hold, _))
                 if room == 0
                     && self.committing.is_empty()
@@ -338,17 +346,9 @@ impl VoucherActor {
                         self.pending = keep.into();
                         give_up
                     }
-                    Hold::Dry | Hold::Down => self.pending.drain(..).collect(),
+                    _ => self.pending.drain(..).collect(),
                 };
-                match hold {
-                    Hold::Dry | Hold::Waiting => self.answer_without_units(waiting, ctx),
-                    Hold::Down => {
-                        let mut tally = Tally::default();
-                        for p in waiting {
-                            tally.answer(p, Reply::Failed(EngineError::Unavailable));
-                        }
-                    }
-                }
+                self.answer_without_units(waiting, ctx);
             }
             _ => {}
         }
@@ -386,8 +386,18 @@ impl VoucherActor {
 
     /// Sends the next batch to the node's group committer; false when there is nothing to send.
     fn start_batch(&mut self, ctx: &mut Context<Self>) -> bool {
+        if matches!(self.hold, Some((Hold::Down, _))) {
+            return false;
+        }
         let max_batch = self.core.settings.max_batch.max(1) as i64;
-        let Some(lease) = self.leases.iter_mut().find(|l| l.room() > 0) else {
+        // Only a lease that is still servable: one kept only because a batch on it is in
+        // flight, or one too close to expiry, takes nothing new.
+        let (now, safety) = (self.now(), self.core.settings.lease_safety_ms);
+        let Some(lease) = self
+            .leases
+            .iter_mut()
+            .find(|l| l.room() > 0 && l.expires_at - safety > now)
+        else {
             return false;
         };
         let n = (self.pending.len() as i64).min(lease.room()).min(max_batch) as usize;
@@ -474,19 +484,23 @@ impl VoucherActor {
             }
             Err(e) => {
                 // No 201 without a commit: every request of the batch gets 503 and may retry
-                // (idempotently). The lease is no longer trusted.
+                // (idempotently).
                 let mut tally = Tally::default();
                 for p in taken {
                     tally.answer(p, Reply::Failed(EngineError::Unavailable));
                 }
-                self.leases.retain(|l| l.id != lease_id);
                 if matches!(e, LedgerError::Fenced) {
+                    // The lease is gone in the ledger: stop serving from it.
+                    self.leases.retain(|l| l.id != lease_id);
                     m::lease(LeaseEvent::Fenced);
                     tracing::warn!(code = %self.code, lease_id, "batch fenced: lease no longer active");
                 } else {
+                    // The transaction failed (it may be shared with every other voucher of the
+                    // node): keep the lease, whose fence stays in the ledger, and leave the
+                    // batch's units counted as used (a late commit cannot then be oversold
+                    // here; at worst they wait for the lease's return). Back off briefly.
                     m::ledger_error("commit_batch");
                     tracing::warn!(code = %self.code, lease_id, error = %e, "batch commit failed");
-                    spawn_return(&self.core, lease_id, self.now());
                     self.hold_for(Hold::Down, 200);
                 }
             }

@@ -9,15 +9,20 @@
 //! behind other vouchers' work. A lone batch on an idle node is committed at once, as it was
 //! before: per-voucher batching is the one-batch case.
 //!
-//! The queue is bounded by construction: an actor has at most one batch in flight, so it holds
-//! at most one job per live actor. It is still a bounded channel, and a full one answers
-//! `Unavailable` (the actor's requests get `503`) rather than growing.
+//! A voucher appears at most once per transaction: its next batch opens the next one, so the
+//! ledger decides each voucher's rows once per transaction and in arrival order.
+//!
+//! The queue is bounded by construction: an actor has at most `engine.batches_in_flight`
+//! batches in flight, so it holds at most that many jobs per live actor. It is still a bounded
+//! channel, and a full one answers `Unavailable` (the actor's requests get `503`) rather than
+//! growing. A transaction that takes longer than its deadline answers its batches
+//! `Unavailable` too; nothing of it was acknowledged, and the fence keeps a late commit safe.
 
-use std::future::Future;
 use std::collections::{HashSet, VecDeque};
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
@@ -52,10 +57,11 @@ impl Committer {
         rt: &tokio::runtime::Handle,
         pipeline: usize,
         max_rows: usize,
+        deadline: Duration,
         commit: CommitFn,
     ) -> Self {
         let (queue, rx) = mpsc::channel(QUEUE_CAPACITY);
-        rt.spawn(run(commit, rx, pipeline.max(1), max_rows.max(1)));
+        rt.spawn(run(commit, rx, pipeline.max(1), max_rows.max(1), deadline));
         Self { queue }
     }
 
@@ -82,7 +88,13 @@ fn unavailable(why: &'static str) -> LedgerError {
     LedgerError::Unavailable(sqlx::Error::Protocol(why.into()))
 }
 
-async fn run(commit: CommitFn, mut rx: mpsc::Receiver<Job>, pipeline: usize, max_rows: usize) {
+async fn run(
+    commit: CommitFn,
+    mut rx: mpsc::Receiver<Job>,
+    pipeline: usize,
+    max_rows: usize,
+    deadline: Duration,
+) {
     let slots = Arc::new(Semaphore::new(pipeline));
     // Jobs that could not join the transaction being filled: a second batch of a voucher
     // already in it (the ledger decides one voucher once per transaction), or one that would
@@ -129,7 +141,10 @@ async fn run(commit: CommitFn, mut rx: mpsc::Receiver<Job>, pipeline: usize, max
         let transaction = commit(batches);
         tokio::spawn(async move {
             let started = Instant::now();
-            let result = transaction.await;
+            let result = match tokio::time::timeout(deadline, transaction).await {
+                Ok(result) => result,
+                Err(_) => Err(unavailable("merged commit passed its deadline")),
+            };
             m::merged_commit(n, rows, started.elapsed(), result.is_ok());
             drop(permit);
             match result {
@@ -160,6 +175,9 @@ mod tests {
     use super::*;
     use crate::ledger::BatchRow;
     use std::sync::Mutex;
+
+    /// A deadline no test reaches unless it means to.
+    const LONG: Duration = Duration::from_secs(3600);
 
     fn batch(code: &str, rows: usize) -> Batch {
         Batch {
@@ -212,7 +230,7 @@ mod tests {
     async fn batches_queued_behind_a_commit_share_the_next_transaction() {
         let (release, gate) = oneshot::channel();
         let (commit, calls, mut started) = recording(gate);
-        let c = Committer::start(&tokio::runtime::Handle::current(), 1, 10_000, commit);
+        let c = Committer::start(&tokio::runtime::Handle::current(), 1, 10_000, LONG, commit);
         let first = c.submit(batch("A", 3)).unwrap();
         started.recv().await.unwrap();
         // The first transaction is in flight and holds the only slot: everything else waits.
@@ -243,7 +261,7 @@ mod tests {
     async fn a_transaction_stops_at_max_rows_and_the_rest_opens_the_next() {
         let (release, gate) = oneshot::channel();
         let (commit, calls, mut started) = recording(gate);
-        let c = Committer::start(&tokio::runtime::Handle::current(), 1, 4, commit);
+        let c = Committer::start(&tokio::runtime::Handle::current(), 1, 4, LONG, commit);
         let first = c.submit(batch("A", 1)).unwrap();
         started.recv().await.unwrap();
         let rest: Vec<_> = ["B", "C", "D"]
@@ -269,7 +287,7 @@ mod tests {
     async fn a_voucher_appears_once_per_transaction_and_keeps_its_order() {
         let (release, gate) = oneshot::channel();
         let (commit, calls, mut started) = recording(gate);
-        let c = Committer::start(&tokio::runtime::Handle::current(), 1, 10_000, commit);
+        let c = Committer::start(&tokio::runtime::Handle::current(), 1, 10_000, LONG, commit);
         let first = c.submit(batch("A", 1)).unwrap();
         started.recv().await.unwrap();
         let rest: Vec<_> = ["B", "C", "B", "A", "B"]
@@ -294,10 +312,45 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_transaction_past_its_deadline_answers_unavailable_and_frees_its_slot() {
+        let calls = Arc::new(Mutex::new(0));
+        let seen = calls.clone();
+        let commit: CommitFn = Arc::new(move |batches: Vec<Batch>| {
+            let first = {
+                let mut n = seen.lock().unwrap();
+                *n += 1;
+                *n == 1
+            };
+            Box::pin(async move {
+                if first {
+                    // The first transaction hangs (a stuck connection).
+                    std::future::pending::<()>().await;
+                }
+                Ok(batches
+                    .iter()
+                    .map(|b| Ok(vec![RowOutcome::AlreadyUsed; b.rows.len()]))
+                    .collect())
+            })
+        });
+        let c = Committer::start(
+            &tokio::runtime::Handle::current(),
+            1,
+            100,
+            Duration::from_millis(50),
+            commit,
+        );
+        let hung = c.commit(batch("A", 1)).await;
+        assert!(matches!(hung, Err(LedgerError::Unavailable(_))), "{hung:?}");
+        let next = c.commit(batch("B", 1)).await;
+        assert!(next.is_ok(), "the slot came back: {next:?}");
+        assert_eq!(*calls.lock().unwrap(), 2);
+    }
+
+    #[tokio::test]
     async fn a_failed_transaction_answers_every_batch_in_it_unavailable() {
         let commit: CommitFn =
             Arc::new(|_| Box::pin(async { Err(LedgerError::Invalid("the database went away")) }));
-        let c = Committer::start(&tokio::runtime::Handle::current(), 2, 100, commit);
+        let c = Committer::start(&tokio::runtime::Handle::current(), 2, 100, LONG, commit);
         let res = c.commit(batch("A", 2)).await;
         assert!(matches!(res, Err(LedgerError::Unavailable(_))), "{res:?}");
     }

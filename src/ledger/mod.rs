@@ -434,6 +434,7 @@ pub fn grouped(
         &rt,
         pipeline,
         settings.max_merged_rows.max(1),
+        std::time::Duration::from_millis(settings.commit_timeout_ms.max(1)),
         Arc::new(move |batches| {
             let ledger = merged.clone();
             Box::pin(async move { ledger.commit_batches(&batches).await })

@@ -501,7 +501,7 @@ impl PostgresLedger {
     /// vouchers (one group, one round trip, unless a voucher repeats), then, only when another
     /// transaction stored one of the order ids meanwhile, one read of those rows.
     async fn try_commit_batches(&self, batches: &[Batch]) -> Result<BatchResults, LedgerError> {
-        let groups = distinct_voucher_groups(batches);
+        let groups = independent_groups(batches);
         let mut verdicts = Vec::with_capacity(groups.len());
         if let [group] = groups.as_slice() {
             verdicts.push(call_merged(&self.pool, batches, group).await?);
@@ -518,10 +518,12 @@ impl PostgresLedger {
             .filter(|v| v.verdict == "LOST")
             .map(|v| v.order_id.clone())
             .collect();
+        // Committed already: a failed read of the rows another transaction stored fails only
+        // the batches that needed it, never the transaction's answer to the others.
         let stored = if lost.is_empty() {
-            Vec::new()
+            Ok(Vec::new())
         } else {
-            self.find_orders(&lost).await?
+            self.find_orders(&lost).await
         };
         let mut results: Vec<Option<Result<Vec<RowOutcome>, LedgerError>>> =
             batches.iter().map(|_| None).collect();
@@ -530,7 +532,13 @@ impl PostgresLedger {
             for &i in group {
                 let batch = &batches[i];
                 let mine: Vec<Verdict> = rows.by_ref().take(batch.rows.len()).collect();
-                results[i] = Some(resolve_verdicts(batch, mine, &stored));
+                results[i] = Some(match &stored {
+                    Err(_) if mine.iter().any(|v| v.verdict == "LOST") => {
+                        Err(LedgerError::Invalid("stored orders could not be read back"))
+                    }
+                    Err(_) => resolve_verdicts(batch, mine, &[]),
+                    Ok(stored) => resolve_verdicts(batch, mine, stored),
+                });
             }
         }
         Ok(results
@@ -599,24 +607,43 @@ async fn give_back(tx: &mut Tx, rows: Vec<(String, i64)>) -> Result<Vec<Restock>
     Ok(restocks)
 }
 
-/// Batch indexes split so that no voucher appears twice in one group (the precondition of
-/// `vouchers_commit_batches`); the node's committer sends distinct vouchers, so this is almost
-/// always one group in slice order.
-fn distinct_voucher_groups(batches: &[Batch]) -> Vec<Vec<usize>> {
-    let mut groups: Vec<(HashSet<&str>, Vec<usize>)> = Vec::new();
-    for (i, b) in batches.iter().enumerate() {
-        match groups
-            .iter_mut()
-            .find(|(codes, _)| !codes.contains(b.voucher_code.as_str()))
-        {
-            Some((codes, members)) => {
-                codes.insert(&b.voucher_code);
-                members.push(i);
-            }
-            None => groups.push((HashSet::from([b.voucher_code.as_str()]), vec![i])),
-        }
+/// Batch indexes split into groups in which no voucher and no order id appears in two batches
+/// (the precondition of `vouchers_commit_batches`). The node's committer sends each voucher
+/// once per transaction, so this is one group in slice order unless two vouchers' batches
+/// share an order id.
+fn independent_groups(batches: &[Batch]) -> Vec<Vec<usize>> {
+    struct Group<'a> {
+        codes: HashSet<&'a str>,
+        orders: HashSet<&'a str>,
+        members: Vec<usize>,
     }
-    groups.into_iter().map(|(_, members)| members).collect()
+    let mut groups: Vec<Group> = Vec::new();
+    for (i, b) in batches.iter().enumerate() {
+        let fits = |g: &Group| {
+            !g.codes.contains(b.voucher_code.as_str())
+                && b.rows
+                    .iter()
+                    .all(|r| !g.orders.contains(r.order_id.as_str()))
+        };
+        // A batch goes after every group it clashes with, so the slice order holds.
+        let last_clash = groups.iter().rposition(|g| !fits(g));
+        let at = match last_clash {
+            Some(j) => j + 1,
+            None => 0,
+        };
+        if at == groups.len() {
+            groups.push(Group {
+                codes: HashSet::new(),
+                orders: HashSet::new(),
+                members: Vec::new(),
+            });
+        }
+        let g = &mut groups[at];
+        g.codes.insert(&b.voucher_code);
+        g.orders.extend(b.rows.iter().map(|r| r.order_id.as_str()));
+        g.members.push(i);
+    }
+    groups.into_iter().map(|g| g.members).collect()
 }
 
 /// The function's answer for one row.
@@ -722,6 +749,9 @@ fn resolve_verdicts(
     }
     if verdicts.iter().any(|v| v.verdict == "FENCED") {
         return Err(LedgerError::Fenced);
+    }
+    if verdicts.iter().any(|v| v.verdict == "NOT_FOUND") {
+        return Err(LedgerError::NotFound);
     }
     let code = batch.voucher_code.as_str();
     let mut plan = Vec::with_capacity(verdicts.len());

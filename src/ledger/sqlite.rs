@@ -80,7 +80,26 @@ impl SqliteLedger {
         let mut locked = conn.lock_handle().await?;
         // SAFETY: the handle stays locked out of sqlx's worker until `locked` drops.
         let db = unsafe { raw::Db::new(locked.as_raw_handle()) };
-        work(&db)
+        // The work blocks (fsync, busy waits): tell a multi-threaded runtime, so the tasks
+        // queued on this worker move to another one meanwhile.
+        let multi = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        let result = if multi {
+            tokio::task::block_in_place(|| work(&db))
+        } else {
+            work(&db)
+        };
+        if !db.autocommit() {
+            // A rollback that failed left the handle inside a transaction: never give it back
+            // to sqlx like that (later writes would join a transaction nobody commits).
+            drop(locked);
+            let _ = conn.detach();
+            tracing::error!("sqlite writer left inside a transaction; connection dropped");
+            return Err(LedgerError::Unavailable(sqlx::Error::Protocol(
+                "sqlite writer left inside a transaction".into(),
+            )));
+        }
+        result
     }
 
     /// Returns or reaps leases; their unused units go back to `free`.

@@ -78,6 +78,12 @@ impl Db {
         Ok(unsafe { ffi::sqlite3_changes64(self.handle.as_ptr()) } as u64)
     }
 
+    /// Whether the connection is outside any transaction.
+    pub(crate) fn autocommit(&self) -> bool {
+        // SAFETY: the handle is live.
+        unsafe { ffi::sqlite3_get_autocommit(self.handle.as_ptr()) != 0 }
+    }
+
     /// Begins a write transaction at once (the write lock is taken now, not at the first write).
     pub(crate) fn begin(&self) -> Result<Tx<'_>, LedgerError> {
         self.run(self.prepare("BEGIN IMMEDIATE")?)?;

@@ -60,7 +60,14 @@ pub async fn conformance(l: SharedLedger) {
     concurrent_batches_agree_on_customers_and_orders(&l).await;
     edits_follow_the_rules(&l).await;
     merged_batches_settle_each_batch_on_its_own(&l).await;
+    an_order_id_is_not_taken_by_a_row_that_never_inserts(&l).await;
 }
+
+/// Customers of vouchers whose rows were all refused: none may have a usage row (DESIGN §6: a
+/// refused request leaves no trace). Checked with each store's own SQL.
+const UNTOUCHED_USAGE: &str = "SELECT COUNT(*) FROM customer_usage \
+     WHERE (voucher_code = 'M2' AND customer_id = 20) OR (voucher_code = 'M4' AND customer_id = 40) \
+        OR (voucher_code = 'X1' AND customer_id = 50) OR (voucher_code = 'X2' AND customer_id = 60)";
 
 async fn grants_never_exceed_free(l: &SharedLedger) {
     l.create_voucher(&voucher("G", 10, 1), NOW).await.unwrap();
@@ -605,6 +612,91 @@ async fn merged_batches_settle_each_batch_on_its_own(l: &SharedLedger) {
     }
 }
 
+/// An order id that one batch's row did not take (its lease is fenced, its customer at the
+/// limit) is still free for another voucher's batch in the same merged transaction, as if the
+/// batches had committed one after the other. A batch of replays answers even on a lease that
+/// is gone, and a batch for an unknown voucher is refused on its own.
+async fn an_order_id_is_not_taken_by_a_row_that_never_inserts(l: &SharedLedger) {
+    for code in ["X1", "X2", "X3", "X4"] {
+        l.create_voucher(&voucher(code, 10, 1), NOW).await.unwrap();
+    }
+    let grant = |code: &'static str| async move {
+        l.grant(code, "n1", 3, NOW, TTL)
+            .await
+            .unwrap()
+            .lease
+            .unwrap()
+            .id
+    };
+    let (x1, x2, x3, x4) = (
+        grant("X1").await,
+        grant("X2").await,
+        grant("X3").await,
+        grant("X4").await,
+    );
+    let won = l
+        .commit_batch(&batch("X2", x2, rows(&[("x2-old", 61)])))
+        .await
+        .unwrap();
+    l.return_lease(x1, NOW).await.unwrap();
+    l.return_lease(x2, NOW).await.unwrap();
+    // Customer 70 is at its limit of 1 on X3.
+    l.commit_batch(&batch("X3", x3, rows(&[("x3-first", 70)])))
+        .await
+        .unwrap();
+    let results = l
+        .commit_batches(&[
+            batch("X1", x1, rows(&[("shared-a", 50)])),
+            batch("X3", x3, rows(&[("shared-b", 70)])),
+            batch("X2", x2, rows(&[("x2-old", 61), ("x2-none", 60)])),
+            batch("NOPE", x3, rows(&[("nope-1", 1)])),
+            batch("X4", x4, rows(&[("shared-a", 71), ("shared-b", 72)])),
+        ])
+        .await
+        .expect("the merged transaction commits");
+    assert!(
+        matches!(results[0], Err(LedgerError::Fenced)),
+        "{:?}",
+        results[0]
+    );
+    assert_eq!(
+        results[1].as_ref().unwrap()[0],
+        RowOutcome::AlreadyUsed,
+        "customer 70 is at the limit"
+    );
+    assert!(
+        matches!(results[2], Err(LedgerError::Fenced)),
+        "a new row on a returned lease is fenced: {:?}",
+        results[2]
+    );
+    assert!(
+        matches!(results[3], Err(LedgerError::NotFound)),
+        "{:?}",
+        results[3]
+    );
+    let x3_out = results[4].as_ref().expect("X4's batch commits");
+    assert!(
+        matches!(&x3_out[0], RowOutcome::Created(r) if r.customer_id == 71),
+        "the fenced batch never stored shared-a: {x3_out:?}"
+    );
+    assert!(
+        matches!(&x3_out[1], RowOutcome::Created(r) if r.customer_id == 72),
+        "the row at its limit never stored shared-b: {x3_out:?}"
+    );
+    // Only replays: answered even though the lease is gone.
+    let replay = l
+        .commit_batches(&[batch("X2", x2, rows(&[("x2-old", 61)]))])
+        .await
+        .unwrap();
+    match (&won[0], &replay[0]) {
+        (RowOutcome::Created(a), Ok(out)) => assert_eq!(out[0], RowOutcome::Replayed(a.clone())),
+        other => panic!("expected the stored order back: {other:?}"),
+    }
+    for code in ["X1", "X2", "X3", "X4"] {
+        balanced(l, code).await;
+    }
+}
+
 async fn edits_follow_the_rules(l: &SharedLedger) {
     l.create_voucher(&voucher("E", 5, 1), NOW).await.unwrap();
     let shrink = VoucherPatch {
@@ -648,10 +740,15 @@ async fn edits_follow_the_rules(l: &SharedLedger) {
 #[tokio::test]
 async fn sqlite_ledger_conforms() {
     let dir = temp_dir("ledger");
-    let l = ledger::connect(&format!("sqlite://{}/l.db", dir.display()), 4)
+    let url = format!("sqlite://{}/l.db", dir.display());
+    let l = ledger::connect(&url, 4).await.unwrap();
+    conformance(l).await;
+    let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
+    let traces: i64 = sqlx::query_scalar(UNTOUCHED_USAGE)
+        .fetch_one(&pool)
         .await
         .unwrap();
-    conformance(l).await;
+    assert_eq!(traces, 0, "refused rows left usage rows");
 }
 
 /// A fresh PostgreSQL schema for one test: its URL (search_path set through `options`).
@@ -682,4 +779,10 @@ async fn postgres_ledger_conforms() {
     };
     let l = ledger::connect(&url, 8).await.unwrap();
     conformance(l).await;
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let traces: i64 = sqlx::query_scalar(UNTOUCHED_USAGE)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(traces, 0, "refused rows left usage rows");
 }
