@@ -124,6 +124,24 @@ fn hot() -> Option<&'static Hot> {
     HOT.get()
 }
 
+/// How often histogram samples are folded into their buckets when nobody scrapes.
+const UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Histogram samples wait in a queue until the next render or upkeep: without a scraper (the
+/// embedded default, or a Prometheus outage) that queue grows with every request. A plain
+/// thread folds them in every few seconds, so memory stays flat whether or not anyone scrapes.
+fn spawn_upkeep(handle: PrometheusHandle) {
+    let spawned = std::thread::Builder::new()
+        .name("metrics-upkeep".into())
+        .spawn(move || loop {
+            std::thread::sleep(UPKEEP_INTERVAL);
+            handle.run_upkeep();
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "metrics upkeep thread did not start");
+    }
+}
+
 /// Installs the process-wide Prometheus recorder once and returns its handle.
 pub fn install() -> PrometheusHandle {
     HANDLE
@@ -155,6 +173,7 @@ pub fn install() -> PrometheusHandle {
                         batch_size: histogram!(BATCH_SIZE),
                         batch_seconds: histogram!(BATCH_COMMIT_SECONDS),
                     });
+                    spawn_upkeep(handle.clone());
                     handle
                 }
                 // Another recorder is installed (only in odd embeddings): render an empty one.
