@@ -1,6 +1,6 @@
 //! Cluster mode: real processes of the binary on loopback ports, sharing one PostgreSQL schema
-//! and one Redis. Skipped (with a line saying why) where TEST_DATABASE_URL or TEST_REDIS_URL is
-//! unset; `.ci/run` sets both and fails if either service is down.
+//! and one Redis. Reported as ignored where TEST_DATABASE_URL or TEST_REDIS_URL is unset (and
+//! failed if that happens inside CI); `.ci/run` sets both and fails if either service is down.
 
 use std::cell::Cell;
 use std::rc::Rc;
@@ -23,15 +23,7 @@ struct Cluster {
 }
 
 fn redis_url() -> Option<String> {
-    match std::env::var("TEST_REDIS_URL") {
-        Ok(u) => Some(u),
-        Err(_) => {
-            eprintln!(
-                "skipped: TEST_REDIS_URL is not set (cluster tests need Redis; .ci/run sets it)"
-            );
-            None
-        }
-    }
+    crate::helpers::service_url("TEST_REDIS_URL")
 }
 
 /// Host and port of a `scheme://[user@]host:port/...` URL.
@@ -155,6 +147,10 @@ fn count(answers: &[(usize, String, Option<Answer>)], status: u16) -> usize {
 }
 
 #[actix_web::test]
+#[cfg_attr(
+    any(no_test_pg, no_test_redis),
+    ignore = "needs TEST_DATABASE_URL and TEST_REDIS_URL; .ci/run sets them"
+)]
 async fn three_nodes_uneven_traffic_sell_every_unit_exactly_once() {
     let (Some(db), Some(redis)) = (fresh_pg_schema("uneven").await, redis_url()) else {
         return;
@@ -229,6 +225,10 @@ async fn three_nodes_uneven_traffic_sell_every_unit_exactly_once() {
 }
 
 #[actix_web::test]
+#[cfg_attr(
+    any(no_test_pg, no_test_redis),
+    ignore = "needs TEST_DATABASE_URL and TEST_REDIS_URL; .ci/run sets them"
+)]
 async fn per_customer_limit_and_order_idempotency_hold_across_nodes() {
     let (Some(db), Some(redis)) = (fresh_pg_schema("percust").await, redis_url()) else {
         return;
@@ -275,6 +275,10 @@ async fn per_customer_limit_and_order_idempotency_hold_across_nodes() {
 }
 
 #[actix_web::test]
+#[cfg_attr(
+    any(no_test_pg, no_test_redis),
+    ignore = "needs TEST_DATABASE_URL and TEST_REDIS_URL; .ci/run sets them"
+)]
 async fn a_killed_node_loses_nothing_and_its_units_are_sold_by_the_others() {
     let (Some(db), Some(redis)) = (fresh_pg_schema("kill").await, redis_url()) else {
         return;
@@ -405,6 +409,10 @@ async fn a_killed_node_loses_nothing_and_its_units_are_sold_by_the_others() {
 }
 
 #[actix_web::test]
+#[cfg_attr(
+    any(no_test_pg, no_test_redis),
+    ignore = "needs TEST_DATABASE_URL and TEST_REDIS_URL; .ci/run sets them"
+)]
 async fn a_paused_node_is_fenced_after_its_lease_is_reaped() {
     let (Some(db), Some(redis)) = (fresh_pg_schema("pause").await, redis_url()) else {
         return;
@@ -500,6 +508,10 @@ async fn a_paused_node_is_fenced_after_its_lease_is_reaped() {
 }
 
 #[actix_web::test]
+#[cfg_attr(
+    any(no_test_pg, no_test_redis),
+    ignore = "needs TEST_DATABASE_URL and TEST_REDIS_URL; .ci/run sets them"
+)]
 async fn pausing_on_one_node_stops_every_node() {
     let (Some(db), Some(redis)) = (fresh_pg_schema("pausev").await, redis_url()) else {
         return;
@@ -572,6 +584,10 @@ async fn pausing_on_one_node_stops_every_node() {
 }
 
 #[actix_web::test]
+#[cfg_attr(
+    any(no_test_pg, no_test_redis),
+    ignore = "needs TEST_DATABASE_URL and TEST_REDIS_URL; .ci/run sets them"
+)]
 async fn losing_redis_mid_sale_keeps_selling_correctly() {
     let (Some(db), Some(redis)) = (fresh_pg_schema("noredis").await, redis_url()) else {
         return;
@@ -623,6 +639,10 @@ async fn losing_redis_mid_sale_keeps_selling_correctly() {
 }
 
 #[actix_web::test]
+#[cfg_attr(
+    any(no_test_pg, no_test_redis),
+    ignore = "needs TEST_DATABASE_URL and TEST_REDIS_URL; .ci/run sets them"
+)]
 async fn losing_postgres_fails_fast_and_recovers() {
     let (Some(db), Some(redis)) = (fresh_pg_schema("nopg").await, redis_url()) else {
         return;

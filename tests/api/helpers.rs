@@ -307,3 +307,20 @@ pub async fn try_reserve(
         serde_json::from_slice(&bytes).unwrap_or(Value::Null),
     ))
 }
+
+/// The URL of a service a test needs, from the environment variable `var`. Inside CI (`CI` set)
+/// a missing one fails the test: a service CI should have must never be silently skipped.
+/// Elsewhere the test is compiled as ignored when the variable was missing at build time
+/// (`build.rs`); if it goes missing only at run time, the test says so and returns.
+pub fn service_url(var: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(url) if !url.is_empty() => Some(url),
+        _ if std::env::var_os("CI").is_some() => {
+            panic!("{var} is not set, but CI is: this test needs the service it names")
+        }
+        _ => {
+            eprintln!("skipped: {var} is not set (.ci/run sets it)");
+            None
+        }
+    }
+}

@@ -753,12 +753,7 @@ async fn sqlite_ledger_conforms() {
 
 /// A fresh PostgreSQL schema for one test: its URL (search_path set through `options`).
 pub async fn fresh_pg_schema(tag: &str) -> Option<String> {
-    let Ok(base) = std::env::var("TEST_DATABASE_URL") else {
-        eprintln!(
-            "skipped: TEST_DATABASE_URL is not set (PostgreSQL tests need it; .ci/run sets it)"
-        );
-        return None;
-    };
+    let base = crate::helpers::service_url("TEST_DATABASE_URL")?;
     let schema = format!("t_{tag}_{}", vouchers::startup::random_hex(6));
     let pool = sqlx::PgPool::connect(&base)
         .await
@@ -773,6 +768,10 @@ pub async fn fresh_pg_schema(tag: &str) -> Option<String> {
 }
 
 #[tokio::test]
+#[cfg_attr(
+    no_test_pg,
+    ignore = "needs TEST_DATABASE_URL (PostgreSQL); .ci/run sets it"
+)]
 async fn postgres_ledger_conforms() {
     let Some(url) = fresh_pg_schema("conf").await else {
         return;
