@@ -22,14 +22,27 @@ async fn two_hundred_customers_race_for_ten_units() {
         c["free"].as_i64().unwrap() + c["leasedUnused"].as_i64().unwrap(),
         0
     );
-    // Every 201 is a row in the ledger.
-    for (status, body) in answers.iter().filter(|(s, _)| *s == 201) {
-        assert_eq!(*status, 201);
-        let order = body["orderId"].as_str().unwrap();
+    // Every 201 is a row in the ledger, of the customer that got it.
+    let winners: Vec<(usize, &str)> = answers
+        .iter()
+        .enumerate()
+        .filter(|(_, (s, _))| *s == 201)
+        .map(|(i, (_, body))| (i + 1, body["orderId"].as_str().unwrap_or("")))
+        .collect();
+    assert_eq!(winners.len(), 10);
+    for (customer, order) in winners {
+        assert_eq!(
+            order,
+            format!("race-{customer}"),
+            "the 201 names the order sent"
+        );
         let (s, r) = app
             .call("GET", &format!("/vouchers/RACE10/reservations/{order}"))
             .await;
-        assert_eq!((s, r["status"].as_str()), (200, Some("RESERVED")));
+        assert_eq!(
+            (s, r["status"].as_str(), r["customerId"].as_u64()),
+            (200, Some("RESERVED"), Some(customer as u64))
+        );
     }
 }
 

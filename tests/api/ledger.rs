@@ -372,12 +372,26 @@ async fn release_confirm_and_expiry_move_units_exactly_once(l: &SharedLedger) {
         (c.reserved, c.confirmed, c.released, c.free, c.leased_unused),
         (0, 1, 3, 3, 1)
     );
-    // A released customer's usage went down: they may reserve again.
+    // Customer 1's usage went down with every release and expiry (4 reserved, 3 given back):
+    // three more orders fit under the limit of 5 only if it did.
+    let more = l
+        .grant("L", "n1", 3, NOW, TTL)
+        .await
+        .unwrap()
+        .lease
+        .expect("the released units are free again");
     let out = l
-        .commit_batch(&batch("L", lease.id, rows(&[("l5", 1)])))
+        .commit_batch(&batch(
+            "L",
+            more.id,
+            rows(&[("l5", 1), ("l6", 1), ("l7", 1)]),
+        ))
         .await
         .unwrap();
-    assert!(matches!(out[0], RowOutcome::Created(_)));
+    assert!(
+        out.iter().all(|o| matches!(o, RowOutcome::Created(_))),
+        "usage did not go down: {out:?}"
+    );
     balanced(l, "L").await;
 }
 
