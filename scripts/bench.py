@@ -19,7 +19,7 @@ reports ledger transactions per 1000 reservations: the node's merged group commi
 (`vouchers_batch_size_count`), and on PostgreSQL every transaction the database ran
 (`pg_stat_database`, grants, renewals and reads included).
 
-Usage: scripts/bench.sh [--duration S] [--conns N] [--only NAME,…]
+Usage: scripts/bench.sh [--duration S] [--conns N] [--only NAME,…] [--engine-bin PATH]
 Traffic goes to 127.0.0.1 only; every process it starts is stopped at the end.
 """
 import argparse
@@ -179,6 +179,9 @@ def main():
     ap.add_argument("--conns", type=int, default=int(os.environ.get("CONNS", 256)))
     ap.add_argument("--threads", type=int, default=int(os.environ.get("THREADS", 2)))
     ap.add_argument("--only", default="", help="comma-separated: ceiling,pg-sql,redis-lua,sqlite,postgres")
+    ap.add_argument("--engine-bin", default=os.path.join(BIN, "vouchers"),
+                    help="the engine binary to measure (default: this tree's release build), "
+                         "e.g. an earlier commit's build for a before/after in one run")
     args = ap.parse_args()
     only = set(filter(None, args.only.split(",")))
     want = lambda n: not only or n in only
@@ -226,7 +229,7 @@ def main():
                    "VOUCHERS__NODE__ID": f"bench-{ledger}", "RUST_LOG": "warn",
                    "VOUCHERS__LEDGER__URL": (f"sqlite://{work}/ledger.db" if ledger == "sqlite"
                                              else db_url)}
-            argv = [os.path.join(BIN, "vouchers")]
+            argv = [args.engine_bin]
             if ledger == "postgres":
                 argv += ["--config", "config/cluster.toml"]
                 env["VOUCHERS__REDIS__URL"] = ""

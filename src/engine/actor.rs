@@ -174,10 +174,9 @@ pub(crate) struct VoucherActor {
     leases: VecDeque<LocalLease>,
     pending: VecDeque<Pending>,
     warm_waiters: Vec<oneshot::Sender<Result<(), EngineError>>>,
-    /// The leases of the batches in flight (at most `engine.batches_in_flight`; a lease may
-    /// appear twice). A second batch waits in the node's group committer while the first
-    /// commits, so the requests that arrive meanwhile reach the next merged transaction instead
-    /// of waiting for this actor's answer first.
+    /// The leases of the batches in flight (at most `engine.batches_in_flight`, 1 by default;
+    /// a lease may appear twice). With more than one, a second batch waits in the node's group
+    /// committer for the next merged transaction while the first commits.
     committing: Vec<i64>,
     granting: bool,
     renewing: bool,
