@@ -48,6 +48,8 @@ pub struct TestApp {
     pub clock: ManualClock,
     /// A second connection to the same ledger, as another node or an operator would have.
     pub ledger: SharedLedger,
+    /// The ledger's URL, for the independent auditor (`audit::books`).
+    pub db_url: String,
     pub client: awc::Client,
 }
 
@@ -75,6 +77,7 @@ pub async fn spawn_app_with(tweak: impl FnOnce(&mut Settings)) -> TestApp {
         engine,
         clock,
         ledger,
+        db_url,
         client: client(),
     }
 }
@@ -136,7 +139,8 @@ impl TestApp {
         send(&self.client, "GET", &url, Some(TOKEN), None).await
     }
 
-    /// The admin view, asserting it exists and balances.
+    /// The admin view, asserting it exists and balances, both by the engine's own verdict and
+    /// by the independent auditor's reading of the rows, and that the two agree on every term.
     pub async fn balanced_counters(&self, code: &str) -> Value {
         let (status, body) = self.admin(code).await;
         assert_eq!(status, 200, "{body}");
@@ -144,6 +148,25 @@ impl TestApp {
             body["balanced"],
             json!(true),
             "ledger does not balance: {body}"
+        );
+        let books = crate::audit::books(&self.db_url, code).await;
+        books.assert_balanced(code);
+        assert_eq!(
+            (
+                body["free"].as_i64(),
+                body["leasedUnused"].as_i64(),
+                body["reserved"].as_i64(),
+                body["confirmed"].as_i64(),
+                body["released"].as_i64()
+            ),
+            (
+                Some(books.free),
+                Some(books.leased_unused),
+                Some(books.reserved),
+                Some(books.confirmed),
+                Some(books.released)
+            ),
+            "the engine's counters differ from the rows: {body} vs {books:?}"
         );
         body
     }

@@ -2,6 +2,7 @@
 //! SQLite file and a manual clock; PostgreSQL and Redis tests read `TEST_DATABASE_URL` and
 //! `TEST_REDIS_URL`.
 
+mod audit;
 mod bad_input;
 mod cluster;
 mod concurrency;
