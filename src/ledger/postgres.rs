@@ -69,11 +69,10 @@ impl PostgresLedger {
         // plans see the real table size every time.
         let options =
             PgConnectOptions::from_str(url)?.options([("plan_cache_mode", "force_custom_plan")]);
-        // No ping before each use: it would double the round trips of every batch. A broken
-        // connection fails its statement (503, retried by the client) and is dropped.
+        // Connections are checked before use (one short round trip per merged transaction):
+        // after an outage the pool replaces broken ones instead of failing a request on each.
         let pool = PgPoolOptions::new()
             .max_connections(max_connections.max(2))
-            .test_before_acquire(false)
             .acquire_timeout(Duration::from_secs(1))
             .connect_with(options)
             .await?;

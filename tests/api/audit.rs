@@ -41,35 +41,44 @@ const USAGE: &str =
 const LIVE: &str =
     "SELECT order_id FROM reservations WHERE voucher_code = $1 AND status <> 'RELEASED'";
 
-/// Runs the auditor's five queries on one pool (SQLite or PostgreSQL: the SQL is the same).
+/// Runs the auditor's five queries on one pool (SQLite or PostgreSQL: the SQL is the same), in
+/// one read transaction, so that they see one snapshot even while the engine keeps working.
 macro_rules! read_books {
-    ($pool:expr, $code:expr) => {{
+    ($pool:expr, $code:expr, $isolation:expr) => {{
         let pool = $pool;
+        let mut tx = pool.begin().await.expect("begin");
+        if !$isolation.is_empty() {
+            sqlx::query($isolation)
+                .execute(&mut *tx)
+                .await
+                .expect("isolation");
+        }
         let (total, free): (i64, i64) = sqlx::query_as(TOTAL_FREE)
             .bind($code)
-            .fetch_one(&pool)
+            .fetch_one(&mut *tx)
             .await
             .expect("voucher row");
         let (leased_unused, consumed): (i64, i64) = sqlx::query_as(LEASES)
             .bind($code)
-            .fetch_one(&pool)
+            .fetch_one(&mut *tx)
             .await
             .expect("leases");
         let (reserved, confirmed, released): (i64, i64, i64) = sqlx::query_as(BY_STATUS)
             .bind($code)
-            .fetch_one(&pool)
+            .fetch_one(&mut *tx)
             .await
             .expect("reservations");
         let usage: i64 = sqlx::query_scalar(USAGE)
             .bind($code)
-            .fetch_one(&pool)
+            .fetch_one(&mut *tx)
             .await
             .expect("usage");
         let live: Vec<String> = sqlx::query_scalar(LIVE)
             .bind($code)
-            .fetch_all(&pool)
+            .fetch_all(&mut *tx)
             .await
             .expect("live orders");
+        tx.commit().await.expect("end the read");
         pool.close().await;
         Books {
             total,
@@ -90,10 +99,15 @@ pub async fn books(db_url: &str, code: &str) -> Books {
     if db_url.starts_with("sqlite:") {
         read_books!(
             sqlx::SqlitePool::connect(db_url).await.expect("sqlite"),
-            code
+            code,
+            ""
         )
     } else {
-        read_books!(sqlx::PgPool::connect(db_url).await.expect("postgres"), code)
+        read_books!(
+            sqlx::PgPool::connect(db_url).await.expect("postgres"),
+            code,
+            "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"
+        )
     }
 }
 

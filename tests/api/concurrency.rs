@@ -1,7 +1,12 @@
 //! Races: a flood for a few units, copies of one order, one customer with many orders, and the
 //! sold-out short-circuit that must still honour retries of winning orders.
 
+use std::cell::RefCell;
+use std::collections::BTreeSet;
+use std::rc::Rc;
 use std::time::Duration;
+
+use sqlx::Connection;
 
 use futures_util::future::join_all;
 use serde_json::json;
@@ -120,32 +125,96 @@ async fn one_customer_many_orders_respects_the_per_user_limit() {
 
 #[actix_web::test]
 async fn overload_is_refused_at_once_with_503_and_retry_after() {
-    // No room to queue at all: every reserve is refused before it touches the ledger.
-    let app = crate::helpers::spawn_app_with(|s| s.engine.max_pending = 0).await;
+    // A real overload: the ledger's writer is held by another connection, so the one batch in
+    // flight cannot commit and every reserve past the bounded queue must be refused at once.
+    let app = crate::helpers::spawn_app_with(|s| {
+        s.engine.max_pending = 5;
+        s.engine.max_batch = 1;
+    })
+    .await;
     assert_eq!(app.create_voucher("FULL", 100, 1).await.0, 201);
+    let (status, _) = crate::helpers::send(
+        &app.client,
+        "POST",
+        &format!("{}/admin/vouchers/FULL/warm", app.base),
+        Some(crate::helpers::TOKEN),
+        None,
+    )
+    .await;
+    assert_eq!(status, 204);
+    let leased = app.balanced_counters("FULL").await["leasedUnused"]
+        .as_i64()
+        .unwrap_or(0);
+    assert!(leased >= 1, "warm-up took a lease");
+
+    let mut blocker = sqlx::SqliteConnection::connect(&app.db_url).await.unwrap();
+    sqlx::query("BEGIN IMMEDIATE")
+        .execute(&mut blocker)
+        .await
+        .expect("hold the writer");
+
     let url = format!("{}/vouchers/FULL/reservations", app.base);
-    let answers = join_all((1..=20).map(|i| {
-        let (c, url) = (app.client.clone(), url.clone());
-        async move {
+    let answers = Rc::new(RefCell::new(Vec::new()));
+    for i in 1..=30 {
+        let (c, url, answers) = (app.client.clone(), url.clone(), answers.clone());
+        actix_rt::spawn(async move {
             let body =
                 json!({ "customerId": i, "orderId": format!("full-{i}"), "orderAmount": 5000 });
             let mut res = c.post(url).send_json(&body).await.expect("sent");
             let retry_after = res
                 .headers()
                 .get("retry-after")
-                .map(|v| v.to_str().unwrap().to_string());
+                .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
             let body: serde_json::Value = res.json().await.expect("json");
-            (res.status().as_u16(), body["error"].clone(), retry_after)
-        }
-    }))
-    .await;
-    for a in &answers {
-        assert_eq!(a, &(503, json!("UNAVAILABLE"), Some("1".to_string())));
+            answers
+                .borrow_mut()
+                .push((res.status().as_u16(), body, retry_after, i));
+        });
     }
-    let c = app.balanced_counters("FULL").await;
+    // One request is in the stuck batch, five wait in the queue: the other 24 are refused
+    // while the writer is still held.
+    let refused = || answers.borrow().iter().filter(|a| a.0 == 503).count();
+    eventually(
+        "24 refusals while the ledger is stuck",
+        Duration::from_secs(20),
+        || {
+            let n = refused();
+            async move { n >= 24 }
+        },
+    )
+    .await;
     assert_eq!(
-        (c["reserved"].clone(), c["free"].clone()),
-        (json!(0), json!(100)),
-        "refused requests leave no trace"
+        answers.borrow().len(),
+        24,
+        "nothing but refusals before the writer is free"
     );
+    for (status, body, retry_after, _) in answers.borrow().iter() {
+        assert_eq!((*status, &body["error"]), (503, &json!("UNAVAILABLE")));
+        assert!(
+            matches!(retry_after, Some(s) if *s >= 1),
+            "Retry-After: {retry_after:?}"
+        );
+    }
+
+    sqlx::query("ROLLBACK").execute(&mut blocker).await.unwrap();
+    eventually("every answer", Duration::from_secs(20), || {
+        let n = answers.borrow().len();
+        async move { n == 30 }
+    })
+    .await;
+    let created: BTreeSet<String> = answers
+        .borrow()
+        .iter()
+        .filter(|a| a.0 == 201)
+        .map(|a| format!("full-{}", a.3))
+        .collect();
+    assert_eq!(
+        created.len(),
+        6,
+        "the batch in flight and the queue are served once free"
+    );
+    app.balanced_counters("FULL").await;
+    crate::audit::books(&app.db_url, "FULL")
+        .await
+        .assert_matches_clients("FULL", &created);
 }

@@ -151,17 +151,18 @@ impl TestApp {
         );
         let books = crate::audit::books(&self.db_url, code).await;
         books.assert_balanced(code);
+        // Read at another moment than the view: a grant or return in between moves units
+        // between `free` and leases, never their sum.
+        let sum = |a: Option<i64>, b: Option<i64>| Some(a? + b?);
         assert_eq!(
             (
-                body["free"].as_i64(),
-                body["leasedUnused"].as_i64(),
+                sum(body["free"].as_i64(), body["leasedUnused"].as_i64()),
                 body["reserved"].as_i64(),
                 body["confirmed"].as_i64(),
                 body["released"].as_i64()
             ),
             (
-                Some(books.free),
-                Some(books.leased_unused),
+                Some(books.free + books.leased_unused),
                 Some(books.reserved),
                 Some(books.confirmed),
                 Some(books.released)
