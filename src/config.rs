@@ -24,6 +24,9 @@ pub struct Settings {
 pub struct RedisSettings {
     /// Empty: no cluster signals (the embedded default).
     pub url: String,
+    /// A subscription that hears nothing (not even this node's own keepalive ping) for this
+    /// long is taken as dead and reconnected.
+    pub keepalive_ms: u64,
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -7,6 +7,12 @@
 //!
 //! Channel names carry the voucher code in a hash tag, `vouchers:{CODE}:signal`, so the same
 //! scheme maps onto Redis Cluster slots. The payload is `KIND NODE_ID`; a node ignores its own.
+//!
+//! Keepalive: the publisher sends `PING NODE_ID` on its own channel (`vouchers:{~}:signal`, no
+//! voucher code can contain `~`) every third of `redis.keepalive_ms`, and the subscriber, which
+//! receives those pings like any signal, reconnects when nothing arrived for a whole keepalive.
+//! A half-open connection (the socket stays, nothing flows) therefore ends within one keepalive,
+//! and `vouchers_redis_up` (owned by the subscriber) says so.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -46,6 +52,8 @@ impl Signal {
 }
 
 const PATTERN: &str = "vouchers:{*}:signal";
+/// The keepalive channel: matched by the pattern, never a voucher's.
+const HEARTBEAT: &str = "vouchers:{~}:signal";
 const QUEUE: usize = 4096;
 const TIMEOUT: Duration = Duration::from_millis(500);
 const BACKOFF: Duration = Duration::from_millis(500);
@@ -99,10 +107,11 @@ impl RedisSignals {
 pub fn publisher(
     url: &str,
     node_id: &str,
+    keepalive: Duration,
 ) -> Result<(Publisher, tokio::task::JoinHandle<()>), redis::RedisError> {
     let client = redis::Client::open(url)?;
     let (tx, rx) = mpsc::channel(QUEUE);
-    let task = tokio::spawn(run_publisher(client, node_id.to_string(), rx));
+    let task = tokio::spawn(run_publisher(client, node_id.to_string(), rx, keepalive));
     Ok((Publisher { tx: Some(tx) }, task))
 }
 
@@ -110,10 +119,21 @@ async fn run_publisher(
     client: redis::Client,
     node_id: String,
     mut rx: mpsc::Receiver<(String, Signal)>,
+    keepalive: Duration,
 ) {
     let mut conn: Option<redis::aio::MultiplexedConnection> = None;
     let mut retry_at = tokio::time::Instant::now();
-    while let Some((code, signal)) = rx.recv().await {
+    let mut ping = tokio::time::interval(keepalive / 3);
+    ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        // Either a signal to send or, when the ping is due, the keepalive (`None`).
+        let next = tokio::select! {
+            item = rx.recv() => match item {
+                Some(item) => Some(item),
+                None => return,
+            },
+            _ = ping.tick() => None,
+        };
         if conn.is_none() && tokio::time::Instant::now() >= retry_at {
             let config = redis::AsyncConnectionConfig::new()
                 .set_connection_timeout(TIMEOUT)
@@ -122,10 +142,7 @@ async fn run_publisher(
                 .get_multiplexed_async_connection_with_config(&config)
                 .await
             {
-                Ok(c) => {
-                    m::redis_up(true);
-                    conn = Some(c);
-                }
+                Ok(c) => conn = Some(c),
                 Err(e) => {
                     m::redis_up(false);
                     tracing::warn!(error = %e, "redis unreachable; signals are dropped until it returns");
@@ -133,21 +150,32 @@ async fn run_publisher(
                 }
             }
         }
+        let kind = next.as_ref().map(|(_, s)| s.as_str());
         let Some(c) = conn.as_mut() else {
-            m::signal("dropped", signal.as_str());
+            if let Some(kind) = kind {
+                m::signal("dropped", kind);
+            }
             continue;
         };
-        let payload = format!("{} {node_id}", signal.as_str());
+        let (target, payload) = match &next {
+            Some((code, signal)) => (channel(code), format!("{} {node_id}", signal.as_str())),
+            None => (HEARTBEAT.to_string(), format!("PING {node_id}")),
+        };
         let res: redis::RedisResult<i64> = redis::cmd("PUBLISH")
-            .arg(channel(&code))
+            .arg(target)
             .arg(payload)
             .query_async(c)
             .await;
         match res {
-            Ok(_) => m::signal("published", signal.as_str()),
+            Ok(_) => {
+                if let Some(kind) = kind {
+                    m::signal("published", kind);
+                }
+            }
             Err(e) => {
-                m::signal("dropped", signal.as_str());
-                m::redis_up(false);
+                if let Some(kind) = kind {
+                    m::signal("dropped", kind);
+                }
                 tracing::warn!(error = %e, "redis publish failed");
                 conn = None;
                 retry_at = tokio::time::Instant::now() + BACKOFF;
@@ -161,6 +189,7 @@ async fn run_publisher(
 pub fn subscribe(
     url: &str,
     node_id: &str,
+    keepalive: Duration,
     handler: Handler,
 ) -> Result<tokio::task::JoinHandle<()>, redis::RedisError> {
     let client = redis::Client::open(url)?;
@@ -173,7 +202,18 @@ pub fn subscribe(
                         m::redis_up(true);
                         tracing::info!("subscribed to cluster signals");
                         let mut stream = pubsub.on_message();
-                        while let Some(msg) = stream.next().await {
+                        loop {
+                            let msg = match tokio::time::timeout(keepalive, stream.next()).await {
+                                Ok(Some(msg)) => msg,
+                                Ok(None) => break,
+                                Err(_) => {
+                                    tracing::warn!("no traffic from redis within the keepalive");
+                                    break;
+                                }
+                            };
+                            if msg.get_channel_name() == HEARTBEAT {
+                                continue;
+                            }
                             let Ok(payload) = msg.get_payload::<String>() else {
                                 continue;
                             };

@@ -114,11 +114,12 @@ impl Application {
             settings.admin.token.clone()
         };
         let mut signal_tasks = Vec::new();
+        let keepalive = Duration::from_millis(settings.redis.keepalive_ms.max(30));
         let publisher = if settings.redis.url.is_empty() {
             Publisher::disabled()
         } else {
-            let (p, task) =
-                signals::publisher(&settings.redis.url, &node_id).context("redis url")?;
+            let (p, task) = signals::publisher(&settings.redis.url, &node_id, keepalive)
+                .context("redis url")?;
             signal_tasks.push(task);
             p
         };
@@ -135,7 +136,8 @@ impl Application {
             let e = engine.clone();
             let handler: signals::Handler = Arc::new(move |code, signal| e.on_signal(code, signal));
             signal_tasks.push(
-                signals::subscribe(&settings.redis.url, &node_id, handler).context("redis url")?,
+                signals::subscribe(&settings.redis.url, &node_id, keepalive, handler)
+                    .context("redis url")?,
             );
         }
         let signals = RedisSignals::new(signal_tasks);

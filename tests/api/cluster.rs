@@ -724,3 +724,47 @@ async fn losing_postgres_fails_fast_and_recovers() {
         "40 before the outage, none during, one after: {v}"
     );
 }
+
+/// A half-open Redis link (the socket stays, nothing flows) is noticed within the keepalive:
+/// `vouchers_redis_up` drops to 0, and comes back to 1 once Redis answers again.
+#[actix_web::test]
+#[cfg_attr(no_test_redis, ignore = "needs TEST_REDIS_URL; .ci/run sets it")]
+async fn a_half_open_redis_link_is_noticed_and_recovered() {
+    let Some(redis) = redis_url() else {
+        return;
+    };
+    let proxy = crate::proxy::Proxy::start(&host_port(&redis)).await;
+    let url = format!("redis://127.0.0.1:{}", proxy.port);
+    let app = crate::helpers::spawn_app_with(|s| {
+        s.redis.url = url;
+        s.redis.keepalive_ms = 300;
+    })
+    .await;
+    let redis_up = || {
+        let (client, base) = (app.client.clone(), app.base.clone());
+        async move {
+            crate::helpers::metrics_text(&client, &base)
+                .await
+                .lines()
+                .find(|l| l.starts_with("vouchers_redis_up"))
+                .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        }
+    };
+    eventually("subscribed", Duration::from_secs(10), || {
+        let up = redis_up();
+        async move { up.await == Some(1.0) }
+    })
+    .await;
+    proxy.freeze();
+    eventually("the dead link noticed", Duration::from_secs(10), || {
+        let up = redis_up();
+        async move { up.await == Some(0.0) }
+    })
+    .await;
+    proxy.thaw();
+    eventually("resubscribed", Duration::from_secs(10), || {
+        let up = redis_up();
+        async move { up.await == Some(1.0) }
+    })
+    .await;
+}

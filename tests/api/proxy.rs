@@ -4,11 +4,15 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
 
 pub struct Proxy {
     pub port: u16,
     up: Arc<AtomicBool>,
+    /// While true, connections stay open but nothing is forwarded: a half-open link.
+    frozen: watch::Sender<bool>,
     conns: Arc<Mutex<Vec<tokio::task::AbortHandle>>>,
     accept: tokio::task::JoinHandle<()>,
 }
@@ -18,18 +22,21 @@ impl Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
         let port = listener.local_addr().unwrap().port();
         let up = Arc::new(AtomicBool::new(true));
+        let (frozen, frozen_rx) = watch::channel(false);
         let conns: Arc<Mutex<Vec<tokio::task::AbortHandle>>> = Arc::default();
         let (u, c, target) = (up.clone(), conns.clone(), target.to_string());
         let accept = tokio::spawn(async move {
-            while let Ok((mut inbound, _)) = listener.accept().await {
+            while let Ok((inbound, _)) = listener.accept().await {
                 if !u.load(Ordering::SeqCst) {
                     drop(inbound);
                     continue;
                 }
-                let target = target.clone();
+                let (target, f1, f2) = (target.clone(), frozen_rx.clone(), frozen_rx.clone());
                 let task = tokio::spawn(async move {
-                    if let Ok(mut outbound) = TcpStream::connect(&target).await {
-                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    if let Ok(outbound) = TcpStream::connect(&target).await {
+                        let (ir, iw) = inbound.into_split();
+                        let (or, ow) = outbound.into_split();
+                        tokio::join!(pump(ir, ow, f1), pump(or, iw, f2));
                     }
                 });
                 c.lock().unwrap().push(task.abort_handle());
@@ -38,9 +45,19 @@ impl Proxy {
         Proxy {
             port,
             up,
+            frozen,
             conns,
             accept,
         }
+    }
+
+    /// Stops forwarding in both directions without closing anything (a half-open link).
+    pub fn freeze(&self) {
+        let _ = self.frozen.send(true);
+    }
+
+    pub fn thaw(&self) {
+        let _ = self.frozen.send(false);
     }
 
     /// Drops every open connection and refuses new ones.
@@ -60,5 +77,28 @@ impl Drop for Proxy {
     fn drop(&mut self) {
         self.cut();
         self.accept.abort();
+    }
+}
+
+/// Copies one direction, holding the bytes while the link is frozen.
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    mut frozen: watch::Receiver<bool>,
+) {
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        while *frozen.borrow_and_update() {
+            if frozen.changed().await.is_err() {
+                return;
+            }
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
     }
 }
