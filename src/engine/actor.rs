@@ -198,6 +198,9 @@ pub(crate) struct VoucherActor {
     recall_pending: bool,
     /// RECALL is published at most once per probe interval.
     next_recall: Millis,
+    /// How many reservations the voucher ever had when this node last loaded its winners and
+    /// raised the sold-out flag: a probe that finds the same number has nothing new to load.
+    sold_out_at: Option<i64>,
 }
 
 impl VoucherActor {
@@ -230,6 +233,7 @@ impl VoucherActor {
             next_refresh: now + VOUCHER_REFRESH_MS,
             recall_pending: false,
             next_recall: now,
+            sold_out_at: None,
         }
     }
 
@@ -563,8 +567,13 @@ impl VoucherActor {
                         }
                     } else {
                         self.hold_for(Hold::Dry, self.core.settings.soldout_probe_ms);
-                        if self.room() == 0 {
-                            self.declare_sold_out(epoch, ctx);
+                        // Still sold out with no new winner since the flag went up: nothing to
+                        // reload, nothing to announce.
+                        let unchanged = self.shared.is_sold_out()
+                            && grant.ever_reserved.is_some()
+                            && grant.ever_reserved == self.sold_out_at;
+                        if self.room() == 0 && !unchanged {
+                            self.declare_sold_out(epoch, grant.ever_reserved, ctx);
                         }
                     }
                 }
@@ -592,13 +601,19 @@ impl VoucherActor {
 
     /// The ledger is empty everywhere: load the winners and raise the flag (unless units came
     /// back meanwhile).
-    fn declare_sold_out(&mut self, epoch: u64, ctx: &mut Context<Self>) {
+    fn declare_sold_out(
+        &mut self,
+        epoch: u64,
+        ever_reserved: Option<i64>,
+        ctx: &mut Context<Self>,
+    ) {
         let (ledger, code) = (self.core.ledger.clone(), self.code.clone());
         let exact_max = self.core.settings.won_set_exact_max;
         let fut = async move { ledger.won_orders(&code).await };
         ctx.spawn(fut.into_actor(self).map(move |res, act, _| match res {
             Ok(won) => {
                 if act.shared.set_sold_out(epoch, won, exact_max) {
+                    act.sold_out_at = ever_reserved;
                     tracing::info!(code = %act.code, "sold out");
                     act.core.signals.publish(&act.code, Signal::SoldOut);
                 }

@@ -61,6 +61,10 @@ pub struct Grant {
     /// Unused units in other active leases of this voucher: zero with `free_after == 0` means the
     /// voucher is sold out everywhere, not just dry on this node.
     pub leased_unused: i64,
+    /// When no lease was granted: how many reservations the voucher ever had (every lease's
+    /// `consumed`). It only grows, and grows exactly when someone wins a unit, so a sold-out
+    /// node that sees the same number again knows its set of winners is still complete.
+    pub ever_reserved: Option<i64>,
 }
 
 /// One reserve inside a batch.

@@ -214,7 +214,8 @@ impl Ledger for PostgresLedger {
             .await?
             .ok_or(LedgerError::NotFound)?;
         let units = want.max(1).min(free);
-        let (leased_unused, lease): (i64, Option<Lease>) = if units > 0 {
+        let (leased_unused, lease, ever_reserved): (i64, Option<Lease>, Option<i64>) = if units > 0
+        {
             let expires_at = now + ttl_ms;
             let (unused, id): (i64, i64) = sqlx::query_as(
                 "WITH taken AS (UPDATE vouchers SET free = free - $2 WHERE code = $1), \
@@ -238,22 +239,25 @@ impl Ledger for PostgresLedger {
                     granted: units,
                     expires_at,
                 }),
+                None,
             )
         } else {
-            let unused: i64 = sqlx::query_scalar(
-                "SELECT COALESCE(SUM(granted - consumed), 0)::BIGINT FROM leases \
-                 WHERE voucher_code = $1 AND state = 'ACTIVE'",
+            let (unused, ever): (i64, i64) = sqlx::query_as(
+                "SELECT COALESCE(SUM(granted - consumed) FILTER (WHERE state = 'ACTIVE'), 0)::BIGINT, \
+                        COALESCE(SUM(consumed), 0)::BIGINT \
+                 FROM leases WHERE voucher_code = $1",
             )
             .bind(code)
             .fetch_one(&mut *tx)
             .await?;
-            (unused, None)
+            (unused, None, Some(ever))
         };
         tx.commit().await?;
         Ok(Grant {
             lease,
             free_after: free - units,
             leased_unused,
+            ever_reserved,
         })
     }
 

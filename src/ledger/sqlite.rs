@@ -801,16 +801,17 @@ fn grant_on(
     ttl_ms: i64,
 ) -> Result<Grant, LedgerError> {
     let tx = db.begin()?;
-    let (free, leased_unused) = {
+    let (free, leased_unused, ever_reserved) = {
         let mut q = db.prepare(
             "SELECT free, (SELECT COALESCE(SUM(granted - consumed), 0) FROM leases \
-             WHERE voucher_code = ?1 AND state = 'ACTIVE') FROM vouchers WHERE code = ?1",
+             WHERE voucher_code = ?1 AND state = 'ACTIVE'), reserved + confirmed + released \
+             FROM vouchers WHERE code = ?1",
         )?;
         q.bind_text(1, code)?;
         if !q.step()? {
             return Err(LedgerError::NotFound);
         }
-        (q.int(0), q.int(1))
+        (q.int(0), q.int(1), q.int(2))
     };
     let units = want.max(1).min(free);
     let lease = if units > 0 {
@@ -843,6 +844,7 @@ fn grant_on(
     };
     tx.commit()?;
     Ok(Grant {
+        ever_reserved: lease.is_none().then_some(ever_reserved),
         lease,
         free_after: free - units,
         leased_unused,

@@ -768,3 +768,67 @@ async fn a_half_open_redis_link_is_noticed_and_recovered() {
     })
     .await;
 }
+
+/// Sum of the samples of `name` whose labels contain every one of `labels`.
+fn sample(metrics: &str, name: &str, labels: &[&str]) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(name) && labels.iter().all(|x| l.contains(x)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// A sold-out voucher keeps probing the ledger, but a probe that finds no new winner reloads
+/// nothing and announces nothing again; a winner's retry still gets its 201.
+#[actix_web::test]
+#[cfg_attr(no_test_redis, ignore = "needs TEST_REDIS_URL; .ci/run sets it")]
+async fn sold_out_probes_that_find_nothing_new_publish_nothing() {
+    let Some(redis) = redis_url() else {
+        return;
+    };
+    let app = crate::helpers::spawn_app_with(|s| s.redis.url = redis).await;
+    let probe_ms = crate::helpers::test_settings("sqlite://unused")
+        .engine
+        .soldout_probe_ms;
+    assert_eq!(app.create_voucher("PROBE1", 2, 1).await.0, 201);
+    let mut won = Vec::new();
+    for c in 1..=3 {
+        let (status, body) = app.reserve("PROBE1", c, format!("probe-{c}")).await;
+        if status == 201 {
+            won.push((c, body));
+        }
+    }
+    assert_eq!(won.len(), 2);
+    let metrics = || {
+        let (client, base) = (app.client.clone(), app.base.clone());
+        async move { crate::helpers::metrics_text(&client, &base).await }
+    };
+    let published = |m: &str| sample(m, "vouchers_signals_total", &["published", "SOLD_OUT"]);
+    eventually("sold out and announced", Duration::from_secs(10), || {
+        let (m, e) = (metrics(), app.engine.clone());
+        async move { e.is_sold_out_locally("PROBE1") && published(&m.await) >= 1.0 }
+    })
+    .await;
+    let announced = published(&metrics().await);
+    for _ in 0..3 {
+        let empties = |m: &str| sample(m, "vouchers_lease_events_total", &["\"empty\""]);
+        let before = empties(&metrics().await);
+        app.clock.advance_ms(probe_ms + 1);
+        eventually("a sold-out probe", Duration::from_secs(10), || {
+            let m = metrics();
+            async move { empties(&m.await) > before }
+        })
+        .await;
+    }
+    assert_eq!(
+        published(&metrics().await),
+        announced,
+        "probes that found nothing new announced SOLD_OUT again"
+    );
+    let (c, first) = &won[0];
+    assert_eq!(
+        app.reserve("PROBE1", *c, format!("probe-{c}")).await,
+        (201, first.clone()),
+        "a winner's retry still gets its 201"
+    );
+}
