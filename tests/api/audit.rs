@@ -160,11 +160,7 @@ impl Books {
 }
 
 fn mismatches(metrics: &str) -> f64 {
-    metrics
-        .lines()
-        .find(|l| l.starts_with("vouchers_reconcile_mismatches_total"))
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-        .unwrap_or(0.0)
+    crate::helpers::metric_sum(metrics, "vouchers_reconcile_mismatches_total", &[])
 }
 
 /// Corrupts one voucher's rows behind the engine's back with `sql` and checks that the auditor,

@@ -554,11 +554,13 @@ async fn pausing_on_one_node_stops_every_node() {
         eventually("UPDATED signal received", Duration::from_secs(10), || {
             let c = cluster.client.clone();
             async move {
-                metrics_text(&c, base).await.lines().any(|l| {
-                    l.starts_with("vouchers_signals_total")
-                        && l.contains("event=\"received\"")
-                        && l.contains("kind=\"UPDATED\"")
-                })
+                // The series exists from start-up at zero: only a count above it is a signal.
+                let m = metrics_text(&c, base).await;
+                crate::helpers::metric_sum(
+                    &m,
+                    "vouchers_signals_total",
+                    &["event=\"received\"", "kind=\"UPDATED\""],
+                ) > 0.0
             }
         })
         .await;
@@ -743,11 +745,10 @@ async fn a_half_open_redis_link_is_noticed_and_recovered() {
     let redis_up = || {
         let (client, base) = (app.client.clone(), app.base.clone());
         async move {
-            crate::helpers::metrics_text(&client, &base)
-                .await
-                .lines()
-                .find(|l| l.starts_with("vouchers_redis_up"))
-                .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            let m = crate::helpers::metrics_text(&client, &base).await;
+            m.lines()
+                .any(|l| l.starts_with("vouchers_redis_up"))
+                .then(|| crate::helpers::metric_sum(&m, "vouchers_redis_up", &[]))
         }
     };
     eventually("subscribed", Duration::from_secs(10), || {
@@ -767,15 +768,6 @@ async fn a_half_open_redis_link_is_noticed_and_recovered() {
         async move { up.await == Some(1.0) }
     })
     .await;
-}
-
-/// Sum of the samples of `name` whose labels contain every one of `labels`.
-fn sample(metrics: &str, name: &str, labels: &[&str]) -> f64 {
-    metrics
-        .lines()
-        .filter(|l| l.starts_with(name) && labels.iter().all(|x| l.contains(x)))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 /// A sold-out voucher keeps probing the ledger, but a probe that finds no new winner reloads
@@ -803,7 +795,9 @@ async fn sold_out_probes_that_find_nothing_new_publish_nothing() {
         let (client, base) = (app.client.clone(), app.base.clone());
         async move { crate::helpers::metrics_text(&client, &base).await }
     };
-    let published = |m: &str| sample(m, "vouchers_signals_total", &["published", "SOLD_OUT"]);
+    let published = |m: &str| {
+        crate::helpers::metric_sum(m, "vouchers_signals_total", &["published", "SOLD_OUT"])
+    };
     eventually("sold out and announced", Duration::from_secs(10), || {
         let (m, e) = (metrics(), app.engine.clone());
         async move { e.is_sold_out_locally("PROBE1") && published(&m.await) >= 1.0 }
@@ -811,7 +805,8 @@ async fn sold_out_probes_that_find_nothing_new_publish_nothing() {
     .await;
     let announced = published(&metrics().await);
     for _ in 0..3 {
-        let empties = |m: &str| sample(m, "vouchers_lease_events_total", &["\"empty\""]);
+        let empties =
+            |m: &str| crate::helpers::metric_sum(m, "vouchers_lease_events_total", &["\"empty\""]);
         let before = empties(&metrics().await);
         app.clock.advance_ms(probe_ms + 1);
         eventually("a sold-out probe", Duration::from_secs(10), || {

@@ -219,6 +219,18 @@ pub async fn metrics_text(client: &awc::Client, base: &str) -> String {
     String::from_utf8(bytes.to_vec()).expect("metrics are text")
 }
 
+/// The sum of the samples of metric `name` (Prometheus text) whose labels contain every one of
+/// `labels`.
+pub fn metric_sum(metrics: &str, name: &str, labels: &[&str]) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.split(['{', ' ']).next() == Some(name))
+        .filter(|l| labels.iter().all(|x| l.contains(x)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 /// Polls `check` until it returns true, failing after `deadline`.
 pub async fn eventually<F, Fut>(what: &str, deadline: Duration, mut check: F)
 where
