@@ -56,8 +56,9 @@ pub struct LedgerSettings {
     pub commit_pipeline: usize,
     /// Most reservation rows the committer merges into one transaction.
     pub max_merged_rows: usize,
-    /// A merged transaction not answered by then fails its batches with `503`.
-    pub commit_timeout_ms: u64,
+    /// Every ledger call (a merged transaction included) not answered by then fails with `503`;
+    /// on PostgreSQL also each statement's and each lock wait's limit.
+    pub timeout_ms: u64,
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -24,14 +24,22 @@ pub struct Dedicated {
     rt: Handle,
     /// Where the actors' batches go: merged with every other voucher's into shared transactions.
     committer: Committer,
+    /// No call waits longer than this: a hung connection answers `Unavailable`, not never.
+    deadline: std::time::Duration,
 }
 
 impl Dedicated {
-    pub(crate) fn new(inner: SharedLedger, rt: Handle, committer: Committer) -> Self {
+    pub(crate) fn new(
+        inner: SharedLedger,
+        rt: Handle,
+        committer: Committer,
+        deadline: std::time::Duration,
+    ) -> Self {
         Self {
             inner,
             rt,
             committer,
+            deadline,
         }
     }
 
@@ -41,9 +49,10 @@ impl Dedicated {
         F: FnOnce(SharedLedger) -> Fut,
         Fut: Future<Output = Result<T, LedgerError>> + Send + 'static,
     {
-        match self.rt.spawn(f(self.inner.clone())).await {
-            Ok(res) => res,
-            Err(_) => Err(LedgerError::Unavailable(sqlx::Error::WorkerCrashed)),
+        match tokio::time::timeout(self.deadline, self.rt.spawn(f(self.inner.clone()))).await {
+            Ok(Ok(res)) => res,
+            Ok(Err(_)) => Err(LedgerError::Unavailable(sqlx::Error::WorkerCrashed)),
+            Err(_) => Err(LedgerError::Unavailable(sqlx::Error::PoolTimedOut)),
         }
     }
 }

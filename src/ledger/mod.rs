@@ -414,9 +414,12 @@ pub fn connect_on(
     // Opened from a plain thread that blocks on `rt`, so the pool's connections and background
     // tasks belong to it. Start-up only.
     let (url, max_connections, rt2) = (settings.url.clone(), settings.max_connections, rt.clone());
-    let inner = std::thread::spawn(move || rt2.block_on(connect(&url, max_connections)))
-        .join()
-        .map_err(|_| anyhow::anyhow!("ledger start-up thread panicked"))??;
+    let timeout_ms = settings.timeout_ms;
+    let inner = std::thread::spawn(move || {
+        rt2.block_on(connect_with_timeout(&url, max_connections, timeout_ms))
+    })
+    .join()
+    .map_err(|_| anyhow::anyhow!("ledger start-up thread panicked"))??;
     Ok(grouped(inner, rt, settings))
 }
 
@@ -427,6 +430,7 @@ pub fn grouped(
     rt: tokio::runtime::Handle,
     settings: &crate::config::LedgerSettings,
 ) -> SharedLedger {
+    let deadline = std::time::Duration::from_millis(settings.timeout_ms.max(1));
     let pipeline = match settings.commit_pipeline {
         // SQLite has one writer: a second transaction in flight would only queue behind it.
         0 if settings.url.starts_with("sqlite:") => 1,
@@ -438,17 +442,26 @@ pub fn grouped(
         &rt,
         pipeline,
         settings.max_merged_rows.max(1),
-        std::time::Duration::from_millis(settings.commit_timeout_ms.max(1)),
+        deadline,
         Arc::new(move |batches| {
             let ledger = merged.clone();
             Box::pin(async move { ledger.commit_batches(&batches).await })
         }),
     );
-    Arc::new(dedicated::Dedicated::new(inner, rt, committer))
+    Arc::new(dedicated::Dedicated::new(inner, rt, committer, deadline))
 }
 
 /// Opens the ledger a URL names: `sqlite://…` or `postgres://…`, and runs its migrations.
 pub async fn connect(url: &str, max_connections: u32) -> anyhow::Result<SharedLedger> {
+    connect_with_timeout(url, max_connections, 0).await
+}
+
+/// [`connect`], with PostgreSQL's statement and lock timeouts set to `timeout_ms` (0: none).
+pub async fn connect_with_timeout(
+    url: &str,
+    max_connections: u32,
+    timeout_ms: u64,
+) -> anyhow::Result<SharedLedger> {
     use anyhow::Context;
     if url.starts_with("sqlite:") {
         let l = sqlite::SqliteLedger::connect(url, max_connections)
@@ -456,7 +469,7 @@ pub async fn connect(url: &str, max_connections: u32) -> anyhow::Result<SharedLe
             .context("open sqlite ledger")?;
         Ok(Arc::new(l))
     } else if url.starts_with("postgres:") || url.starts_with("postgresql:") {
-        let l = postgres::PostgresLedger::connect(url, max_connections)
+        let l = postgres::PostgresLedger::connect(url, max_connections, timeout_ms)
             .await
             .context("open postgres ledger")?;
         Ok(Arc::new(l))

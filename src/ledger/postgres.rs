@@ -63,12 +63,24 @@ impl PostgresLedger {
         Ok(reservation_from(&row)?)
     }
 
-    pub async fn connect(url: &str, max_connections: u32) -> Result<Self, sqlx::Error> {
+    pub async fn connect(
+        url: &str,
+        max_connections: u32,
+        timeout_ms: u64,
+    ) -> Result<Self, sqlx::Error> {
         // Tables grow from empty within seconds of a sale starting: a generic plan cached while
         // they were tiny (a sequential scan) would stay for the life of the connection. Custom
         // plans see the real table size every time.
-        let options =
+        let mut options =
             PgConnectOptions::from_str(url)?.options([("plan_cache_mode", "force_custom_plan")]);
+        if timeout_ms > 0 {
+            // No statement and no lock wait may hold a connection past the ledger's deadline.
+            let ms = timeout_ms.to_string();
+            options = options.options([
+                ("statement_timeout", ms.as_str()),
+                ("lock_timeout", ms.as_str()),
+            ]);
+        }
         // Connections are checked before use (one short round trip per merged transaction):
         // after an outage the pool replaces broken ones instead of failing a request on each.
         let pool = PgPoolOptions::new()

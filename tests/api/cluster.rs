@@ -827,3 +827,73 @@ async fn sold_out_probes_that_find_nothing_new_publish_nothing() {
         "a winner's retry still gets its 201"
     );
 }
+
+/// A PostgreSQL link that hangs (the socket stays open, nothing flows): reserves turn into 503s
+/// at the ledger's deadline instead of hanging, readiness says so, and the node recovers by
+/// itself once the link clears, with books that balance.
+#[actix_web::test]
+#[cfg_attr(no_test_pg, ignore = "needs TEST_DATABASE_URL; .ci/run sets it")]
+async fn a_hung_postgres_link_turns_into_503s_and_recovers() {
+    let Some(db) = fresh_pg_schema("hung").await else {
+        return;
+    };
+    // The proxy runs on a runtime of its own: building the app blocks this test's thread while
+    // it connects through the proxy.
+    let proxy_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (handle, target) = (proxy_rt.handle().clone(), host_port(&db));
+    let proxy = std::thread::spawn(move || handle.block_on(Proxy::start(&target)))
+        .join()
+        .expect("proxy started");
+    let url = via_port(&db, proxy.port);
+    let app = crate::helpers::spawn_app_with(|s| {
+        s.ledger.url = url.clone();
+        s.ledger.timeout_ms = 500;
+        // Far beyond the test client's patience: only the ledger's deadline can answer in time.
+        s.http.request_timeout_ms = 600_000;
+    })
+    .await;
+    assert_eq!(app.create_voucher("HUNG", 1000, 1).await.0, 201);
+    for c in 1..=5 {
+        assert_eq!(app.reserve("HUNG", c, format!("hung-{c}")).await.0, 201);
+    }
+    proxy.freeze();
+    let answers = join_all((10..20).map(|c| app.reserve("HUNG", c, format!("hung-{c}")))).await;
+    for (status, body) in &answers {
+        assert_eq!(
+            (*status, body["error"].as_str()),
+            (503, Some("UNAVAILABLE")),
+            "{body}"
+        );
+    }
+    let (ready, _) = send(
+        &app.client,
+        "GET",
+        &format!("{}/health/ready", app.base),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(ready, 503, "not ready while the ledger hangs");
+    proxy.thaw();
+    let mut next = 100;
+    eventually("recovery", Duration::from_secs(30), || {
+        next += 1;
+        // The app runs on a manual clock: let the actor's back-off after the failure pass.
+        app.clock.advance_ms(250);
+        let (client, base, i) = (app.client.clone(), app.base.clone(), next);
+        async move {
+            crate::helpers::reserve(&client, &base, "HUNG", i, &format!("hung-{i}"))
+                .await
+                .0
+                == 201
+        }
+    })
+    .await;
+    app.balanced_counters("HUNG").await;
+    drop(proxy);
+    proxy_rt.shutdown_background();
+}

@@ -62,6 +62,8 @@ pub async fn spawn_app_with(tweak: impl FnOnce(&mut Settings)) -> TestApp {
     let db_url = format!("sqlite://{}/ledger.db", dir.display());
     let mut settings = test_settings(&db_url);
     tweak(&mut settings);
+    // The tweak may point the app at another ledger.
+    let db_url = settings.ledger.url.clone();
     let clock = ManualClock::starting_now();
     let app = Application::build(settings, Arc::new(clock.clone()))
         .await
