@@ -499,9 +499,13 @@ impl VoucherActor {
                     tracing::warn!(code = %self.code, lease_id, "batch fenced: lease no longer active");
                 } else {
                     // The transaction failed (it may be shared with every other voucher of the
-                    // node): keep the lease, whose fence stays in the ledger, and leave the
-                    // batch's units counted as used (a late commit cannot then be oversold
-                    // here; at worst they wait for the lease's return). Back off briefly.
+                    // node): keep the lease and give the batch's units back to its room, so the
+                    // sale can still sell them. Should the transaction commit after all (a
+                    // deadline passed while it ran), the ledger's fence refuses the batch that
+                    // would then overdraw the lease: never an oversell. Back off briefly.
+                    if let Some(l) = self.leases.iter_mut().find(|l| l.id == lease_id) {
+                        l.used -= n;
+                    }
                     m::ledger_error("commit_batch");
                     tracing::warn!(code = %self.code, lease_id, error = %e, "batch commit failed");
                     self.hold_for(Hold::Down, 200);
