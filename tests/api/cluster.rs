@@ -861,12 +861,35 @@ async fn a_hung_postgres_link_turns_into_503s_and_recovers() {
         assert_eq!(app.reserve("HUNG", c, format!("hung-{c}")).await.0, 201);
     }
     proxy.freeze();
-    let answers = join_all((10..20).map(|c| app.reserve("HUNG", c, format!("hung-{c}")))).await;
-    for (status, body) in &answers {
+    let url = format!("{}/vouchers/HUNG/reservations", app.base);
+    let answers = join_all((10..20).map(|c| {
+        let (client, url) = (app.client.clone(), url.clone());
+        async move {
+            let body =
+                json!({ "customerId": c, "orderId": format!("hung-{c}"), "orderAmount": 5000 });
+            let mut res = client
+                .post(url)
+                .send_json(&body)
+                .await
+                .expect("answered, not hung");
+            let retry_after = res
+                .headers()
+                .get("retry-after")
+                .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+            let body: Value = res.json().await.expect("json");
+            (res.status().as_u16(), body, retry_after)
+        }
+    }))
+    .await;
+    for (status, body, retry_after) in &answers {
         assert_eq!(
             (*status, body["error"].as_str()),
             (503, Some("UNAVAILABLE")),
             "{body}"
+        );
+        assert!(
+            matches!(retry_after, Some(s) if *s >= 1),
+            "a ledger-down 503 tells when to retry: {retry_after:?}"
         );
     }
     let (ready, _) = send(
