@@ -374,12 +374,11 @@ impl VoucherActor {
         event: LeaseEvent,
         keep: impl Fn(&LocalLease) -> bool,
     ) {
-        let in_flight = std::mem::take(&mut self.committing);
+        let in_flight = &self.committing;
         let (kept, dropped): (VecDeque<LocalLease>, VecDeque<LocalLease>) = self
             .leases
             .drain(..)
             .partition(|l| in_flight.contains(&l.id) || keep(l));
-        self.committing = in_flight;
         self.leases = kept;
         for l in dropped.into_iter().filter(|l| l.room() > 0) {
             m::lease(event);

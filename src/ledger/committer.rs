@@ -226,89 +226,86 @@ mod tests {
         (commit, calls, started)
     }
 
-    #[tokio::test]
-    async fn batches_queued_behind_a_commit_share_the_next_transaction() {
+    /// Commits `first` alone, queues `rest` while that transaction holds the only slot, then
+    /// lets it finish. Returns each queued batch's answer and the vouchers of every call.
+    async fn queue_behind_a_commit(
+        max_rows: usize,
+        first: Batch,
+        rest: &[(&str, usize)],
+    ) -> (Vec<CommitResult>, Vec<Vec<String>>) {
         let (release, gate) = oneshot::channel();
         let (commit, calls, mut started) = recording(gate);
-        let c = Committer::start(&tokio::runtime::Handle::current(), 1, 10_000, LONG, commit);
-        let first = c.submit(batch("A", 3)).unwrap();
+        let c = Committer::start(
+            &tokio::runtime::Handle::current(),
+            1,
+            max_rows,
+            LONG,
+            commit,
+        );
+        let first_rows = first.rows.len();
+        let first = c.submit(first).unwrap();
         started.recv().await.unwrap();
-        // The first transaction is in flight and holds the only slot: everything else waits.
-        let rest: Vec<_> = ["B", "C", "FENCED", "D"]
+        let queued: Vec<_> = rest
             .iter()
-            .map(|code| c.submit(batch(code, 2)).unwrap())
+            .map(|(code, rows)| c.submit(batch(code, *rows)).unwrap())
             .collect();
         release.send(()).unwrap();
-        assert_eq!(first.await.unwrap().unwrap().len(), 3);
-        let answers: Vec<_> = futures_util::future::join_all(rest).await;
-        assert_eq!(answers[0].as_ref().unwrap().as_ref().unwrap().len(), 2);
+        assert_eq!(first.await.unwrap().unwrap().len(), first_rows);
+        let answers = futures_util::future::join_all(queued)
+            .await
+            .into_iter()
+            .map(|a| a.expect("answered"))
+            .collect();
+        let calls = calls.lock().unwrap().clone();
+        (answers, calls)
+    }
+
+    fn codes(calls: &[&[&str]]) -> Vec<Vec<String>> {
+        calls
+            .iter()
+            .map(|c| c.iter().map(|s| s.to_string()).collect())
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn batches_queued_behind_a_commit_share_the_next_transaction() {
+        let (answers, calls) = queue_behind_a_commit(
+            10_000,
+            batch("A", 3),
+            &[("B", 2), ("C", 2), ("FENCED", 2), ("D", 2)],
+        )
+        .await;
+        assert_eq!(answers[0].as_ref().unwrap().len(), 2);
         assert!(
-            matches!(answers[2], Ok(Err(LedgerError::Fenced))),
+            matches!(answers[2], Err(LedgerError::Fenced)),
             "each batch gets its own result"
         );
-        assert!(answers[3].as_ref().unwrap().is_ok());
+        assert!(answers[3].is_ok());
         assert_eq!(
-            *calls.lock().unwrap(),
-            vec![
-                vec!["A".to_string()],
-                vec!["B".into(), "C".into(), "FENCED".into(), "D".into()]
-            ],
+            calls,
+            codes(&[&["A"], &["B", "C", "FENCED", "D"]]),
             "one transaction for the first batch, one for everything that queued behind it"
         );
     }
 
     #[tokio::test]
     async fn a_transaction_stops_at_max_rows_and_the_rest_opens_the_next() {
-        let (release, gate) = oneshot::channel();
-        let (commit, calls, mut started) = recording(gate);
-        let c = Committer::start(&tokio::runtime::Handle::current(), 1, 4, LONG, commit);
-        let first = c.submit(batch("A", 1)).unwrap();
-        started.recv().await.unwrap();
-        let rest: Vec<_> = ["B", "C", "D"]
-            .iter()
-            .map(|code| c.submit(batch(code, 2)).unwrap())
-            .collect();
-        release.send(()).unwrap();
-        first.await.unwrap().unwrap();
-        for answer in futures_util::future::join_all(rest).await {
-            answer.unwrap().unwrap();
-        }
-        assert_eq!(
-            *calls.lock().unwrap(),
-            vec![
-                vec!["A".to_string()],
-                vec!["B".into(), "C".into()],
-                vec!["D".into()]
-            ]
-        );
+        let (answers, calls) =
+            queue_behind_a_commit(4, batch("A", 1), &[("B", 2), ("C", 2), ("D", 2)]).await;
+        assert!(answers.iter().all(Result::is_ok));
+        assert_eq!(calls, codes(&[&["A"], &["B", "C"], &["D"]]));
     }
 
     #[tokio::test]
     async fn a_voucher_appears_once_per_transaction_and_keeps_its_order() {
-        let (release, gate) = oneshot::channel();
-        let (commit, calls, mut started) = recording(gate);
-        let c = Committer::start(&tokio::runtime::Handle::current(), 1, 10_000, LONG, commit);
-        let first = c.submit(batch("A", 1)).unwrap();
-        started.recv().await.unwrap();
-        let rest: Vec<_> = ["B", "C", "B", "A", "B"]
-            .iter()
-            .map(|code| c.submit(batch(code, 1)).unwrap())
-            .collect();
-        release.send(()).unwrap();
-        first.await.unwrap().unwrap();
-        for answer in futures_util::future::join_all(rest).await {
-            answer.unwrap().unwrap();
-        }
-        let calls = calls.lock().unwrap().clone();
-        assert_eq!(
-            calls,
-            vec![
-                vec!["A".to_string()],
-                vec!["B".into(), "C".into(), "A".into()],
-                vec!["B".into()],
-                vec!["B".into()],
-            ]
-        );
+        let (answers, calls) = queue_behind_a_commit(
+            10_000,
+            batch("A", 1),
+            &[("B", 1), ("C", 1), ("B", 1), ("A", 1), ("B", 1)],
+        )
+        .await;
+        assert!(answers.iter().all(Result::is_ok));
+        assert_eq!(calls, codes(&[&["A"], &["B", "C", "A"], &["B"], &["B"]]));
     }
 
     #[tokio::test]
