@@ -18,6 +18,27 @@ pub struct Settings {
     pub engine: EngineSettings,
     pub jobs: JobSettings,
     pub redis: RedisSettings,
+    pub limits: LimitSettings,
+}
+
+/// Rate limits (DESIGN §6); a rate of 0 turns that limit off. Each node enforces them on what it
+/// receives.
+#[derive(Debug, Clone, Deserialize)]
+pub struct LimitSettings {
+    /// Reserves per second one customer may make on one voucher, after a burst of
+    /// `per_customer_burst`.
+    pub per_customer_per_sec: u32,
+    pub per_customer_burst: u32,
+    /// Reserves per second from one client address, after a burst of `per_address_burst`.
+    pub per_address_per_sec: u32,
+    pub per_address_burst: u32,
+    /// A header set by a trusted proxy that names the client's address (its first entry is
+    /// used, as in `X-Forwarded-For`); empty: the connection's peer address.
+    pub address_header: String,
+    /// Reserves per second one voucher admits on this node (0: no limit).
+    pub admission_per_sec: u32,
+    /// Most keys a keyed limiter holds (see `engine::limits`).
+    pub max_keys: usize,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -36,6 +57,8 @@ pub struct HttpSettings {
     pub workers: usize,
     pub body_limit_bytes: usize,
     pub request_timeout_ms: u64,
+    /// Bearer tokens the checkout routes accept; empty: they are open (see `AppState`).
+    pub checkout_tokens: Vec<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -81,6 +104,9 @@ pub struct EngineSettings {
     pub soldout_probe_ms: i64,
     pub recall_wait_ms: i64,
     pub won_set_exact_max: usize,
+    /// A request for a code this node does not know re-reads the codes from the ledger at most
+    /// this often; between re-reads unknown codes get `404` from memory.
+    pub known_codes_refresh_ms: u64,
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -1,4 +1,5 @@
-//! Background jobs: expiry of unconfirmed reservations, the lease reaper and the reconciler.
+//! Background jobs: expiry of unconfirmed reservations, the lease reaper, the reconciler, and the
+//! rate limiters' upkeep.
 //! Each is a loop around one [`EngineHandle`] call whose ledger statement is safe to run on every
 //! node at once (status-guarded updates), so no leader is needed.
 
@@ -7,6 +8,9 @@ use std::time::Duration;
 
 use crate::config::JobSettings;
 use crate::engine::EngineHandle;
+
+/// How often rate limiters drop the keys that refilled.
+const LIMITS_UPKEEP_MS: u64 = 10_000;
 
 /// The running jobs; dropping or stopping them ends the loops.
 pub struct Jobs(Vec<tokio::task::JoinHandle<()>>);
@@ -52,7 +56,12 @@ pub fn start(engine: &EngineHandle, s: &JobSettings) -> Jobs {
             }
         }
     });
-    Jobs(vec![expiry, reaper, reconciler])
+    let e = engine.clone();
+    let limits = every(LIMITS_UPKEEP_MS, move || {
+        e.limits_upkeep();
+        async {}
+    });
+    Jobs(vec![expiry, reaper, reconciler, limits])
 }
 
 fn every<F, Fut>(ms: u64, mut run: F) -> tokio::task::JoinHandle<()>

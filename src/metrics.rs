@@ -26,6 +26,10 @@ pub const RECONCILE_MISMATCHES: &str = "vouchers_reconcile_mismatches_total";
 pub const RECONCILE_BALANCED: &str = "vouchers_reconcile_balanced";
 pub const EXPIRED: &str = "vouchers_expired_reservations_total";
 pub const ACTIVE_ACTORS: &str = "vouchers_active_actors";
+pub const RATE_LIMITED: &str = "vouchers_rate_limited_total";
+pub const RATE_LIMIT_RESETS: &str = "vouchers_rate_limit_resets_total";
+/// The `limiter` labels of [`RATE_LIMITED`].
+const LIMITERS: [&str; 3] = ["address", "customer", "voucher"];
 
 /// Outcome label of [`RESERVATIONS`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -242,6 +246,10 @@ fn register_catalogue() {
     }
     counter!(RECONCILE_MISMATCHES).increment(0);
     counter!(EXPIRED).increment(0);
+    for l in LIMITERS {
+        counter!(RATE_LIMITED, "limiter" => l).increment(0);
+        counter!(RATE_LIMIT_RESETS, "limiter" => l).increment(0);
+    }
     gauge!(ACTIVE_ACTORS).increment(0.0);
 }
 
@@ -313,6 +321,17 @@ pub fn merged_commit(batches: usize, rows: usize, elapsed: Duration, ok: bool) {
 
 pub fn ledger_error(op: &'static str) {
     counter!(LEDGER_ERRORS, "op" => op).increment(1);
+}
+
+/// A request refused by a rate limit (`limiter`: address, customer or voucher).
+pub fn rate_limited(limiter: &'static str) {
+    counter!(RATE_LIMITED, "limiter" => limiter).increment(1);
+    reservation(Outcome::RateLimited);
+}
+
+/// A keyed limiter outgrew its bound and started over.
+pub fn rate_limit_reset(limiter: &'static str) {
+    counter!(RATE_LIMIT_RESETS, "limiter" => limiter).increment(1);
 }
 
 pub fn mailbox_full() {

@@ -131,6 +131,7 @@ impl Application {
             node_id.clone(),
             Duration::from_millis(settings.http.request_timeout_ms),
             publisher,
+            &settings.limits,
         );
         if !settings.redis.url.is_empty() {
             let e = engine.clone();
@@ -141,6 +142,8 @@ impl Application {
             );
         }
         let signals = RedisSignals::new(signal_tasks);
+        // After subscribing: a code created meanwhile comes by signal or in this read.
+        engine.load_known_codes().await;
         let jobs = jobs::start(&engine, &settings.jobs);
         let listener = TcpListener::bind((settings.http.host.as_str(), settings.http.port))
             .with_context(|| format!("bind {}:{}", settings.http.host, settings.http.port))?;
@@ -150,6 +153,8 @@ impl Application {
             admin_token: admin_token.clone(),
             metrics: crate::metrics::install(),
             body_limit: settings.http.body_limit_bytes,
+            client_address: api::ClientAddress::from_settings(&settings.limits)?,
+            checkout_tokens: settings.http.checkout_tokens.clone(),
         };
         let mut server = HttpServer::new(move || api::app(state.clone()))
             .listen(listener)

@@ -91,10 +91,10 @@ BEGIN
                  WHEN s.order_id IS NOT NULL THEN
                    CASE WHEN s.voucher_code = r.code AND s.customer_id = r.c
                              AND s.status <> 'RELEASED'
-                        THEN 'REPLAYED' ELSE 'ALREADY_USED' END
+                        THEN 'REPLAYED' ELSE COALESCE(h.blocked, 'ALREADY_USED') END
                  WHEN f.first_idx <> r.idx THEN
                    CASE WHEN f.first_code = r.code AND f.first_c = r.c
-                        THEN 'SAME' ELSE 'ALREADY_USED' END
+                        THEN 'SAME' ELSE COALESCE(h.blocked, 'ALREADY_USED') END
                  WHEN h.blocked IS NOT NULL THEN h.blocked
                  ELSE 'CANDIDATE'
                END AS v0

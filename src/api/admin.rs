@@ -5,7 +5,7 @@ use actix_web::{web, HttpRequest, HttpResponse};
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
-use super::{check_code, json_body, timestamp, ApiError, AppState};
+use super::{bearer, check_code, json_body, timestamp, token_matches, ApiError, AppState};
 use crate::domain::{Voucher, VoucherPatch, VoucherStatus};
 use crate::engine::VoucherView;
 use crate::ledger::Counters;
@@ -14,23 +14,11 @@ use crate::ledger::Counters;
 const MAX_TOTAL_LIMIT: i64 = 1_000_000_000;
 
 fn authorize(req: &HttpRequest, state: &AppState) -> Result<(), ApiError> {
-    let given = req
-        .headers()
-        .get("authorization")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("");
-    if !state.admin_token.is_empty()
-        && constant_time_eq(given.as_bytes(), state.admin_token.as_bytes())
-    {
+    if !state.admin_token.is_empty() && token_matches(bearer(req), &state.admin_token) {
         Ok(())
     } else {
         Err(ApiError::Unauthorized)
     }
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 #[derive(Debug, Deserialize)]

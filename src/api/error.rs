@@ -49,6 +49,9 @@ impl ApiError {
                 json!({ "error": "NOT_ELIGIBLE", "reason": reason }),
             ),
             Self::Engine(E::Unavailable) => plain(StatusCode::SERVICE_UNAVAILABLE, "UNAVAILABLE"),
+            Self::Engine(E::RateLimited { .. }) => {
+                plain(StatusCode::TOO_MANY_REQUESTS, "RATE_LIMITED")
+            }
         }
     }
 }
@@ -61,8 +64,14 @@ impl ResponseError for ApiError {
     fn error_response(&self) -> HttpResponse {
         let (status, body) = self.parts();
         let mut res = HttpResponse::build(status);
-        if status == StatusCode::SERVICE_UNAVAILABLE || status == StatusCode::TOO_MANY_REQUESTS {
-            res.insert_header(("Retry-After", "1"));
+        match self {
+            Self::Engine(EngineError::RateLimited { retry_after_secs }) => {
+                res.insert_header(("Retry-After", retry_after_secs.to_string()));
+            }
+            _ if status == StatusCode::SERVICE_UNAVAILABLE => {
+                res.insert_header(("Retry-After", "1"));
+            }
+            _ => {}
         }
         res.json(body)
     }

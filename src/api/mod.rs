@@ -27,6 +27,90 @@ pub struct AppState {
     pub admin_token: String,
     pub metrics: PrometheusHandle,
     pub body_limit: usize,
+    pub client_address: ClientAddress,
+    /// Bearer tokens the checkout routes (reserve, read, confirm, release) accept; empty: open.
+    /// A list, so a new token can be rolled out before the old one is withdrawn.
+    pub checkout_tokens: Vec<String>,
+}
+
+impl AppState {
+    /// `401` for a checkout route called without one of the configured tokens (before anything
+    /// else is read, so a refused request leaves no trace).
+    pub fn authorize_checkout(&self, req: &actix_web::HttpRequest) -> Result<(), ApiError> {
+        if self.checkout_tokens.is_empty() {
+            return Ok(());
+        }
+        let given = bearer(req);
+        // Every token is compared, so the time taken says nothing about which one nearly matched.
+        let matched = self
+            .checkout_tokens
+            .iter()
+            .fold(false, |ok, t| ok | token_matches(given, t));
+        if matched {
+            Ok(())
+        } else {
+            Err(ApiError::Unauthorized)
+        }
+    }
+}
+
+/// The bearer token a request carries ("" if none).
+pub fn bearer(req: &actix_web::HttpRequest) -> &str {
+    req.headers()
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("")
+}
+
+/// Compares a given token with an expected one in time that depends only on their lengths.
+pub fn token_matches(given: &str, expected: &str) -> bool {
+    let (a, b) = (given.as_bytes(), expected.as_bytes());
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Where a reserve's client address (for the per-address rate limit) comes from.
+#[derive(Clone, Debug, Default)]
+pub enum ClientAddress {
+    /// The per-address limit is off: no address is taken.
+    #[default]
+    Off,
+    /// The connection's peer.
+    Peer,
+    /// A header a trusted proxy sets (first entry), else the peer.
+    Header(actix_web::http::header::HeaderName),
+}
+
+impl ClientAddress {
+    pub fn from_settings(s: &crate::config::LimitSettings) -> anyhow::Result<Self> {
+        use anyhow::Context;
+        Ok(if s.per_address_per_sec == 0 {
+            Self::Off
+        } else if s.address_header.is_empty() {
+            Self::Peer
+        } else {
+            Self::Header(
+                s.address_header
+                    .parse()
+                    .context("limits.address_header is not a header name")?,
+            )
+        })
+    }
+
+    pub fn of(&self, req: &actix_web::HttpRequest) -> Option<std::net::IpAddr> {
+        let peer = || req.peer_addr().map(|a| a.ip());
+        match self {
+            Self::Off => None,
+            Self::Peer => peer(),
+            Self::Header(name) => req
+                .headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.split(',').next())
+                .and_then(|v| v.trim().parse().ok())
+                .or_else(peer),
+        }
+    }
 }
 
 /// Registers every route and the latency middleware.

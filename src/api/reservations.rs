@@ -1,6 +1,6 @@
 //! `/vouchers/{code}/reservations…`: reserve, read, confirm, release.
 
-use actix_web::{web, HttpResponse};
+use actix_web::{web, HttpRequest, HttpResponse};
 use serde::{Deserialize, Serialize};
 
 use super::{check_code, check_order_id, json_body, timestamp, ApiError, AppState};
@@ -71,9 +71,11 @@ struct StatusBody<'a> {
 
 pub async fn reserve(
     state: web::Data<AppState>,
+    http: HttpRequest,
     path: web::Path<String>,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
+    state.authorize_checkout(&http)?;
     let code = path.into_inner();
     check_code(&code)?;
     let body: ReserveBody = json_body(payload, state.body_limit)
@@ -84,7 +86,8 @@ pub async fn reserve(
     let req = body.validate().inspect_err(|_| {
         crate::metrics::reservation(crate::metrics::Outcome::Invalid);
     })?;
-    let r = state.engine.reserve(&code, req).await?.reservation;
+    let client = state.client_address.of(&http);
+    let r = state.engine.reserve(&code, req, client).await?.reservation;
     Ok(HttpResponse::Created().json(Created {
         order_id: &r.order_id,
         discount_amount: r.discount_amount,
@@ -101,8 +104,10 @@ fn ids(path: web::Path<(String, String)>) -> Result<(String, String), ApiError> 
 
 pub async fn get(
     state: web::Data<AppState>,
+    http: HttpRequest,
     path: web::Path<(String, String)>,
 ) -> Result<HttpResponse, ApiError> {
+    state.authorize_checkout(&http)?;
     let (code, order_id) = ids(path)?;
     let r = state.engine.reservation(&code, &order_id).await?;
     Ok(HttpResponse::Ok().json(View::from(&r)))
@@ -110,8 +115,10 @@ pub async fn get(
 
 pub async fn confirm(
     state: web::Data<AppState>,
+    http: HttpRequest,
     path: web::Path<(String, String)>,
 ) -> Result<HttpResponse, ApiError> {
+    state.authorize_checkout(&http)?;
     let (code, order_id) = ids(path)?;
     let r = state.engine.confirm(&code, &order_id).await?;
     Ok(HttpResponse::Ok().json(StatusBody {
@@ -122,8 +129,10 @@ pub async fn confirm(
 
 pub async fn release(
     state: web::Data<AppState>,
+    http: HttpRequest,
     path: web::Path<(String, String)>,
 ) -> Result<HttpResponse, ApiError> {
+    state.authorize_checkout(&http)?;
     let (code, order_id) = ids(path)?;
     let r = state.engine.release(&code, &order_id).await?;
     Ok(HttpResponse::Ok().json(StatusBody {

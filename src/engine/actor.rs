@@ -12,9 +12,9 @@ use tokio::sync::oneshot;
 
 use super::sizing::{block_size, low_water, RateEstimator};
 use super::soldout::VoucherShared;
-use super::{error_outcome, Core, EngineError, Reserved};
+use super::{error_outcome, settle_without_units, Core, EngineError, Reserved};
 use crate::clock::Millis;
-use crate::domain::{Reservation, ReserveRequest, Voucher};
+use crate::domain::{Ineligible, Reservation, ReserveRequest, Voucher};
 use crate::ledger::{Batch, BatchRow, Grant, LedgerError, RowOutcome};
 use crate::metrics::{self as m, LeaseEvent, Outcome};
 use crate::signals::Signal;
@@ -124,6 +124,11 @@ const VOUCHER_REFRESH_MS: i64 = 1000;
 const RECALL_PROBE_MS: i64 = 50;
 /// How often an actor waiting for units repeats its RECALL.
 const RECALL_REPEAT_MS: i64 = 100;
+/// How long a `201` answers repeats of its order from memory: another node may release the
+/// order, and without Redis this node would not hear of it.
+const REPEAT_CACHE_MS: i64 = 1000;
+/// How many recent orders an actor remembers.
+const REPEAT_CACHE_MAX: usize = 4096;
 
 struct Pending {
     req: ReserveRequest,
@@ -173,6 +178,12 @@ pub(crate) struct VoucherActor {
     missing: bool,
     leases: VecDeque<LocalLease>,
     pending: VecDeque<Pending>,
+    /// Reserves waiting for [`Self::answer_without_units`]: no unit can serve them, but some may
+    /// be retries of stored orders.
+    lookups: Vec<Pending>,
+    /// Orders this node answered `201` recently: repeats of them are answered from here
+    /// (bounded: cleared when full, and on every restock, which may be their release).
+    repeats: HashMap<String, (Reservation, Millis)>,
     warm_waiters: Vec<oneshot::Sender<Result<(), EngineError>>>,
     /// The leases of the batches in flight (at most `engine.batches_in_flight`, 1 by default;
     /// a lease may appear twice). With more than one, a second batch waits in the node's group
@@ -220,6 +231,8 @@ impl VoucherActor {
             missing: false,
             leases: VecDeque::new(),
             pending: VecDeque::new(),
+            lookups: Vec::new(),
+            repeats: HashMap::new(),
             warm_waiters: Vec::new(),
             committing: Vec::new(),
             granting: false,
@@ -241,6 +254,29 @@ impl VoucherActor {
         self.core.clock.now_ms()
     }
 
+    /// Takes a (new) definition of the voucher; the frontend's copy follows.
+    fn set_voucher(&mut self, v: Voucher) {
+        self.shared.set_voucher(&v);
+        self.voucher = Some(v);
+    }
+
+    /// A repeat of an order this node answered `201` within the last `REPEAT_CACHE_MS` (and no
+    /// restock since, so it was not released), answered without the ledger.
+    fn cached_repeat(&self, req: &ReserveRequest, now: Millis) -> Option<Reservation> {
+        let (r, at) = self.repeats.get(&req.order_id)?;
+        (now - at < REPEAT_CACHE_MS
+            && r.is_retry_of(&self.code, req.customer_id)
+            && r.expires_at > now)
+            .then(|| r.clone())
+    }
+
+    fn remember(&mut self, r: &Reservation, now: Millis) {
+        if self.repeats.len() >= REPEAT_CACHE_MAX {
+            self.repeats.clear();
+        }
+        self.repeats.insert(r.order_id.clone(), (r.clone(), now));
+    }
+
     fn room(&self) -> i64 {
         self.leases.iter().map(LocalLease::room).sum()
     }
@@ -248,7 +284,7 @@ impl VoucherActor {
     /// Answers every waiting reserve and warm-up with `err`.
     fn fail_all(&mut self, err: EngineError) {
         let mut tally = Tally::default();
-        for p in self.pending.drain(..) {
+        for p in self.pending.drain(..).chain(self.lookups.drain(..)) {
             tally.answer(p, Reply::Failed(err.clone()));
         }
         for w in self.warm_waiters.drain(..) {
@@ -259,7 +295,7 @@ impl VoucherActor {
     fn on_loaded(&mut self, res: Result<Option<Voucher>, LedgerError>, ctx: &mut Context<Self>) {
         match res {
             Ok(Some(v)) => {
-                self.voucher = Some(v);
+                self.set_voucher(v);
                 let now = self.now();
                 let pending = std::mem::take(&mut self.pending);
                 for p in pending {
@@ -290,11 +326,26 @@ impl VoucherActor {
             self.pending.push_back(p);
             return;
         };
-        if let Err(reason) = v.check_eligible(now, p.req.order_amount) {
-            Tally::one(p, Reply::Failed(EngineError::NotEligible(reason)));
+        // DESIGN §4: a retry of a stored order gets its 201 whatever the voucher's state now.
+        if let Some(r) = self.cached_repeat(&p.req, now) {
+            Tally::one(p, Reply::Replayed(r));
             return;
         }
-        // Only eligible demand drives lease sizing: refused requests leave no trace.
+        match v.check_eligible(now, p.req.order_amount) {
+            Ok(()) => {}
+            // Nothing can have been reserved before the start (and `startsAt` never moves).
+            Err(reason @ Ineligible::NotStarted) => {
+                Tally::one(p, Reply::Failed(EngineError::NotEligible(reason)));
+                return;
+            }
+            // It may be a retry of an order stored before the pause or the end: the ledger says.
+            Err(_) => {
+                self.lookups.push(p);
+                return;
+            }
+        }
+        // Only eligible demand drives lease sizing (repeats that took nothing are taken back
+        // out when their batch lands): refused requests leave no trace.
         self.rate.record(now, 1);
         self.pending.push_back(p);
     }
@@ -333,12 +384,7 @@ impl VoucherActor {
                     tally.answer(p, Reply::Failed(EngineError::Unavailable));
                 }
             }
-            Some((hold, _))
-                if room == 0
-                    && self.committing.is_empty()
-                    && !self.granting
-                    && !self.looking_up =>
-            {
+            Some((hold, _)) if room == 0 && self.committing.is_empty() && !self.granting => {
                 let waiting: Vec<Pending> = match hold {
                     Hold::Waiting => {
                         let patience = self.core.settings.recall_wait_ms;
@@ -351,10 +397,11 @@ impl VoucherActor {
                     }
                     _ => self.pending.drain(..).collect(),
                 };
-                self.answer_without_units(waiting, ctx);
+                self.lookups.extend(waiting);
             }
             _ => {}
         }
+        self.answer_without_units(ctx);
     }
 
     /// Stops serving from leases that are used up or too close to expiry (the node must stop
@@ -458,13 +505,18 @@ impl VoucherActor {
                     self.refresh_voucher(ctx);
                 }
                 let mut tally = Tally::default();
+                let now = self.now();
                 for (p, o) in taken.into_iter().zip(outcomes) {
                     let reply = match o {
                         RowOutcome::Created(r) => {
                             consumed += 1;
+                            self.remember(&r, now);
                             Reply::Created(r)
                         }
-                        RowOutcome::Replayed(r) => Reply::Replayed(r),
+                        RowOutcome::Replayed(r) => {
+                            self.remember(&r, now);
+                            Reply::Replayed(r)
+                        }
                         RowOutcome::AlreadyUsed => Reply::Failed(EngineError::AlreadyUsed),
                         RowOutcome::NotEligible(reason) => {
                             Reply::Failed(EngineError::NotEligible(reason))
@@ -475,6 +527,8 @@ impl VoucherActor {
                 if let Some(l) = self.leases.iter_mut().find(|l| l.id == lease_id) {
                     l.used -= n - consumed;
                 }
+                // Repeats and refusals took nothing: they are not demand.
+                self.rate.forget(now, (n - consumed) as u64);
                 // A "dry" verdict taken while this batch was in flight counted its rows as units
                 // still leased; now that they are settled, ask again (it may be sold out).
                 if matches!(self.hold, Some((Hold::Dry | Hold::Waiting, _))) && self.room() == 0 {
@@ -615,7 +669,8 @@ impl VoucherActor {
         let fut = async move { ledger.won_orders(&code).await };
         ctx.spawn(fut.into_actor(self).map(move |res, act, _| match res {
             Ok(won) => {
-                if act.shared.set_sold_out(epoch, won, exact_max) {
+                let limit = act.voucher.as_ref().map_or(i64::MAX, |v| v.per_user_limit);
+                if act.shared.set_sold_out(epoch, won, limit, exact_max) {
                     act.sold_out_at = ever_reserved;
                     tracing::info!(code = %act.code, "sold out");
                     act.core.signals.publish(&act.code, Signal::SoldOut);
@@ -628,42 +683,49 @@ impl VoucherActor {
         }));
     }
 
-    /// Without units, a reserve can still be a retry of an order that won: one ledger lookup for
-    /// all of them, then `201` for those, `409 OUT_OF_STOCK` for the rest.
-    fn answer_without_units(&mut self, waiting: Vec<Pending>, ctx: &mut Context<Self>) {
-        if waiting.is_empty() {
+    /// Reserves no unit serves (none left, or the voucher refuses new orders now) can still be
+    /// retries of stored orders: one ledger lookup at a time for all of them, answered with
+    /// DESIGN §4's precedence ([`settle_without_units`]).
+    fn answer_without_units(&mut self, ctx: &mut Context<Self>) {
+        if self.looking_up || self.lookups.is_empty() {
             return;
         }
-        let ledger = self.core.ledger.clone();
-        let ids: Vec<String> = waiting.iter().map(|p| p.req.order_id.clone()).collect();
-        let code = self.code.clone();
+        let waiting = std::mem::take(&mut self.lookups);
+        let reqs: Vec<ReserveRequest> = waiting.iter().map(|p| p.req.clone()).collect();
+        let (ledger, code, voucher) = (
+            self.core.ledger.clone(),
+            self.code.clone(),
+            self.voucher.clone(),
+        );
+        let now = self.now();
         self.looking_up = true;
-        let fut = async move { ledger.find_orders(&ids).await };
+        let fut = async move {
+            settle_without_units(&ledger, &code, voucher.as_ref(), now, &reqs).await
+        };
         ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| {
             act.looking_up = false;
-            act.pump(ctx);
-            let found: HashMap<String, Reservation> = match res {
-                Ok(rows) => rows.into_iter().map(|r| (r.order_id.clone(), r)).collect(),
+            let mut tally = Tally::default();
+            match res {
+                Ok(answers) => {
+                    for (p, answer) in waiting.into_iter().zip(answers) {
+                        let reply = match answer {
+                            Ok(r) => {
+                                act.remember(&r.reservation, now);
+                                Reply::Replayed(r.reservation)
+                            }
+                            Err(e) => Reply::Failed(e),
+                        };
+                        tally.answer(p, reply);
+                    }
+                }
                 Err(_) => {
                     m::ledger_error("find_orders");
-                    let mut tally = Tally::default();
                     for p in waiting {
                         tally.answer(p, Reply::Failed(EngineError::Unavailable));
                     }
-                    return;
                 }
-            };
-            let mut tally = Tally::default();
-            for p in waiting {
-                let reply = match found.get(&p.req.order_id) {
-                    Some(r) if r.is_retry_of(&code, p.req.customer_id) => {
-                        Reply::Replayed(r.clone())
-                    }
-                    Some(_) => Reply::Failed(EngineError::AlreadyUsed),
-                    None => Reply::Failed(EngineError::OutOfStock),
-                };
-                tally.answer(p, reply);
             }
+            act.pump(ctx);
         }));
     }
 
@@ -681,7 +743,7 @@ impl VoucherActor {
         let fut = async move { ledger.voucher(&code).await };
         ctx.spawn(fut.into_actor(self).map(|res, act, _| {
             if let Ok(Some(v)) = res {
-                act.voucher = Some(v);
+                act.set_voucher(v);
                 act.missing = false;
             }
         }));
@@ -825,7 +887,7 @@ impl Handler<Reserve> for VoucherActor {
     fn handle(&mut self, msg: Reserve, ctx: &mut Context<Self>) {
         let now = self.now();
         self.last_activity = now;
-        if self.pending.len() >= self.core.settings.max_pending {
+        if self.pending.len() + self.lookups.len() >= self.core.settings.max_pending {
             m::mailbox_full();
             m::reservation(Outcome::Unavailable);
             let _ = msg.reply.send(Reply::Failed(EngineError::Unavailable));
@@ -850,6 +912,8 @@ impl Handler<Restocked> for VoucherActor {
         if matches!(self.hold, Some((Hold::Dry | Hold::Waiting, _))) {
             self.hold = None;
         }
+        // Units came back: one of them may be a release of an order remembered here.
+        self.repeats.clear();
         self.free_hint = None;
         self.pump(ctx);
     }
@@ -859,7 +923,7 @@ impl Handler<Reload> for VoucherActor {
     type Result = ();
 
     fn handle(&mut self, msg: Reload, ctx: &mut Context<Self>) {
-        self.voucher = Some(msg.0);
+        self.set_voucher(msg.0);
         self.pump(ctx);
     }
 }

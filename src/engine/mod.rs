@@ -8,11 +8,15 @@
 //! source pass through [`Core::restocked`], which lowers the sold-out flag and tells the actor.
 
 mod actor;
+mod known;
+pub mod limits;
 pub mod sizing;
 pub mod soldout;
 
 use std::collections::hash_map::DefaultHasher;
+use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,15 +26,17 @@ use actix::prelude::*;
 use dashmap::DashMap;
 use tokio::sync::oneshot;
 
-use crate::clock::SharedClock;
-use crate::config::EngineSettings;
+use crate::clock::{Millis, SharedClock};
+use crate::config::{EngineSettings, LimitSettings};
 use crate::domain::{Ineligible, Reservation, ReserveRequest, Voucher, VoucherPatch};
 use crate::ledger::{Counters, LedgerError, Restock, SharedLedger};
 use crate::metrics::{self as m, Outcome};
 use crate::signals::{Publisher, Signal};
+use known::{Known, KnownCodes};
+use limits::{Limited, RateLimits};
 use actor::{Drain, Recall, Reload, Reserve, Restocked, SoldOutElsewhere, VoucherActor, Warm};
 use sizing::SizingParams;
-use soldout::VoucherShared;
+use soldout::{SoldOutVerdict, VoucherShared};
 
 /// What the engine answers when it cannot do what was asked. Mapped to HTTP in `api::error`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -45,6 +51,9 @@ pub enum EngineError {
     NotEligible(Ineligible),
     #[error("temporarily unavailable")]
     Unavailable,
+    /// A rate limit refused the request; the next one may pass after this many seconds.
+    #[error("rate limited")]
+    RateLimited { retry_after_secs: u64 },
     #[error("already exists")]
     AlreadyExists,
     #[error("invalid request: {0}")]
@@ -87,7 +96,71 @@ pub(crate) fn error_outcome(e: &EngineError) -> Outcome {
         EngineError::NotEligible(_) => Outcome::NotEligible,
         EngineError::NotFound => Outcome::NotFound,
         EngineError::Invalid(_) => Outcome::Invalid,
+        EngineError::RateLimited { .. } => Outcome::RateLimited,
         _ => Outcome::Unavailable,
+    }
+}
+
+/// Answers reserves that no lease unit can serve (the voucher is sold out here, or not eligible
+/// now) with DESIGN §4's precedence, from the ledger's rows: a retry of a stored order of the
+/// same customer gets its `201`; then `422` if the voucher (as `voucher` says) refuses the
+/// order; then `409 ALREADY_USED` (the order id is taken, or the customer is at their limit);
+/// else `409 OUT_OF_STOCK`. Two ledger reads at most, for all of `reqs` at once.
+pub(crate) async fn settle_without_units(
+    ledger: &SharedLedger,
+    code: &str,
+    voucher: Option<&Voucher>,
+    now: Millis,
+    reqs: &[ReserveRequest],
+) -> Result<Vec<Result<Reserved, EngineError>>, LedgerError> {
+    let ids: Vec<String> = reqs.iter().map(|r| r.order_id.clone()).collect();
+    let found: HashMap<String, Reservation> = ledger
+        .find_orders(&ids)
+        .await?
+        .into_iter()
+        .map(|r| (r.order_id.clone(), r))
+        .collect();
+    let refusal = |req: &ReserveRequest| {
+        voucher.and_then(|v| v.check_eligible(now, req.order_amount).err())
+    };
+    let mut customers: Vec<i64> = reqs
+        .iter()
+        .filter(|r| !found.contains_key(&r.order_id) && refusal(r).is_none())
+        .map(|r| r.customer_id)
+        .collect();
+    customers.sort_unstable();
+    customers.dedup();
+    let used: HashMap<i64, i64> = match (voucher, customers.is_empty()) {
+        (Some(_), false) => ledger
+            .customer_usage(code, &customers)
+            .await?
+            .into_iter()
+            .collect(),
+        _ => HashMap::new(),
+    };
+    let limit = voucher.map_or(i64::MAX, |v| v.per_user_limit);
+    Ok(reqs
+        .iter()
+        .map(|req| match (found.get(&req.order_id), refusal(req)) {
+            (Some(r), _) if r.is_retry_of(code, req.customer_id) => Ok(Reserved {
+                reservation: r.clone(),
+                replayed: true,
+            }),
+            (_, Some(reason)) => Err(EngineError::NotEligible(reason)),
+            (Some(_), None) => Err(EngineError::AlreadyUsed),
+            (None, None) if used.get(&req.customer_id).is_some_and(|&n| n >= limit) => {
+                Err(EngineError::AlreadyUsed)
+            }
+            (None, None) => Err(EngineError::OutOfStock),
+        })
+        .collect())
+}
+
+/// Counts a rate-limit refusal and turns it into the engine's answer.
+fn rate_limited(l: Limited) -> EngineError {
+    m::rate_limited(l.limiter.label());
+    EngineError::RateLimited {
+        retry_after_secs: l.retry_after.as_secs_f64().ceil().max(1.0) as u64,
     }
 }
 
@@ -117,6 +190,10 @@ struct Entry {
     addr: Addr<VoucherActor>,
     shared: Arc<VoucherShared>,
     generation: u64,
+    /// The voucher's admission limiter on this node, when admission is limited.
+    admission: Option<Arc<limits::Admission>>,
+    /// Keys the voucher's customers in the per-customer limiter.
+    code_hash: u64,
 }
 
 /// State shared by the handle, the actors and the jobs.
@@ -128,6 +205,8 @@ pub(crate) struct Core {
     pub node_id: String,
     request_timeout: Duration,
     pub signals: Publisher,
+    known: KnownCodes,
+    limits: RateLimits,
     registry: DashMap<String, Entry>,
     shards: Vec<ArbiterHandle>,
     next_generation: AtomicU64,
@@ -165,7 +244,8 @@ impl Core {
                 let shared = Arc::new(VoucherShared::default());
                 let mut h = DefaultHasher::new();
                 code.hash(&mut h);
-                let shard = &self.shards[(h.finish() % self.shards.len() as u64) as usize];
+                let code_hash = h.finish();
+                let shard = &self.shards[(code_hash % self.shards.len() as u64) as usize];
                 let (core, c, sh) = (self.clone(), code.to_string(), shared.clone());
                 let addr = VoucherActor::start_in_arbiter(shard, move |_| {
                     VoucherActor::new(c, core, sh, generation)
@@ -174,6 +254,8 @@ impl Core {
                     addr,
                     shared,
                     generation,
+                    admission: self.limits.new_admission().map(Arc::new),
+                    code_hash,
                 }
             })
             .clone()
@@ -207,6 +289,7 @@ impl EngineHandle {
         node_id: String,
         request_timeout: Duration,
         signals: Publisher,
+        limit_settings: &LimitSettings,
     ) -> (Self, Shards) {
         let n = if settings.shards == 0 {
             std::thread::available_parallelism().map_or(1, |n| n.get())
@@ -215,6 +298,8 @@ impl EngineHandle {
         };
         let arbiters: Vec<Arbiter> = (0..n).map(|_| Arbiter::new()).collect();
         let core = Core {
+            known: KnownCodes::new(settings.known_codes_refresh_ms),
+            limits: RateLimits::new(&limit_settings, clock.clone()),
             ledger,
             clock,
             sizing: SizingParams::from(&settings),
@@ -242,12 +327,53 @@ impl EngineHandle {
         self.core.clock.now_ms()
     }
 
+    /// Reads every voucher code into memory (start-up). On failure the first request for an
+    /// unknown code tries again.
+    pub async fn load_known_codes(&self) {
+        match self.core.known.load(&self.core.ledger).await {
+            Ok(()) => tracing::info!(codes = self.core.known.len(), "voucher codes loaded"),
+            Err(e) => tracing::warn!(error = %e, "could not load voucher codes yet"),
+        }
+    }
+
+    /// `404` from memory for a code that does not exist; `503` when that cannot be told.
+    async fn known(&self, code: &str) -> Result<(), EngineError> {
+        match self.core.known.check(code, &self.core.ledger).await {
+            Known::Yes => Ok(()),
+            Known::No => Err(EngineError::NotFound),
+            Known::Unknown => Err(EngineError::Unavailable),
+        }
+    }
+
     /// Reserves one unit for an order. A sold-out voucher is answered from memory, except for
     /// orders that may have won, which the ledger answers.
     ///
     /// Outcomes are counted where they are decided: here for what the frontend answers itself,
     /// in the actor for the rest (once per batch where there is one).
-    pub async fn reserve(&self, code: &str, req: ReserveRequest) -> Result<Reserved, EngineError> {
+    ///
+    /// DESIGN §4's precedence starts here: rate limits first (per `client` address, then, for a
+    /// code that exists, per customer and per voucher), all in memory and changing nothing.
+    pub async fn reserve(
+        &self,
+        code: &str,
+        req: ReserveRequest,
+        client: Option<IpAddr>,
+    ) -> Result<Reserved, EngineError> {
+        if let Some(ip) = client {
+            self.core.limits.address(ip).map_err(rate_limited)?;
+        }
+        if let Err(e) = self.known(code).await {
+            m::reservation(error_outcome(&e));
+            return Err(e);
+        }
+        let first = self.core.entry(code);
+        self.core
+            .limits
+            .customer(first.code_hash, req.customer_id)
+            .map_err(rate_limited)?;
+        if let Some(admission) = &first.admission {
+            self.core.limits.admit(admission).map_err(rate_limited)?;
+        }
         for _ in 0..3 {
             let entry = self.core.entry(code);
             if entry.shared.is_sold_out() {
@@ -292,27 +418,30 @@ impl EngineHandle {
         Err(EngineError::Unavailable)
     }
 
+    /// DESIGN §4's precedence from memory where it can tell, from the ledger where only the
+    /// ledger can (an order that may have won, a customer who may be at their limit).
     async fn answer_sold_out(
         &self,
         code: &str,
         req: &ReserveRequest,
         shared: &VoucherShared,
     ) -> Result<Reserved, EngineError> {
-        if !shared.may_have_won(&req.order_id) {
-            return Err(EngineError::OutOfStock);
-        }
-        let found = self
-            .core
-            .ledger
-            .find_orders(std::slice::from_ref(&req.order_id))
-            .await?;
-        match found.into_iter().next() {
-            Some(r) if r.is_retry_of(code, req.customer_id) => Ok(Reserved {
-                reservation: r,
-                replayed: true,
-            }),
-            Some(_) => Err(EngineError::AlreadyUsed),
-            None => Err(EngineError::OutOfStock),
+        let now = self.now_ms();
+        match shared.sold_out_verdict(now, req) {
+            SoldOutVerdict::OutOfStock => Err(EngineError::OutOfStock),
+            SoldOutVerdict::NotEligible(reason) => Err(EngineError::NotEligible(reason)),
+            SoldOutVerdict::AskLedger | SoldOutVerdict::MaybeAtLimit => {
+                let voucher = shared.voucher();
+                let mut answers = settle_without_units(
+                    &self.core.ledger,
+                    code,
+                    voucher.as_deref(),
+                    now,
+                    std::slice::from_ref(req),
+                )
+                .await?;
+                answers.pop().unwrap_or(Err(EngineError::OutOfStock))
+            }
         }
     }
 
@@ -333,6 +462,7 @@ impl EngineHandle {
     }
 
     pub async fn confirm(&self, code: &str, order_id: &str) -> Result<Reservation, EngineError> {
+        self.known(code).await?;
         Ok(self
             .core
             .ledger
@@ -341,6 +471,7 @@ impl EngineHandle {
     }
 
     pub async fn release(&self, code: &str, order_id: &str) -> Result<Reservation, EngineError> {
+        self.known(code).await?;
         let (r, restock) = self
             .core
             .ledger
@@ -355,6 +486,7 @@ impl EngineHandle {
         code: &str,
         order_id: &str,
     ) -> Result<Reservation, EngineError> {
+        self.known(code).await?;
         let found = self
             .core
             .ledger
@@ -368,6 +500,7 @@ impl EngineHandle {
 
     /// The public view: the voucher and whether nothing is left to sell (one ledger read).
     pub async fn public_voucher(&self, code: &str) -> Result<(Voucher, bool), EngineError> {
+        self.known(code).await?;
         let (voucher, available) = self
             .core
             .ledger
@@ -394,7 +527,11 @@ impl EngineHandle {
     }
 
     pub async fn create_voucher(&self, v: &Voucher) -> Result<(), EngineError> {
-        Ok(self.core.ledger.create_voucher(v, self.now_ms()).await?)
+        self.core.ledger.create_voucher(v, self.now_ms()).await?;
+        self.core.known.insert(&v.code);
+        // Other nodes learn the code now rather than at their next re-read.
+        self.core.signals.publish(&v.code, Signal::Updated);
+        Ok(())
     }
 
     pub async fn update_voucher(
@@ -443,6 +580,7 @@ impl EngineHandle {
                 }
             }
             Signal::Updated => {
+                self.core.known.insert(code);
                 let Some(addr) = self.core.registry.get(code).map(|e| e.addr.clone()) else {
                     return;
                 };
@@ -482,6 +620,11 @@ impl EngineHandle {
             }
             Err(e) => tracing::warn!(error = %e, "could not return leases; the reaper will"),
         }
+    }
+
+    /// Rate limiters drop the keys that refilled.
+    pub fn limits_upkeep(&self) {
+        self.core.limits.upkeep();
     }
 
     pub async fn ready(&self) -> bool {

@@ -93,6 +93,12 @@ impl RateEstimator {
         self.count += n;
     }
 
+    /// Takes back `n` recorded requests that turned out not to be demand (repeats, refusals).
+    pub fn forget(&mut self, now: Millis, n: u64) {
+        self.roll(now);
+        self.count = self.count.saturating_sub(n);
+    }
+
     /// The larger of the last full window's rate and the current window's count so far.
     pub fn per_sec(&mut self, now: Millis) -> f64 {
         self.roll(now);

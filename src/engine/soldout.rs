@@ -3,10 +3,13 @@
 //! `201` after the voucher sold out while everyone else is answered by a memory read.
 
 use std::collections::hash_map::DefaultHasher;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::RwLock;
+use std::sync::{Arc, RwLock};
+
+use crate::clock::Millis;
+use crate::domain::{Ineligible, ReserveRequest, Voucher};
 
 /// Shared between a voucher's actor (writer) and the frontend (reader).
 #[derive(Debug, Default)]
@@ -15,18 +18,68 @@ pub struct VoucherShared {
     /// Bumped on every restock; an actor only raises the flag if no restock happened since it
     /// saw the ledger empty, so a release racing the sold-out decision is never lost.
     restock_epoch: AtomicU64,
-    won: RwLock<WonSet>,
+    won: RwLock<Winners>,
+    /// The actor's copy of the voucher's definition, so that the sold-out short-circuit answers
+    /// with DESIGN §4's precedence (`422` before `409`) without a message.
+    voucher: RwLock<Option<Arc<Voucher>>>,
     /// Reserves answered here without a message to the actor, for tests and diagnostics.
     short_circuits: AtomicU64,
 }
 
+/// What a sold-out voucher knows about who won: the orders (a retry of one gets its `201`) and
+/// the customers at their limit (a new order of theirs gets `ALREADY_USED`, not `OUT_OF_STOCK`).
 #[derive(Debug, Default)]
-enum WonSet {
-    #[default]
-    Empty,
-    Exact(HashSet<String>),
-    /// Large sales: a Bloom filter. A miss is certain; a hit is checked against the ledger.
+struct Winners {
+    orders: Members<String>,
+    at_limit: Members<i64>,
+}
+
+/// A set that is exact when small and a Bloom filter when large (a miss is certain; a hit is
+/// checked against the ledger).
+#[derive(Debug)]
+enum Members<T> {
+    Exact(HashSet<T>),
     Bloom(Bloom),
+}
+
+impl<T> Default for Members<T> {
+    fn default() -> Self {
+        Self::Exact(HashSet::new())
+    }
+}
+
+impl<T: Hash + Eq> Members<T> {
+    fn new(items: Vec<T>, exact_max: usize) -> Self {
+        if items.len() <= exact_max {
+            Self::Exact(items.into_iter().collect())
+        } else {
+            let mut bloom = Bloom::with_capacity(items.len());
+            items.iter().for_each(|i| bloom.insert(i));
+            Self::Bloom(bloom)
+        }
+    }
+
+    fn may_contain<Q>(&self, item: &Q) -> bool
+    where
+        T: std::borrow::Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        match self {
+            Self::Exact(set) => set.contains(item),
+            Self::Bloom(bloom) => bloom.may_contain(item),
+        }
+    }
+}
+
+/// What the frontend may answer a reserve of a sold-out voucher from memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SoldOutVerdict {
+    /// The order may have won: only the ledger can say (a retry gets its `201`).
+    AskLedger,
+    NotEligible(Ineligible),
+    /// The customer may be at their limit: the ledger's usage decides.
+    MaybeAtLimit,
+    OutOfStock,
 }
 
 impl VoucherShared {
@@ -38,19 +91,31 @@ impl VoucherShared {
         self.restock_epoch.load(Ordering::Acquire)
     }
 
-    /// Raises the flag with the winning orders, unless a restock happened after `epoch`.
-    /// Returns whether the flag is now up.
-    pub fn set_sold_out(&self, epoch: u64, won: Vec<String>, exact_max: usize) -> bool {
+    /// Raises the flag with the winning `(order, customer)` pairs, unless a restock happened
+    /// after `epoch`. Returns whether the flag is now up.
+    pub fn set_sold_out(
+        &self,
+        epoch: u64,
+        won: Vec<(String, i64)>,
+        per_user_limit: i64,
+        exact_max: usize,
+    ) -> bool {
         let mut guard = self.won.write().unwrap_or_else(|e| e.into_inner());
         if self.restock_epoch() != epoch {
             return false;
         }
-        *guard = if won.len() <= exact_max {
-            WonSet::Exact(won.into_iter().collect())
-        } else {
-            let mut bloom = Bloom::with_capacity(won.len());
-            won.iter().for_each(|o| bloom.insert(o));
-            WonSet::Bloom(bloom)
+        let mut per_customer: HashMap<i64, i64> = HashMap::new();
+        for (_, c) in &won {
+            *per_customer.entry(*c).or_default() += 1;
+        }
+        let at_limit = per_customer
+            .into_iter()
+            .filter(|&(_, n)| n >= per_user_limit)
+            .map(|(c, _)| c)
+            .collect();
+        *guard = Winners {
+            orders: Members::new(won.into_iter().map(|(o, _)| o).collect(), exact_max),
+            at_limit: Members::new(at_limit, exact_max),
         };
         self.sold_out.store(true, Ordering::Release);
         true
@@ -61,7 +126,19 @@ impl VoucherShared {
         let mut guard = self.won.write().unwrap_or_else(|e| e.into_inner());
         self.restock_epoch.fetch_add(1, Ordering::AcqRel);
         self.sold_out.store(false, Ordering::Release);
-        *guard = WonSet::Empty;
+        *guard = Winners::default();
+    }
+
+    /// The actor loaded or reloaded the voucher's definition.
+    pub fn set_voucher(&self, v: &Voucher) {
+        *self.voucher.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(v.clone()));
+    }
+
+    pub fn voucher(&self) -> Option<Arc<Voucher>> {
+        self.voucher
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     pub fn count_short_circuit(&self) {
@@ -74,10 +151,28 @@ impl VoucherShared {
 
     /// Whether `order_id` may be a winner of this voucher: false is certain, true needs the ledger.
     pub fn may_have_won(&self, order_id: &str) -> bool {
-        match &*self.won.read().unwrap_or_else(|e| e.into_inner()) {
-            WonSet::Empty => false,
-            WonSet::Exact(set) => set.contains(order_id),
-            WonSet::Bloom(bloom) => bloom.may_contain(order_id),
+        self.won
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .orders
+            .may_contain(order_id)
+    }
+
+    /// DESIGN §4's precedence for a reserve of a sold-out voucher, as far as memory can tell.
+    pub fn sold_out_verdict(&self, now: Millis, req: &ReserveRequest) -> SoldOutVerdict {
+        let won = self.won.read().unwrap_or_else(|e| e.into_inner());
+        if won.orders.may_contain(req.order_id.as_str()) {
+            return SoldOutVerdict::AskLedger;
+        }
+        if let Some(v) = self.voucher() {
+            if let Err(reason) = v.check_eligible(now, req.order_amount) {
+                return SoldOutVerdict::NotEligible(reason);
+            }
+        }
+        if won.at_limit.may_contain(&req.customer_id) {
+            SoldOutVerdict::MaybeAtLimit
+        } else {
+            SoldOutVerdict::OutOfStock
         }
     }
 }
@@ -98,7 +193,7 @@ impl Bloom {
         }
     }
 
-    fn probes(&self, item: &str) -> impl Iterator<Item = usize> {
+    fn probes<Q: Hash + ?Sized>(&self, item: &Q) -> impl Iterator<Item = usize> {
         let hash = |seed: u64| {
             let mut h = DefaultHasher::new();
             seed.hash(&mut h);
@@ -110,14 +205,14 @@ impl Bloom {
         (0..BLOOM_PROBES).map(move |i| (a.wrapping_add(i.wrapping_mul(b)) % m) as usize)
     }
 
-    fn insert(&mut self, item: &str) {
+    fn insert<Q: Hash + ?Sized>(&mut self, item: &Q) {
         let probes: Vec<usize> = self.probes(item).collect();
         for bit in probes {
             self.bits[bit / 64] |= 1 << (bit % 64);
         }
     }
 
-    fn may_contain(&self, item: &str) -> bool {
+    fn may_contain<Q: Hash + ?Sized>(&self, item: &Q) -> bool {
         self.probes(item)
             .all(|bit| self.bits[bit / 64] & (1 << (bit % 64)) != 0)
     }
@@ -131,7 +226,7 @@ mod tests {
     fn flag_holds_the_winners_and_restock_clears_it() {
         let s = VoucherShared::default();
         let epoch = s.restock_epoch();
-        assert!(s.set_sold_out(epoch, vec!["a".into()], 10));
+        assert!(s.set_sold_out(epoch, vec![("a".into(), 7)], 1, 10));
         assert!(s.is_sold_out());
         assert!(s.may_have_won("a"));
         assert!(!s.may_have_won("b"));
@@ -141,20 +236,66 @@ mod tests {
     }
 
     #[test]
+    fn sold_out_answers_follow_the_precedence_rule() {
+        use crate::domain::VoucherStatus;
+        let s = VoucherShared::default();
+        let mut v = Voucher {
+            code: "V".into(),
+            discount_amount: 100,
+            min_order_amount: 500,
+            total_limit: 2,
+            per_user_limit: 1,
+            starts_at: 1_000,
+            ends_at: 2_000,
+            status: VoucherStatus::Active,
+        };
+        s.set_voucher(&v);
+        assert!(s.set_sold_out(0, vec![("a".into(), 7), ("b".into(), 8)], 2, 10));
+        let req = |order: &str, customer, amount| ReserveRequest {
+            customer_id: customer,
+            order_id: order.into(),
+            order_amount: amount,
+        };
+        use SoldOutVerdict as V;
+        assert_eq!(s.sold_out_verdict(1_500, &req("a", 7, 500)), V::AskLedger);
+        assert_eq!(s.sold_out_verdict(1_500, &req("n", 9, 500)), V::OutOfStock);
+        // Customers 7 and 8 used 1 of 2: not at their limit.
+        assert_eq!(s.sold_out_verdict(1_500, &req("n", 7, 500)), V::OutOfStock);
+        s.restock();
+        assert!(s.set_sold_out(1, vec![("a".into(), 7), ("b".into(), 8)], 1, 10));
+        assert_eq!(s.sold_out_verdict(1_500, &req("n", 7, 500)), V::MaybeAtLimit);
+        assert_eq!(
+            s.sold_out_verdict(1_500, &req("n", 7, 499)),
+            V::NotEligible(Ineligible::MinOrderAmount)
+        );
+        v.status = VoucherStatus::Paused;
+        s.set_voucher(&v);
+        assert_eq!(
+            s.sold_out_verdict(1_500, &req("n", 7, 500)),
+            V::NotEligible(Ineligible::Paused)
+        );
+        assert_eq!(s.sold_out_verdict(1_500, &req("a", 7, 500)), V::AskLedger);
+        assert_eq!(
+            s.sold_out_verdict(2_000, &req("n", 9, 500)),
+            V::NotEligible(Ineligible::Paused)
+        );
+    }
+
+    #[test]
     fn a_restock_after_the_decision_keeps_the_flag_down() {
         let s = VoucherShared::default();
         let epoch = s.restock_epoch();
         s.restock();
-        assert!(!s.set_sold_out(epoch, vec![], 10));
+        assert!(!s.set_sold_out(epoch, vec![], 1, 10));
         assert!(!s.is_sold_out());
     }
 
     #[test]
     fn large_sets_use_a_bloom_filter_without_false_negatives() {
         let s = VoucherShared::default();
-        let won: Vec<String> = (0..5000).map(|i| format!("order-{i}")).collect();
-        assert!(s.set_sold_out(0, won.clone(), 100));
-        assert!(won.iter().all(|o| s.may_have_won(o)));
+        let won: Vec<(String, i64)> = (0..5000).map(|i| (format!("order-{i}"), i)).collect();
+        assert!(s.set_sold_out(0, won.clone(), 1, 100));
+        assert!(won.iter().all(|(o, _)| s.may_have_won(o)));
         let false_hits = (0..5000)
             .filter(|i| s.may_have_won(&format!("other-{i}")))
             .count();

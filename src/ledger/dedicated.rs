@@ -151,9 +151,19 @@ impl Ledger for Dedicated {
             .await
     }
 
-    async fn won_orders(&self, code: &str) -> Result<Vec<String>, LedgerError> {
+    async fn won_orders(&self, code: &str) -> Result<Vec<(String, i64)>, LedgerError> {
         let code = code.to_string();
         self.run(move |l| async move { l.won_orders(&code).await })
+            .await
+    }
+
+    async fn customer_usage(
+        &self,
+        code: &str,
+        customers: &[i64],
+    ) -> Result<Vec<(i64, i64)>, LedgerError> {
+        let (code, customers) = (code.to_string(), customers.to_vec());
+        self.run(move |l| async move { l.customer_usage(&code, &customers).await })
             .await
     }
 

@@ -214,8 +214,15 @@ pub trait Ledger: Send + Sync + 'static {
     async fn commit_batches(&self, batches: &[Batch]) -> Result<BatchResults, LedgerError>;
     /// The reservations with these order ids (any voucher), for answering repeats without a lease.
     async fn find_orders(&self, order_ids: &[String]) -> Result<Vec<Reservation>, LedgerError>;
-    /// Order ids of a voucher's live (reserved or confirmed) reservations: the won set of §5.
-    async fn won_orders(&self, code: &str) -> Result<Vec<String>, LedgerError>;
+    /// `(order id, customer)` of a voucher's live (reserved or confirmed) reservations: the won
+    /// set of §5, and who is at their limit.
+    async fn won_orders(&self, code: &str) -> Result<Vec<(String, i64)>, LedgerError>;
+    /// `(customer, used)` of the given customers of a voucher that used it at least once.
+    async fn customer_usage(
+        &self,
+        code: &str,
+        customers: &[i64],
+    ) -> Result<Vec<(i64, i64)>, LedgerError>;
     /// RESERVED → CONFIRMED, idempotent.
     async fn confirm(
         &self,
@@ -280,18 +287,20 @@ pub fn plan_batch(
     rows.iter()
         .enumerate()
         .map(|(i, row)| {
+            // DESIGN §4's precedence: a replay, then NOT_ELIGIBLE, then ALREADY_USED.
+            let clash = || blocked.map_or(Planned::AlreadyUsed, Planned::NotEligible);
             if let Some(found) = existing.get(row.order_id.as_str()) {
                 return if found.is_retry_of(code, row.customer_id) {
                     Planned::Replay((*found).clone())
                 } else {
-                    Planned::AlreadyUsed
+                    clash()
                 };
             }
             if let Some(&j) = first_seen.get(row.order_id.as_str()) {
                 return if rows[j].customer_id == row.customer_id {
                     Planned::SameAs(j)
                 } else {
-                    Planned::AlreadyUsed
+                    clash()
                 };
             }
             first_seen.insert(row.order_id.as_str(), i);

@@ -37,6 +37,16 @@ const MIGRATIONS: &[(i64, &str)] = &[
         2,
         include_str!("../../migrations/postgres/0002_merged_commit.sql"),
     ),
+    (
+        3,
+        include_str!("../../migrations/postgres/0003_leases_by_voucher.sql"),
+    ),
+    // The commit function again (it is `CREATE OR REPLACE`): its clashes now follow DESIGN §4's
+    // precedence (NOT_ELIGIBLE before ALREADY_USED).
+    (
+        4,
+        include_str!("../../migrations/postgres/0002_merged_commit.sql"),
+    ),
 ];
 
 /// An arbitrary constant that names this schema's migration lock.
@@ -345,11 +355,27 @@ impl Ledger for PostgresLedger {
             .collect::<Result<_, _>>()?)
     }
 
-    async fn won_orders(&self, code: &str) -> Result<Vec<String>, LedgerError> {
-        Ok(sqlx::query_scalar(
-            "SELECT order_id FROM reservations WHERE voucher_code = $1 AND status <> 'RELEASED'",
+    async fn won_orders(&self, code: &str) -> Result<Vec<(String, i64)>, LedgerError> {
+        Ok(sqlx::query_as(
+            "SELECT order_id, customer_id FROM reservations \
+             WHERE voucher_code = $1 AND status <> 'RELEASED'",
         )
         .bind(code)
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
+    async fn customer_usage(
+        &self,
+        code: &str,
+        customers: &[i64],
+    ) -> Result<Vec<(i64, i64)>, LedgerError> {
+        Ok(sqlx::query_as(
+            "SELECT customer_id, used FROM customer_usage \
+             WHERE voucher_code = $1 AND customer_id = ANY ($2)",
+        )
+        .bind(code)
+        .bind(customers)
         .fetch_all(&self.pool)
         .await?)
     }

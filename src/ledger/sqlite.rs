@@ -305,11 +305,27 @@ impl Ledger for SqliteLedger {
             .collect::<Result<_, _>>()?)
     }
 
-    async fn won_orders(&self, code: &str) -> Result<Vec<String>, LedgerError> {
-        Ok(sqlx::query_scalar(
-            "SELECT order_id FROM reservations WHERE voucher_code = ? AND status <> 'RELEASED'",
+    async fn won_orders(&self, code: &str) -> Result<Vec<(String, i64)>, LedgerError> {
+        Ok(sqlx::query_as(
+            "SELECT order_id, customer_id FROM reservations \
+             WHERE voucher_code = ? AND status <> 'RELEASED'",
         )
         .bind(code)
+        .fetch_all(&self.reader)
+        .await?)
+    }
+
+    async fn customer_usage(
+        &self,
+        code: &str,
+        customers: &[i64],
+    ) -> Result<Vec<(i64, i64)>, LedgerError> {
+        Ok(sqlx::query_as(
+            "SELECT customer_id, used FROM customer_usage \
+             WHERE voucher_code = ? AND customer_id IN (SELECT value FROM json_each(?))",
+        )
+        .bind(code)
+        .bind(json_list(customers))
         .fetch_all(&self.reader)
         .await?)
     }

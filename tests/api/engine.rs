@@ -30,6 +30,7 @@ async fn engine() -> (EngineHandle, ManualClock) {
         "engine-test".into(),
         Duration::from_secs(5),
         Publisher::disabled(),
+        &settings.limits,
     );
     (engine, clock)
 }
@@ -57,7 +58,7 @@ async fn reserves_sell_out_and_come_back_without_http() {
         status: VoucherStatus::Active,
     };
     engine.create_voucher(&v).await.unwrap();
-    let answers = join_all((1..=10).map(|i| engine.reserve("ENG", req(i, &format!("e{i}"))))).await;
+    let answers = join_all((1..=10).map(|i| engine.reserve("ENG", req(i, &format!("e{i}")), None))).await;
     let won: Vec<_> = answers.iter().filter_map(|a| a.as_ref().ok()).collect();
     assert_eq!(won.len(), 3);
     assert!(won
@@ -78,20 +79,20 @@ async fn reserves_sell_out_and_come_back_without_http() {
     // A winner's retry replays; releasing one unit lowers the flag and sells it again.
     let first = &won[0].reservation;
     let again = engine
-        .reserve("ENG", req(first.customer_id, &first.order_id))
+        .reserve("ENG", req(first.customer_id, &first.order_id), None)
         .await
         .unwrap();
     assert!(again.replayed);
     assert_eq!(&again.reservation, first);
     engine.release("ENG", &first.order_id).await.unwrap();
     assert!(!engine.is_sold_out_locally("ENG"));
-    assert!(engine.reserve("ENG", req(99, "late")).await.is_ok());
+    assert!(engine.reserve("ENG", req(99, "late"), None).await.is_ok());
     assert!(
         engine.reconcile().await.unwrap().is_empty(),
         "every voucher balances"
     );
     assert_eq!(
-        engine.reserve("NOPE", req(1, "x")).await,
+        engine.reserve("NOPE", req(1, "x"), None).await,
         Err(EngineError::NotFound)
     );
 }
@@ -121,7 +122,7 @@ async fn many_hot_vouchers_at_once_each_sell_exactly_their_units() {
         .flat_map(|code| (1..=8).map(move |c| (code.clone(), c, format!("{code}-o{c}"))));
     let answers = join_all(requests.map(|(code, c, order)| {
         let e = engine.clone();
-        async move { (code.clone(), e.reserve(&code, req(c, &order)).await) }
+        async move { (code.clone(), e.reserve(&code, req(c, &order), None).await) }
     }))
     .await;
     for code in &codes {

@@ -167,7 +167,12 @@ async fn batches_apply_idempotency_and_limits(l: &SharedLedger) {
     assert_eq!(found.len(), 2);
     let mut won = l.won_orders("B").await.unwrap();
     won.sort();
-    assert_eq!(won, vec!["b1", "b2", "b4"]);
+    let expected: Vec<(String, i64)> = vec![("b1".into(), 1), ("b2".into(), 1), ("b4".into(), 2)];
+    assert_eq!(won, expected);
+    let mut usage = l.customer_usage("B", &[1, 2, 3]).await.unwrap();
+    usage.sort();
+    assert_eq!(usage, vec![(1, 2), (2, 1)], "customer 3 never used B");
+    assert_eq!(l.customer_usage("B", &[]).await.unwrap(), vec![]);
 }
 
 async fn the_fence_stops_batches_on_dead_or_full_leases(l: &SharedLedger) {

@@ -1,0 +1,259 @@
+//! Rate limits (DESIGN §6): per client address, per customer of a voucher, and per-voucher
+//! admission. Decided in memory before anything else, they answer `429 RATE_LIMITED` with
+//! `Retry-After` and change nothing. GCRA from `governor`, on the engine's injected clock.
+//!
+//! Keyed state is bounded: a keyed limiter past `limits.max_keys` first drops the keys that have
+//! refilled (they hold nothing a fresh key would not), and if that is not enough (millions of
+//! distinct keys inside one refill period), starts over empty. Starting over lets every key have
+//! its burst again once: memory stays bounded at the price of one burst per key per reset, which
+//! is counted (`vouchers_rate_limit_resets_total`).
+
+use std::hash::Hash;
+use std::net::IpAddr;
+use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::RwLock;
+use std::time::Duration;
+
+use governor::clock::Clock;
+use governor::middleware::NoOpMiddleware;
+use governor::nanos::Nanos;
+use governor::state::keyed::DashMapStateStore;
+use governor::state::{InMemoryState, NotKeyed};
+use governor::{Quota, RateLimiter};
+
+use crate::clock::{Millis, SharedClock};
+use crate::config::LimitSettings;
+use crate::metrics as m;
+
+/// `governor`'s view of the engine's clock: nanoseconds since the limiters were made.
+#[derive(Clone)]
+pub struct LimiterClock {
+    clock: SharedClock,
+    base: Millis,
+}
+
+impl Clock for LimiterClock {
+    type Instant = Nanos;
+
+    fn now(&self) -> Nanos {
+        Nanos::from((self.clock.now_ms() - self.base).max(0) as u64 * 1_000_000)
+    }
+}
+
+type Keyed<K> = RateLimiter<K, DashMapStateStore<K>, LimiterClock, NoOpMiddleware<Nanos>>;
+/// One voucher's admission limiter.
+pub(crate) type Admission =
+    RateLimiter<NotKeyed, InMemoryState, LimiterClock, NoOpMiddleware<Nanos>>;
+
+/// Which limit refused a request: the `limiter` label of `vouchers_rate_limited_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Limiter {
+    Address,
+    Customer,
+    Voucher,
+}
+
+impl Limiter {
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Address => "address",
+            Self::Customer => "customer",
+            Self::Voucher => "voucher",
+        }
+    }
+}
+
+/// A refusal: which limit, and when the next request of that key would pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Limited {
+    pub limiter: Limiter,
+    pub retry_after: Duration,
+}
+
+/// How many checks pass between two looks at a keyed limiter's size.
+const SIZE_CHECK_EVERY: u64 = 1024;
+
+/// A keyed limiter whose memory is bounded (see the module docs).
+struct Bounded<K: Hash + Eq + Clone> {
+    limiter: Limiter,
+    quota: Quota,
+    clock: LimiterClock,
+    max_keys: usize,
+    inner: RwLock<Keyed<K>>,
+    checks: AtomicU64,
+}
+
+impl<K: Hash + Eq + Clone> Bounded<K> {
+    fn new(limiter: Limiter, quota: Quota, clock: &LimiterClock, max_keys: usize) -> Self {
+        Self {
+            limiter,
+            quota,
+            clock: clock.clone(),
+            max_keys: max_keys.max(1),
+            inner: RwLock::new(RateLimiter::dashmap_with_clock(quota, clock.clone())),
+            checks: AtomicU64::new(0),
+        }
+    }
+
+    fn check(&self, key: &K) -> Result<(), Limited> {
+        if self.checks.fetch_add(1, Ordering::Relaxed) % SIZE_CHECK_EVERY == 0 {
+            self.bound();
+        }
+        let inner = self.inner.read().unwrap_or_else(|e| e.into_inner());
+        inner.check_key(key).map_err(|not_until| Limited {
+            limiter: self.limiter,
+            retry_after: not_until.wait_time_from(self.clock.now()),
+        })
+    }
+
+    fn bound(&self) {
+        {
+            let inner = self.inner.read().unwrap_or_else(|e| e.into_inner());
+            if inner.len() <= self.max_keys {
+                return;
+            }
+            inner.retain_recent();
+            inner.shrink_to_fit();
+            if inner.len() <= self.max_keys {
+                return;
+            }
+        }
+        *self.inner.write().unwrap_or_else(|e| e.into_inner()) =
+            RateLimiter::dashmap_with_clock(self.quota, self.clock.clone());
+        m::rate_limit_reset(self.limiter.label());
+        tracing::warn!(limiter = self.limiter.label(), max_keys = self.max_keys, "rate limiter full: started over");
+    }
+
+    /// Drops keys that refilled (periodic, so an idle node gives the memory back).
+    fn upkeep(&self) {
+        let inner = self.inner.read().unwrap_or_else(|e| e.into_inner());
+        inner.retain_recent();
+        inner.shrink_to_fit();
+    }
+}
+
+fn quota(per_sec: u32, burst: u32) -> Option<Quota> {
+    let rate = NonZeroU32::new(per_sec)?;
+    let burst = NonZeroU32::new(burst).unwrap_or(rate);
+    Some(Quota::per_second(rate).allow_burst(burst))
+}
+
+/// Every rate limit of a node.
+pub(crate) struct RateLimits {
+    clock: LimiterClock,
+    address: Option<Bounded<IpAddr>>,
+    /// Keyed by (hash of the voucher code, customer): compact, and a collision of two codes'
+    /// hashes only shares one customer's bucket between two vouchers.
+    customer: Option<Bounded<(u64, i64)>>,
+    admission: Option<Quota>,
+}
+
+impl RateLimits {
+    pub(crate) fn new(s: &LimitSettings, clock: SharedClock) -> Self {
+        let clock = LimiterClock {
+            base: clock.now_ms(),
+            clock,
+        };
+        Self {
+            address: quota(s.per_address_per_sec, s.per_address_burst)
+                .map(|q| Bounded::new(Limiter::Address, q, &clock, s.max_keys)),
+            customer: quota(s.per_customer_per_sec, s.per_customer_burst)
+                .map(|q| Bounded::new(Limiter::Customer, q, &clock, s.max_keys)),
+            admission: quota(s.admission_per_sec, s.admission_per_sec),
+            clock,
+        }
+    }
+
+    pub(crate) fn address(&self, ip: IpAddr) -> Result<(), Limited> {
+        self.address.as_ref().map_or(Ok(()), |l| l.check(&ip))
+    }
+
+    pub(crate) fn customer(&self, code_hash: u64, customer: i64) -> Result<(), Limited> {
+        self.customer
+            .as_ref()
+            .map_or(Ok(()), |l| l.check(&(code_hash, customer)))
+    }
+
+    /// A new voucher's admission limiter, if admission is limited.
+    pub(crate) fn new_admission(&self) -> Option<Admission> {
+        self.admission
+            .map(|q| RateLimiter::direct_with_clock(q, self.clock.clone()))
+    }
+
+    pub(crate) fn admit(&self, admission: &Admission) -> Result<(), Limited> {
+        admission.check().map_err(|not_until| Limited {
+            limiter: Limiter::Voucher,
+            retry_after: not_until.wait_time_from(self.clock.now()),
+        })
+    }
+
+    pub(crate) fn upkeep(&self) {
+        if let Some(l) = &self.address {
+            l.upkeep();
+        }
+        if let Some(l) = &self.customer {
+            l.upkeep();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::clock::ManualClock;
+
+    fn settings() -> LimitSettings {
+        LimitSettings {
+            per_customer_per_sec: 10,
+            per_customer_burst: 5,
+            per_address_per_sec: 0,
+            per_address_burst: 0,
+            address_header: String::new(),
+            admission_per_sec: 0,
+            max_keys: 100,
+        }
+    }
+
+    #[test]
+    fn a_customer_gets_its_burst_then_waits_for_the_refill() {
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        let limits = RateLimits::new(&settings(), clock.clone());
+        for _ in 0..5 {
+            assert_eq!(limits.customer(1, 7), Ok(()));
+        }
+        let refused = limits.customer(1, 7).unwrap_err();
+        assert_eq!(refused.limiter, Limiter::Customer);
+        assert_eq!(refused.retry_after, Duration::from_millis(100));
+        // Other customers, and the same customer of another voucher, are not affected.
+        assert_eq!(limits.customer(1, 8), Ok(()));
+        assert_eq!(limits.customer(2, 7), Ok(()));
+        clock.advance_ms(100);
+        assert_eq!(limits.customer(1, 7), Ok(()));
+        assert!(limits.customer(1, 7).is_err());
+    }
+
+    #[test]
+    fn keyed_state_stays_bounded_under_distinct_keys() {
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        let limits = RateLimits::new(&settings(), clock.clone());
+        let customer = limits.customer.as_ref().unwrap();
+        for c in 0..10_000 {
+            let _ = limits.customer(1, c);
+            let len = customer.inner.read().unwrap().len();
+            assert!(len <= 100 + SIZE_CHECK_EVERY as usize, "{len} keys");
+        }
+    }
+
+    #[test]
+    fn limits_set_to_zero_are_off() {
+        let clock = Arc::new(ManualClock::new(0));
+        let limits = RateLimits::new(&settings(), clock);
+        for _ in 0..1000 {
+            assert_eq!(limits.address("10.0.0.1".parse().unwrap()), Ok(()));
+        }
+        assert!(limits.new_admission().is_none());
+    }
+}
