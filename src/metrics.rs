@@ -26,6 +26,7 @@ pub const RECONCILE_MISMATCHES: &str = "vouchers_reconcile_mismatches_total";
 pub const RECONCILE_BALANCED: &str = "vouchers_reconcile_balanced";
 pub const EXPIRED: &str = "vouchers_expired_reservations_total";
 pub const ACTIVE_ACTORS: &str = "vouchers_active_actors";
+pub const KNOWN_CODES_READS: &str = "vouchers_known_codes_reads_total";
 pub const RATE_LIMITED: &str = "vouchers_rate_limited_total";
 pub const RATE_LIMIT_RESETS: &str = "vouchers_rate_limit_resets_total";
 /// The `limiter` labels of [`RATE_LIMITED`].
@@ -246,6 +247,7 @@ fn register_catalogue() {
     }
     counter!(RECONCILE_MISMATCHES).increment(0);
     counter!(EXPIRED).increment(0);
+    counter!(KNOWN_CODES_READS).increment(0);
     for l in LIMITERS {
         counter!(RATE_LIMITED, "limiter" => l).increment(0);
         counter!(RATE_LIMIT_RESETS, "limiter" => l).increment(0);
@@ -327,6 +329,11 @@ pub fn ledger_error(op: &'static str) {
 pub fn rate_limited(limiter: &'static str) {
     counter!(RATE_LIMITED, "limiter" => limiter).increment(1);
     reservation(Outcome::RateLimited);
+}
+
+/// The node read every voucher code from the ledger (start-up, or a miss after the interval).
+pub fn known_codes_read() {
+    counter!(KNOWN_CODES_READS).increment(1);
 }
 
 /// A keyed limiter outgrew its bound and started over.

@@ -26,6 +26,8 @@ pub(crate) struct KnownCodes {
     refresh_ms: u64,
     /// One re-read at a time; misses that arrive meanwhile wait for it and look again.
     refreshing: tokio::sync::Mutex<()>,
+    /// Reads of the codes so far (tests and diagnostics; the metric is process-wide).
+    reads: AtomicU64,
 }
 
 /// Whether a code exists, as far as this node can tell.
@@ -46,6 +48,7 @@ impl KnownCodes {
             epoch: Instant::now(),
             refresh_ms,
             refreshing: tokio::sync::Mutex::new(()),
+            reads: AtomicU64::new(0),
         }
     }
 
@@ -53,6 +56,10 @@ impl KnownCodes {
         if !self.codes.contains(code) {
             self.codes.insert(code.into());
         }
+    }
+
+    pub(crate) fn reads(&self) -> u64 {
+        self.reads.load(Ordering::Relaxed)
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -82,6 +89,8 @@ impl KnownCodes {
     pub(crate) async fn load(&self, ledger: &SharedLedger) -> Result<(), LedgerError> {
         self.last_refresh
             .store(self.since_epoch() + 1, Ordering::Release);
+        crate::metrics::known_codes_read();
+        self.reads.fetch_add(1, Ordering::Relaxed);
         for code in ledger.voucher_codes(i64::MIN).await? {
             self.insert(&code);
         }

@@ -453,6 +453,16 @@ impl EngineHandle {
             .is_some_and(|e| e.shared.is_sold_out())
     }
 
+    /// How many vouchers have an actor on this node (tests and diagnostics).
+    pub fn actor_count(&self) -> usize {
+        self.core.registry.len()
+    }
+
+    /// How often this node read the voucher codes from the ledger (tests and diagnostics).
+    pub fn known_code_reads(&self) -> u64 {
+        self.core.known.reads()
+    }
+
     /// How many reserves of `code` this node answered from memory while it was sold out.
     pub fn short_circuits(&self, code: &str) -> u64 {
         self.core

@@ -636,6 +636,24 @@ mod tests {
         assert_eq!(plan[1], Planned::NotEligible(Ineligible::Paused));
         let out = resolve_plan(plan, &HashMap::new());
         assert_eq!(out[2], RowOutcome::NotEligible(Ineligible::Paused));
+        // DESIGN §4: NOT_ELIGIBLE comes before ALREADY_USED, for an order id taken by another
+        // customer too; the same customer's stored order is still a replay.
+        let clash = plan_batch(
+            "V",
+            &[row("a", 9), row("b", 2), row("b", 3)],
+            &existing,
+            &HashMap::new(),
+            5,
+            Some(Ineligible::Ended),
+        );
+        assert_eq!(
+            clash,
+            vec![
+                Planned::NotEligible(Ineligible::Ended),
+                Planned::NotEligible(Ineligible::Ended),
+                Planned::NotEligible(Ineligible::Ended)
+            ]
+        );
         assert_eq!(refuses_new("PAUSED", 0, 10, 5), Some(Ineligible::Paused));
         assert_eq!(refuses_new("ACTIVE", 0, 10, 10), Some(Ineligible::Ended));
         assert_eq!(

@@ -559,6 +559,22 @@ async fn pausing_on_one_node_stops_every_node() {
             .0
         }
     };
+    // The create's own UPDATED signal already reached the nodes: count from here.
+    let updated = |base: String| {
+        let c = cluster.client.clone();
+        async move {
+            let m = metrics_text(&c, &base).await;
+            crate::helpers::metric_sum(
+                &m,
+                "vouchers_signals_total",
+                &["event=\"received\"", "kind=\"UPDATED\""],
+            )
+        }
+    };
+    let mut before = Vec::new();
+    for base in &bases {
+        before.push(updated(base.clone()).await);
+    }
     assert_eq!(patch("PAUSED").await, 200);
     let paused_at = Instant::now();
     // Right after the edit every node refuses: the ledger enforces the status at commit, and the
@@ -572,22 +588,27 @@ async fn pausing_on_one_node_stops_every_node() {
             "node {node} {order}"
         );
     }
-    for base in &bases[1..] {
+    for (n, base) in bases.iter().enumerate().skip(1) {
         eventually("UPDATED signal received", Duration::from_secs(10), || {
-            let c = cluster.client.clone();
-            async move {
-                // The series exists from start-up at zero: only a count above it is a signal.
-                let m = metrics_text(&c, base).await;
-                crate::helpers::metric_sum(
-                    &m,
-                    "vouchers_signals_total",
-                    &["event=\"received\"", "kind=\"UPDATED\""],
-                ) > 0.0
-            }
+            let fut = updated(base.clone());
+            let before = before[n];
+            async move { fut.await > before }
         })
         .await;
     }
     eprintln!("pause reached every node within {:?}", paused_at.elapsed());
+    // DESIGN §4: a retry of a stored order gets its 201 while paused, on any node, not only the
+    // one that took it.
+    for (node, order, a) in &warm {
+        let original = a.clone().expect("answered");
+        let customer: i64 = order.rsplit("-o").next().and_then(|i| i.parse().ok()).expect("customer");
+        let other = bases[(node + 1) % bases.len()].clone();
+        assert_eq!(
+            try_reserve(&cluster.client, &other, &code, customer, order).await,
+            Some(original),
+            "{order} retried on another node while paused"
+        );
+    }
     assert_eq!(patch("ACTIVE").await, 200);
     for (n, base) in bases.iter().enumerate() {
         let mut i = 200 + 100 * n as i64;

@@ -549,7 +549,7 @@ async fn merged_batches_settle_each_batch_on_its_own(l: &SharedLedger) {
                 m3,
                 rows(&[("m3-old", 30), ("m3-new", 31), ("m1-a", 32), ("m3-new", 31)]),
             ),
-            batch("M4", m4, rows(&[("m4-a", 40)])),
+            batch("M4", m4, rows(&[("m4-a", 40), ("m3-old", 41)])),
             // M1 again, on its other lease: customer 10 is already at the limit of 1.
             batch("M1", m1b, rows(&[("m1-d", 12), ("m1-e", 10)])),
         ])
@@ -589,8 +589,9 @@ async fn merged_batches_settle_each_batch_on_its_own(l: &SharedLedger) {
         "a repeat inside the batch gets the first row's reservation: {m3_out:?}"
     );
     assert_eq!(
-        results[3].as_ref().expect("M4 answers")[0],
-        RowOutcome::NotEligible(Ineligible::Paused)
+        results[3].as_ref().expect("M4 answers"),
+        &vec![RowOutcome::NotEligible(Ineligible::Paused); 2],
+        "DESIGN §4: NOT_ELIGIBLE before ALREADY_USED, for an order id taken elsewhere too"
     );
     let m1b_out = results[4].as_ref().expect("M1's second batch commits");
     assert!(matches!(m1b_out[0], RowOutcome::Created(_)));

@@ -9,6 +9,7 @@ mod concurrency;
 mod durability;
 mod engine;
 mod helpers;
+mod hostile;
 mod ledger;
 mod lifecycle;
 mod proxy;
