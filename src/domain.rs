@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::clock::Millis;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum VoucherStatus {
     Active,
@@ -43,7 +43,7 @@ pub struct Voucher {
 }
 
 /// Why a reserve is refused with `422 NOT_ELIGIBLE`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum Ineligible {
     NotStarted,
@@ -79,7 +79,7 @@ pub struct VoucherPatch {
     pub total_limit: Option<i64>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum ReservationStatus {
     Reserved,

@@ -4,7 +4,9 @@
 use actix_web::{web, HttpRequest, HttpResponse};
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
+use super::error::ErrorBody;
 use super::{bearer, check_code, json_body, timestamp, token_matches, ApiError, AppState};
 use crate::domain::{Voucher, VoucherPatch, VoucherStatus};
 use crate::engine::VoucherView;
@@ -21,17 +23,27 @@ fn authorize(req: &HttpRequest, state: &AppState) -> Result<(), ApiError> {
     }
 }
 
-#[derive(Debug, Deserialize)]
+/// A new voucher. `startsAt` defaults to now, `endsAt` to a year after the start.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct CreateBody {
+pub struct CreateBody {
+    #[schema(pattern = r"^[A-Za-z0-9_-]{1,32}$")]
     code: String,
+    /// In minor units.
+    #[schema(minimum = 0)]
     discount_amount: i64,
     #[serde(default)]
+    #[schema(minimum = 0)]
     min_order_amount: i64,
+    #[schema(minimum = 1, maximum = 1_000_000_000)]
     total_limit: i64,
     #[serde(default = "one")]
+    #[schema(minimum = 1, maximum = 1_000_000_000)]
     per_user_limit: i64,
+    #[schema(value_type = Option<String>, format = DateTime)]
     starts_at: Option<DateTime<Utc>>,
+    /// After `startsAt`.
+    #[schema(value_type = Option<String>, format = DateTime)]
     ends_at: Option<DateTime<Utc>>,
     status: Option<VoucherStatus>,
 }
@@ -77,24 +89,32 @@ impl CreateBody {
     }
 }
 
-#[derive(Debug, Deserialize)]
+/// Any of: pause or resume, move the end, raise the total (it may only grow).
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct PatchBody {
+pub struct PatchBody {
     status: Option<VoucherStatus>,
+    /// After `startsAt`.
+    #[schema(value_type = Option<String>, format = DateTime)]
     ends_at: Option<DateTime<Utc>>,
+    #[schema(minimum = 1, maximum = 1_000_000_000)]
     total_limit: Option<i64>,
 }
 
-#[derive(Serialize)]
+/// A voucher's definition.
+#[derive(Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
-struct AdminVoucher<'a> {
+pub struct AdminVoucher<'a> {
     code: &'a str,
     discount_amount: i64,
     min_order_amount: i64,
     total_limit: i64,
     per_user_limit: i64,
+    #[schema(value_type = String, format = DateTime)]
     starts_at: String,
+    #[schema(value_type = String, format = DateTime)]
     ends_at: String,
+    #[schema(value_type = VoucherStatus)]
     status: &'static str,
 }
 
@@ -113,9 +133,10 @@ impl<'a> From<&'a Voucher> for AdminVoucher<'a> {
     }
 }
 
-#[derive(Serialize)]
+/// The ledger's counters of a voucher (DESIGN §3) and whether they balance.
+#[derive(Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
-struct CounterView {
+pub struct CounterView {
     free: i64,
     leased_unused: i64,
     reserved: i64,
@@ -138,9 +159,9 @@ impl From<&Counters> for CounterView {
 }
 
 /// The voucher, its counters at the top level and again under `counters`.
-#[derive(Serialize)]
+#[derive(Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
-struct AdminView<'a> {
+pub struct AdminView<'a> {
     #[serde(flatten)]
     voucher: AdminVoucher<'a>,
     #[serde(flatten)]
@@ -160,6 +181,21 @@ impl<'a> From<&'a VoucherView> for AdminView<'a> {
     }
 }
 
+/// Create a voucher.
+#[utoipa::path(
+    post, operation_id = "createVoucher", path = "/admin/vouchers", tag = "admin",
+    request_body = CreateBody,
+    security(("admin_token" = [])),
+    responses(
+        (status = 201, description = "Created", body = AdminVoucher),
+        (status = 400, description = "Invalid voucher", body = ErrorBody),
+        (status = 401, description = "Missing or wrong admin token", body = ErrorBody),
+        (status = 409, description = "ALREADY_EXISTS", body = ErrorBody),
+        (status = 413, description = "Body too large", body = ErrorBody),
+        (status = 503, description = "UNAVAILABLE", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait before retrying"))),
+    )
+)]
 pub async fn create(
     req: HttpRequest,
     state: web::Data<AppState>,
@@ -172,6 +208,20 @@ pub async fn create(
     Ok(HttpResponse::Created().json(AdminVoucher::from(&voucher)))
 }
 
+/// A voucher with the ledger's counters.
+#[utoipa::path(
+    get, operation_id = "adminGetVoucher", path = "/admin/vouchers/{code}", tag = "admin",
+    params(("code" = String, Path, description = "The voucher code", pattern = r"^[A-Za-z0-9_-]{1,32}$")),
+    security(("admin_token" = [])),
+    responses(
+        (status = 200, description = "The voucher and its counters", body = AdminView),
+        (status = 400, description = "Invalid code", body = ErrorBody),
+        (status = 401, description = "Missing or wrong admin token", body = ErrorBody),
+        (status = 404, description = "No such voucher", body = ErrorBody),
+        (status = 503, description = "UNAVAILABLE", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait before retrying"))),
+    )
+)]
 pub async fn get(
     req: HttpRequest,
     state: web::Data<AppState>,
@@ -184,6 +234,22 @@ pub async fn get(
     Ok(HttpResponse::Ok().json(AdminView::from(&view)))
 }
 
+/// Edit a voucher: pause or resume it, move its end, raise its total.
+#[utoipa::path(
+    patch, operation_id = "patchVoucher", path = "/admin/vouchers/{code}", tag = "admin",
+    params(("code" = String, Path, description = "The voucher code", pattern = r"^[A-Za-z0-9_-]{1,32}$")),
+    security(("admin_token" = [])),
+    request_body = PatchBody,
+    responses(
+        (status = 200, description = "The edited voucher and its counters", body = AdminView),
+        (status = 400, description = "Invalid edit", body = ErrorBody),
+        (status = 401, description = "Missing or wrong admin token", body = ErrorBody),
+        (status = 404, description = "No such voucher", body = ErrorBody),
+        (status = 413, description = "Body too large", body = ErrorBody),
+        (status = 503, description = "UNAVAILABLE", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait before retrying"))),
+    )
+)]
 pub async fn patch(
     req: HttpRequest,
     state: web::Data<AppState>,
@@ -211,6 +277,20 @@ pub async fn patch(
     Ok(HttpResponse::Ok().json(AdminView::from(&view)))
 }
 
+/// Start the voucher's actor on this node and take its first lease.
+#[utoipa::path(
+    post, operation_id = "warmVoucher", path = "/admin/vouchers/{code}/warm", tag = "admin",
+    params(("code" = String, Path, description = "The voucher code", pattern = r"^[A-Za-z0-9_-]{1,32}$")),
+    security(("admin_token" = [])),
+    responses(
+        (status = 204, description = "Warm: the first lease is held (or nothing is left)"),
+        (status = 400, description = "Invalid code", body = ErrorBody),
+        (status = 401, description = "Missing or wrong admin token", body = ErrorBody),
+        (status = 404, description = "No such voucher", body = ErrorBody),
+        (status = 503, description = "UNAVAILABLE", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait before retrying"))),
+    )
+)]
 pub async fn warm(
     req: HttpRequest,
     state: web::Data<AppState>,

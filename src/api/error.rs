@@ -1,9 +1,12 @@
-//! The one place errors become HTTP: status, `{"error": CODE, ...}` body and headers.
+//! The one place errors become HTTP: status, `{"error": CODE, ...}` body and headers. The body's
+//! type ([`ErrorBody`]) is also what the OpenAPI document shows, so the two cannot drift.
 
 use actix_web::http::StatusCode;
 use actix_web::{HttpResponse, ResponseError};
-use serde_json::json;
+use serde::Serialize;
+use utoipa::ToSchema;
 
+use crate::domain::Ineligible;
 use crate::engine::EngineError;
 
 /// Everything a route can answer besides success.
@@ -21,36 +24,83 @@ pub enum ApiError {
     NotFound,
 }
 
+/// The `error` field of every error body (DESIGN §6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum ErrorCode {
+    InvalidRequest,
+    PayloadTooLarge,
+    Unauthorized,
+    NotFound,
+    OutOfStock,
+    AlreadyUsed,
+    AlreadyExists,
+    ReservationReleased,
+    AlreadyConfirmed,
+    NotEligible,
+    RateLimited,
+    Unavailable,
+}
+
+/// Every error answer: `{"error": CODE}`, with `reason` for `NOT_ELIGIBLE` and `detail` for
+/// `INVALID_REQUEST`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ErrorBody {
+    pub error: ErrorCode,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<Ineligible>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+}
+
 impl ApiError {
     pub fn invalid(detail: impl Into<String>) -> Self {
         Self::InvalidRequest(detail.into())
     }
 
-    fn parts(&self) -> (StatusCode, serde_json::Value) {
+    fn parts(&self) -> (StatusCode, ErrorBody) {
         use EngineError as E;
-        let plain = |status, code: &str| (status, json!({ "error": code }));
+        use ErrorCode as C;
+        let plain = |status, error| {
+            (
+                status,
+                ErrorBody {
+                    error,
+                    reason: None,
+                    detail: None,
+                },
+            )
+        };
         match self {
             Self::InvalidRequest(detail) | Self::Engine(E::Invalid(detail)) => (
                 StatusCode::BAD_REQUEST,
-                json!({ "error": "INVALID_REQUEST", "detail": detail }),
+                ErrorBody {
+                    error: C::InvalidRequest,
+                    reason: None,
+                    detail: Some(detail.clone()),
+                },
             ),
-            Self::PayloadTooLarge => plain(StatusCode::PAYLOAD_TOO_LARGE, "PAYLOAD_TOO_LARGE"),
-            Self::Unauthorized => plain(StatusCode::UNAUTHORIZED, "UNAUTHORIZED"),
-            Self::NotFound | Self::Engine(E::NotFound) => plain(StatusCode::NOT_FOUND, "NOT_FOUND"),
-            Self::Engine(E::OutOfStock) => plain(StatusCode::CONFLICT, "OUT_OF_STOCK"),
-            Self::Engine(E::AlreadyUsed) => plain(StatusCode::CONFLICT, "ALREADY_USED"),
-            Self::Engine(E::AlreadyExists) => plain(StatusCode::CONFLICT, "ALREADY_EXISTS"),
+            Self::PayloadTooLarge => plain(StatusCode::PAYLOAD_TOO_LARGE, C::PayloadTooLarge),
+            Self::Unauthorized => plain(StatusCode::UNAUTHORIZED, C::Unauthorized),
+            Self::NotFound | Self::Engine(E::NotFound) => plain(StatusCode::NOT_FOUND, C::NotFound),
+            Self::Engine(E::OutOfStock) => plain(StatusCode::CONFLICT, C::OutOfStock),
+            Self::Engine(E::AlreadyUsed) => plain(StatusCode::CONFLICT, C::AlreadyUsed),
+            Self::Engine(E::AlreadyExists) => plain(StatusCode::CONFLICT, C::AlreadyExists),
             Self::Engine(E::ReservationReleased) => {
-                plain(StatusCode::CONFLICT, "RESERVATION_RELEASED")
+                plain(StatusCode::CONFLICT, C::ReservationReleased)
             }
-            Self::Engine(E::AlreadyConfirmed) => plain(StatusCode::CONFLICT, "ALREADY_CONFIRMED"),
+            Self::Engine(E::AlreadyConfirmed) => plain(StatusCode::CONFLICT, C::AlreadyConfirmed),
             Self::Engine(E::NotEligible(reason)) => (
                 StatusCode::UNPROCESSABLE_ENTITY,
-                json!({ "error": "NOT_ELIGIBLE", "reason": reason }),
+                ErrorBody {
+                    error: C::NotEligible,
+                    reason: Some(*reason),
+                    detail: None,
+                },
             ),
-            Self::Engine(E::Unavailable) => plain(StatusCode::SERVICE_UNAVAILABLE, "UNAVAILABLE"),
+            Self::Engine(E::Unavailable) => plain(StatusCode::SERVICE_UNAVAILABLE, C::Unavailable),
             Self::Engine(E::RateLimited { .. }) => {
-                plain(StatusCode::TOO_MANY_REQUESTS, "RATE_LIMITED")
+                plain(StatusCode::TOO_MANY_REQUESTS, C::RateLimited)
             }
         }
     }

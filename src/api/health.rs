@@ -3,14 +3,31 @@
 use actix_web::{web, HttpResponse};
 use serde_json::json;
 
+use super::error::ErrorBody;
 use super::{ApiError, AppState};
 use crate::engine::EngineError;
 
+/// `{"status": "ok"}`.
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub struct Health {
+    #[schema(example = "ok")]
+    status: String,
+}
+
+/// The process is up.
+#[utoipa::path(get, operation_id = "live", path = "/health/live", tag = "operations",
+    responses((status = 200, description = "Alive", body = Health)))]
 pub async fn live() -> HttpResponse {
     HttpResponse::Ok().json(json!({ "status": "ok" }))
 }
 
 /// `503` when the ledger does not answer.
+#[utoipa::path(get, operation_id = "ready", path = "/health/ready", tag = "operations",
+    responses(
+        (status = 200, description = "The ledger answers", body = Health),
+        (status = 503, description = "The ledger does not answer", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait before retrying"))),
+    ))]
 pub async fn ready(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     if state.engine.ready().await {
         Ok(HttpResponse::Ok().json(json!({ "status": "ok" })))
@@ -19,6 +36,9 @@ pub async fn ready(state: web::Data<AppState>) -> Result<HttpResponse, ApiError>
     }
 }
 
+/// Prometheus text exposition.
+#[utoipa::path(get, operation_id = "metrics", path = "/metrics", tag = "operations",
+    responses((status = 200, description = "Prometheus text", body = String, content_type = "text/plain")))]
 pub async fn metrics(state: web::Data<AppState>) -> HttpResponse {
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4")

@@ -4,6 +4,7 @@
 pub mod admin;
 pub mod error;
 pub mod health;
+pub mod openapi;
 pub mod reservations;
 pub mod vouchers;
 
@@ -136,6 +137,7 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
             .route("/{code}", web::patch().to(admin::patch))
             .route("/{code}/warm", web::post().to(admin::warm)),
     )
+    .route("/openapi.json", web::get().to(openapi::openapi_json))
     .route("/metrics", web::get().to(health::metrics))
     .route("/health/live", web::get().to(health::live))
     .route("/health/ready", web::get().to(health::ready));
@@ -155,6 +157,10 @@ pub fn app(
 > {
     actix_web::App::new()
         .app_data(web::Data::new(state))
+        // A path segment that does not decode gets the contract's 400, not actix's plain text.
+        .app_data(web::PathConfig::default().error_handler(|e, _| {
+            ApiError::invalid(format!("invalid path: {e}")).into()
+        }))
         .configure(configure)
         .default_service(web::to(|| async {
             ApiError::NotFound.error_response_owned()

@@ -3,14 +3,23 @@
 use actix_web::{web, HttpRequest, HttpResponse};
 use serde::{Deserialize, Serialize};
 
-use super::{check_code, check_order_id, json_body, timestamp, ApiError, AppState};
-use crate::domain::{Reservation, ReserveRequest};
+use utoipa::ToSchema;
 
-#[derive(Debug, Deserialize)]
+use super::error::ErrorBody;
+use super::{check_code, check_order_id, json_body, timestamp, ApiError, AppState};
+use crate::domain::{Reservation, ReservationStatus, ReserveRequest};
+
+/// A reserve: one unit of the voucher for one order of one customer.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
-struct ReserveBody {
+pub struct ReserveBody {
+    #[schema(minimum = 1)]
     customer_id: i64,
+    /// The caller's order id: a retry with the same id is the same reserve.
+    #[schema(min_length = 1, max_length = 64, pattern = r"^[\x20-\x7E]+$")]
     order_id: String,
+    /// In minor units.
+    #[schema(minimum = 0)]
     order_amount: i64,
 }
 
@@ -32,21 +41,25 @@ impl ReserveBody {
 }
 
 /// The `201` body; a retry gets the same bytes.
-#[derive(Serialize)]
+#[derive(Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
-struct Created<'a> {
+pub struct Created<'a> {
     order_id: &'a str,
     discount_amount: i64,
+    /// When the reservation is released unless confirmed.
+    #[schema(value_type = String, format = DateTime)]
     expires_at: String,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
-struct View<'a> {
+pub struct View<'a> {
     order_id: &'a str,
     customer_id: i64,
+    #[schema(value_type = ReservationStatus)]
     status: &'static str,
     discount_amount: i64,
+    #[schema(value_type = String, format = DateTime)]
     expires_at: String,
 }
 
@@ -62,13 +75,35 @@ impl<'a> From<&'a Reservation> for View<'a> {
     }
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
-struct StatusBody<'a> {
+pub struct StatusBody<'a> {
     order_id: &'a str,
+    #[schema(value_type = ReservationStatus)]
     status: &'static str,
 }
 
+/// Reserve one unit for an order. Answered in DESIGN §4's precedence: `429`, a retry's `201`,
+/// `422`, `409 ALREADY_USED`, `409 OUT_OF_STOCK`. A `201` is durable.
+#[utoipa::path(
+    post, operation_id = "reserve", path = "/vouchers/{code}/reservations", tag = "checkout",
+    params(("code" = String, Path, description = "The voucher code", pattern = r"^[A-Za-z0-9_-]{1,32}$")),
+    request_body = ReserveBody,
+    security((), ("checkout_token" = [])),
+    responses(
+        (status = 201, description = "Reserved (or a retry of a stored order)", body = Created),
+        (status = 400, description = "Invalid request", body = ErrorBody),
+        (status = 401, description = "Checkout tokens are configured and none was given", body = ErrorBody),
+        (status = 404, description = "No such voucher", body = ErrorBody),
+        (status = 409, description = "OUT_OF_STOCK or ALREADY_USED", body = ErrorBody),
+        (status = 413, description = "Body too large", body = ErrorBody),
+        (status = 422, description = "NOT_ELIGIBLE, with the reason", body = ErrorBody),
+        (status = 429, description = "RATE_LIMITED", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds until a retry may pass"))),
+        (status = 503, description = "UNAVAILABLE", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait before retrying"))),
+    )
+)]
 pub async fn reserve(
     state: web::Data<AppState>,
     http: HttpRequest,
@@ -102,6 +137,23 @@ fn ids(path: web::Path<(String, String)>) -> Result<(String, String), ApiError> 
     Ok((code, order_id))
 }
 
+/// A reservation.
+#[utoipa::path(
+    get, operation_id = "getReservation", path = "/vouchers/{code}/reservations/{order_id}", tag = "checkout",
+    params(
+        ("code" = String, Path, description = "The voucher code", pattern = r"^[A-Za-z0-9_-]{1,32}$"),
+        ("order_id" = String, Path, description = "The order id", pattern = r"^[\x20-\x7E]{1,64}$"),
+    ),
+    security((), ("checkout_token" = [])),
+    responses(
+        (status = 200, description = "The reservation", body = View),
+        (status = 400, description = "Invalid code or order id", body = ErrorBody),
+        (status = 401, description = "Checkout tokens are configured and none was given", body = ErrorBody),
+        (status = 404, description = "No such voucher or reservation", body = ErrorBody),
+        (status = 503, description = "UNAVAILABLE", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait before retrying"))),
+    )
+)]
 pub async fn get(
     state: web::Data<AppState>,
     http: HttpRequest,
@@ -113,6 +165,24 @@ pub async fn get(
     Ok(HttpResponse::Ok().json(View::from(&r)))
 }
 
+/// Confirm a reservation after payment (idempotent).
+#[utoipa::path(
+    post, operation_id = "confirmReservation", path = "/vouchers/{code}/reservations/{order_id}/confirm", tag = "checkout",
+    params(
+        ("code" = String, Path, description = "The voucher code", pattern = r"^[A-Za-z0-9_-]{1,32}$"),
+        ("order_id" = String, Path, description = "The order id", pattern = r"^[\x20-\x7E]{1,64}$"),
+    ),
+    security((), ("checkout_token" = [])),
+    responses(
+        (status = 200, description = "Confirmed", body = StatusBody),
+        (status = 400, description = "Invalid code or order id", body = ErrorBody),
+        (status = 401, description = "Checkout tokens are configured and none was given", body = ErrorBody),
+        (status = 404, description = "No such voucher or reservation", body = ErrorBody),
+        (status = 409, description = "RESERVATION_RELEASED", body = ErrorBody),
+        (status = 503, description = "UNAVAILABLE", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait before retrying"))),
+    )
+)]
 pub async fn confirm(
     state: web::Data<AppState>,
     http: HttpRequest,
@@ -127,6 +197,24 @@ pub async fn confirm(
     }))
 }
 
+/// Release a reservation: its unit goes back on sale (idempotent).
+#[utoipa::path(
+    delete, operation_id = "releaseReservation", path = "/vouchers/{code}/reservations/{order_id}", tag = "checkout",
+    params(
+        ("code" = String, Path, description = "The voucher code", pattern = r"^[A-Za-z0-9_-]{1,32}$"),
+        ("order_id" = String, Path, description = "The order id", pattern = r"^[\x20-\x7E]{1,64}$"),
+    ),
+    security((), ("checkout_token" = [])),
+    responses(
+        (status = 200, description = "Released", body = StatusBody),
+        (status = 400, description = "Invalid code or order id", body = ErrorBody),
+        (status = 401, description = "Checkout tokens are configured and none was given", body = ErrorBody),
+        (status = 404, description = "No such voucher or reservation", body = ErrorBody),
+        (status = 409, description = "ALREADY_CONFIRMED", body = ErrorBody),
+        (status = 503, description = "UNAVAILABLE", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait before retrying"))),
+    )
+)]
 pub async fn release(
     state: web::Data<AppState>,
     http: HttpRequest,

@@ -3,18 +3,26 @@
 use actix_web::{web, HttpResponse};
 use serde::Serialize;
 
-use super::{check_code, timestamp, ApiError, AppState};
-use crate::domain::Voucher;
+use utoipa::ToSchema;
 
-#[derive(Serialize)]
+use super::error::ErrorBody;
+use super::{check_code, timestamp, ApiError, AppState};
+use crate::domain::{Voucher, VoucherStatus};
+
+/// What anyone may see of a voucher.
+#[derive(Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct PublicVoucher<'a> {
     code: &'a str,
     discount_amount: i64,
     min_order_amount: i64,
+    #[schema(value_type = String, format = DateTime)]
     starts_at: String,
+    #[schema(value_type = String, format = DateTime)]
     ends_at: String,
+    #[schema(value_type = VoucherStatus)]
     status: &'static str,
+    /// Nothing is left to sell (free and leased units are all gone).
     sold_out: bool,
 }
 
@@ -32,6 +40,18 @@ impl<'a> PublicVoucher<'a> {
     }
 }
 
+/// The public view of a voucher.
+#[utoipa::path(
+    get, operation_id = "getVoucher", path = "/vouchers/{code}", tag = "checkout",
+    params(("code" = String, Path, description = "The voucher code", pattern = r"^[A-Za-z0-9_-]{1,32}$")),
+    responses(
+        (status = 200, description = "The voucher", body = PublicVoucher),
+        (status = 400, description = "Invalid code", body = ErrorBody),
+        (status = 404, description = "No such voucher", body = ErrorBody),
+        (status = 503, description = "UNAVAILABLE", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait before retrying"))),
+    )
+)]
 pub async fn get(
     state: web::Data<AppState>,
     path: web::Path<String>,
