@@ -10,6 +10,12 @@ pub type Millis = i64;
 /// A source of wall-clock time.
 pub trait Clock: Send + Sync + 'static {
     fn now_ms(&self) -> Millis;
+
+    /// Milliseconds on a clock that never steps back, for rates and throttles (a wall clock
+    /// stepped back would refuse everyone for the size of the step). Same unit as `now_ms`.
+    fn monotonic_ms(&self) -> Millis {
+        self.now_ms()
+    }
 }
 
 /// The real clock.
@@ -19,6 +25,11 @@ pub struct SystemClock;
 impl Clock for SystemClock {
     fn now_ms(&self) -> Millis {
         chrono::Utc::now().timestamp_millis()
+    }
+
+    fn monotonic_ms(&self) -> Millis {
+        static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+        START.get_or_init(std::time::Instant::now).elapsed().as_millis() as Millis
     }
 }
 

@@ -106,6 +106,9 @@ impl Application {
                 "a shared ledger needs one admin token for every node: set VOUCHERS__ADMIN__TOKEN"
             );
         }
+        if settings.http.checkout_tokens.iter().any(|t| t.trim().is_empty()) {
+            anyhow::bail!("http.checkout_tokens holds an empty token, which would open the routes");
+        }
         let admin_token = if settings.admin.token.is_empty() {
             let token = random_hex(16);
             println!("admin token (generated, set VOUCHERS__ADMIN__TOKEN to choose one): {token}");

@@ -55,19 +55,25 @@ impl AppState {
     }
 }
 
-/// The bearer token a request carries ("" if none).
+/// The bearer token a request carries ("" if none; the scheme's name is case-insensitive).
 pub fn bearer(req: &actix_web::HttpRequest) -> &str {
     req.headers()
         .get("authorization")
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("")
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map_or("", |(_, token)| token.trim())
 }
 
-/// Compares a given token with an expected one in time that depends only on their lengths.
+/// Compares a given token with an expected (non-empty) one in time that depends only on the
+/// expected token's length, not on the given one or on where they differ.
 pub fn token_matches(given: &str, expected: &str) -> bool {
     let (a, b) = (given.as_bytes(), expected.as_bytes());
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    let mut diff = u8::from(a.len() != b.len() || b.is_empty());
+    for (i, y) in b.iter().enumerate() {
+        diff |= a.get(i).copied().unwrap_or(0) ^ y;
+    }
+    diff == 0
 }
 
 /// Where a reserve's client address (for the per-address rate limit) comes from.
@@ -78,7 +84,8 @@ pub enum ClientAddress {
     Off,
     /// The connection's peer.
     Peer,
-    /// A header a trusted proxy sets (first entry), else the peer.
+    /// A header a trusted proxy sets, else the peer. Its last entry is used: a proxy appends
+    /// the address it saw to whatever the client sent, so only the last one is the proxy's word.
     Header(actix_web::http::header::HeaderName),
 }
 
@@ -88,6 +95,10 @@ impl ClientAddress {
         Ok(if s.per_address_per_sec == 0 {
             Self::Off
         } else if s.address_header.is_empty() {
+            tracing::warn!(
+                "limits.per_address_per_sec is on without limits.address_header: every client \
+                 behind one proxy or checkout service shares one address's limit"
+            );
             Self::Peer
         } else {
             Self::Header(
@@ -107,7 +118,7 @@ impl ClientAddress {
                 .headers()
                 .get(name)
                 .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.split(',').next())
+                .and_then(|v| v.rsplit(',').next())
                 .and_then(|v| v.trim().parse().ok())
                 .or_else(peer),
         }

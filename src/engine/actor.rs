@@ -126,7 +126,10 @@ const RECALL_PROBE_MS: i64 = 50;
 const RECALL_REPEAT_MS: i64 = 100;
 /// How long a `201` answers repeats of its order from memory: another node may release the
 /// order, and without Redis this node would not hear of it.
-const REPEAT_CACHE_MS: i64 = 1000;
+const REPEAT_CACHE_MS: i64 = 500;
+/// How far behind another node's clock this node's may run: a reserve this close to `startsAt`
+/// may be the retry of an order a faster node already took.
+const CLOCK_SKEW_MS: i64 = 5000;
 /// How many recent orders an actor remembers.
 const REPEAT_CACHE_MAX: usize = 4096;
 
@@ -181,9 +184,10 @@ pub(crate) struct VoucherActor {
     /// Reserves waiting for [`Self::answer_without_units`]: no unit can serve them, but some may
     /// be retries of stored orders.
     lookups: Vec<Pending>,
-    /// Orders this node answered `201` recently: repeats of them are answered from here
-    /// (bounded: cleared when full, and on every restock, which may be their release).
-    repeats: HashMap<String, (Reservation, Millis)>,
+    /// Orders this node answered `201` recently, with when and the restock epoch then: repeats
+    /// of them are answered from here. Any restock since (a release or an expiry among them,
+    /// on this node or, by signal, another) voids every entry; bounded: cleared when full.
+    repeats: HashMap<String, (Reservation, Millis, u64)>,
     warm_waiters: Vec<oneshot::Sender<Result<(), EngineError>>>,
     /// The leases of the batches in flight (at most `engine.batches_in_flight`, 1 by default;
     /// a lease may appear twice). With more than one, a second batch waits in the node's group
@@ -263,8 +267,9 @@ impl VoucherActor {
     /// A repeat of an order this node answered `201` within the last `REPEAT_CACHE_MS` (and no
     /// restock since, so it was not released), answered without the ledger.
     fn cached_repeat(&self, req: &ReserveRequest, now: Millis) -> Option<Reservation> {
-        let (r, at) = self.repeats.get(&req.order_id)?;
+        let (r, at, epoch) = self.repeats.get(&req.order_id)?;
         (now - at < REPEAT_CACHE_MS
+            && *epoch == self.shared.restock_epoch()
             && r.is_retry_of(&self.code, req.customer_id)
             && r.expires_at > now)
             .then(|| r.clone())
@@ -274,7 +279,8 @@ impl VoucherActor {
         if self.repeats.len() >= REPEAT_CACHE_MAX {
             self.repeats.clear();
         }
-        self.repeats.insert(r.order_id.clone(), (r.clone(), now));
+        let epoch = self.shared.restock_epoch();
+        self.repeats.insert(r.order_id.clone(), (r.clone(), now, epoch));
     }
 
     fn room(&self) -> i64 {
@@ -333,8 +339,14 @@ impl VoucherActor {
         }
         match v.check_eligible(now, p.req.order_amount) {
             Ok(()) => {}
-            // Nothing can have been reserved before the start (and `startsAt` never moves).
-            Err(reason @ Ineligible::NotStarted) => {
+            // Nothing can have been reserved before the start (`startsAt` never moves; the
+            // margin covers nodes whose clocks run behind), nor below the minimum amount (it
+            // never changes either, and a stored order passed it).
+            Err(reason @ Ineligible::NotStarted) if v.starts_at - now > CLOCK_SKEW_MS => {
+                Tally::one(p, Reply::Failed(EngineError::NotEligible(reason)));
+                return;
+            }
+            Err(reason @ Ineligible::MinOrderAmount) => {
                 Tally::one(p, Reply::Failed(EngineError::NotEligible(reason)));
                 return;
             }
@@ -759,6 +771,9 @@ impl VoucherActor {
         let core = self.core.clone();
         let s = &core.settings;
         let idle = now - self.last_activity;
+        // Reserves the frontend answered from the sold-out flag count as traffic: an actor whose
+        // voucher is flooded after selling out stays, with its flag and winners.
+        let unseen = now - self.last_activity.max(self.shared.last_short_circuit());
         if idle >= s.lease_idle_timeout_ms && self.committing.is_empty() && self.pending.is_empty()
         {
             self.give_back_leases(now, LeaseEvent::Returned, |_| false);
@@ -782,11 +797,13 @@ impl VoucherActor {
         } else {
             s.actor_idle_stop_ms
         };
-        if idle >= stop_after
+        if unseen >= stop_after
             && self.leases.is_empty()
             && self.committing.is_empty()
             && !self.granting
+            && !self.looking_up
             && self.pending.is_empty()
+            && self.lookups.is_empty()
         {
             ctx.stop();
             return;

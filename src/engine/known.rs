@@ -26,7 +26,8 @@ pub(crate) struct KnownCodes {
     refresh_ms: u64,
     /// One re-read at a time; misses that arrive meanwhile wait for it and look again.
     refreshing: tokio::sync::Mutex<()>,
-    /// Reads of the codes so far (tests and diagnostics; the metric is process-wide).
+    /// Reads of the codes so far, failed ones included: a miss that waited for a read takes its
+    /// result. Also for tests and diagnostics (the metric is process-wide).
     reads: AtomicU64,
 }
 
@@ -89,16 +90,20 @@ impl KnownCodes {
     pub(crate) async fn load(&self, ledger: &SharedLedger) -> Result<(), LedgerError> {
         self.last_refresh
             .store(self.since_epoch() + 1, Ordering::Release);
+        let res = ledger.voucher_codes(i64::MIN).await.map(|codes| {
+            for code in codes {
+                self.insert(&code);
+            }
+            self.loaded.store(true, Ordering::Release);
+        });
         crate::metrics::known_codes_read();
-        self.reads.fetch_add(1, Ordering::Relaxed);
-        for code in ledger.voucher_codes(i64::MIN).await? {
-            self.insert(&code);
-        }
-        self.loaded.store(true, Ordering::Release);
-        Ok(())
+        self.reads.fetch_add(1, Ordering::Release);
+        res
     }
 
-    /// Whether `code` exists: from memory, or after one (shared, throttled) re-read.
+    /// Whether `code` exists: from memory, or after one (shared, throttled) re-read. Misses that
+    /// queue behind a read take its result instead of reading again, so a slow or hung ledger
+    /// costs one read at a time (each bounded by the ledger's deadline), never a queue of them.
     pub(crate) async fn check(&self, code: &str, ledger: &SharedLedger) -> Known {
         if self.codes.contains(code) {
             return Known::Yes;
@@ -106,8 +111,10 @@ impl KnownCodes {
         if self.recently_read() {
             return self.verdict(code);
         }
+        let reads_before = self.reads.load(Ordering::Acquire);
         let _turn = self.refreshing.lock().await;
-        if !self.codes.contains(code) && !self.recently_read() {
+        let read_meanwhile = self.reads.load(Ordering::Acquire) != reads_before;
+        if !read_meanwhile && !self.codes.contains(code) && !self.recently_read() {
             if let Err(e) = self.load(ledger).await {
                 tracing::warn!(error = %e, "read voucher codes");
             }

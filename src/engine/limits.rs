@@ -26,7 +26,7 @@ use crate::clock::{Millis, SharedClock};
 use crate::config::LimitSettings;
 use crate::metrics as m;
 
-/// `governor`'s view of the engine's clock: nanoseconds since the limiters were made.
+/// `governor`'s view of the engine's monotonic clock: nanoseconds since the limiters were made.
 #[derive(Clone)]
 pub struct LimiterClock {
     clock: SharedClock,
@@ -37,7 +37,7 @@ impl Clock for LimiterClock {
     type Instant = Nanos;
 
     fn now(&self) -> Nanos {
-        Nanos::from((self.clock.now_ms() - self.base).max(0) as u64 * 1_000_000)
+        Nanos::from((self.clock.monotonic_ms() - self.base).max(0) as u64 * 1_000_000)
     }
 }
 
@@ -152,7 +152,7 @@ pub(crate) struct RateLimits {
 impl RateLimits {
     pub(crate) fn new(s: &LimitSettings, clock: SharedClock) -> Self {
         let clock = LimiterClock {
-            base: clock.now_ms(),
+            base: clock.monotonic_ms(),
             clock,
         };
         Self {
@@ -165,8 +165,16 @@ impl RateLimits {
         }
     }
 
+    /// IPv6 addresses are limited per /64: one host commonly holds a whole /64.
     pub(crate) fn address(&self, ip: IpAddr) -> Result<(), Limited> {
-        self.address.as_ref().map_or(Ok(()), |l| l.check(&ip))
+        let key = match ip {
+            IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+                Some(v4) => IpAddr::V4(v4),
+                None => IpAddr::V6((u128::from(v6) & !(u64::MAX as u128)).into()),
+            },
+            v4 => v4,
+        };
+        self.address.as_ref().map_or(Ok(()), |l| l.check(&key))
     }
 
     pub(crate) fn customer(&self, code_hash: u64, customer: i64) -> Result<(), Limited> {
@@ -245,6 +253,19 @@ mod tests {
             let len = customer.inner.read().unwrap().len();
             assert!(len <= 100 + SIZE_CHECK_EVERY as usize, "{len} keys");
         }
+    }
+
+    #[test]
+    fn an_ipv6_host_is_limited_per_64() {
+        let clock = Arc::new(ManualClock::new(0));
+        let mut s = settings();
+        (s.per_address_per_sec, s.per_address_burst) = (1, 2);
+        let limits = RateLimits::new(&s, clock);
+        let host = |i: u16| IpAddr::from([0x2001, 0xdb8, 0, 1, 0, 0, 0, i]);
+        assert_eq!(limits.address(host(1)), Ok(()));
+        assert_eq!(limits.address(host(2)), Ok(()));
+        assert!(limits.address(host(3)).is_err(), "same /64");
+        assert_eq!(limits.address(IpAddr::from([0x2001, 0xdb8, 0, 2, 0, 0, 0, 1])), Ok(()));
     }
 
     #[test]

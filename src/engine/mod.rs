@@ -192,8 +192,13 @@ struct Entry {
     generation: u64,
     /// The voucher's admission limiter on this node, when admission is limited.
     admission: Option<Arc<limits::Admission>>,
-    /// Keys the voucher's customers in the per-customer limiter.
-    code_hash: u64,
+}
+
+/// A voucher code's hash: picks its shard, and keys its customers in the per-customer limiter.
+fn code_hash(code: &str) -> u64 {
+    let mut h = DefaultHasher::new();
+    code.hash(&mut h);
+    h.finish()
 }
 
 /// State shared by the handle, the actors and the jobs.
@@ -242,10 +247,7 @@ impl Core {
             .or_insert_with(|| {
                 let generation = self.next_generation.fetch_add(1, Ordering::Relaxed);
                 let shared = Arc::new(VoucherShared::default());
-                let mut h = DefaultHasher::new();
-                code.hash(&mut h);
-                let code_hash = h.finish();
-                let shard = &self.shards[(code_hash % self.shards.len() as u64) as usize];
+                let shard = &self.shards[(code_hash(code) % self.shards.len() as u64) as usize];
                 let (core, c, sh) = (self.clone(), code.to_string(), shared.clone());
                 let addr = VoucherActor::start_in_arbiter(shard, move |_| {
                     VoucherActor::new(c, core, sh, generation)
@@ -255,7 +257,6 @@ impl Core {
                     shared,
                     generation,
                     admission: self.limits.new_admission().map(Arc::new),
-                    code_hash,
                 }
             })
             .clone()
@@ -366,11 +367,11 @@ impl EngineHandle {
             m::reservation(error_outcome(&e));
             return Err(e);
         }
-        let first = self.core.entry(code);
         self.core
             .limits
-            .customer(first.code_hash, req.customer_id)
+            .customer(code_hash(code), req.customer_id)
             .map_err(rate_limited)?;
+        let first = self.core.entry(code);
         if let Some(admission) = &first.admission {
             self.core.limits.admit(admission).map_err(rate_limited)?;
         }
@@ -378,7 +379,7 @@ impl EngineHandle {
             let entry = self.core.entry(code);
             if entry.shared.is_sold_out() {
                 m::sold_out_short_circuit();
-                entry.shared.count_short_circuit();
+                entry.shared.count_short_circuit(self.now_ms());
                 let res = self.answer_sold_out(code, &req, &entry.shared).await;
                 m::reservation(outcome_of(&res));
                 return res;
@@ -430,6 +431,7 @@ impl EngineHandle {
         match shared.sold_out_verdict(now, req) {
             SoldOutVerdict::OutOfStock => Err(EngineError::OutOfStock),
             SoldOutVerdict::NotEligible(reason) => Err(EngineError::NotEligible(reason)),
+            SoldOutVerdict::AlreadyUsed => Err(EngineError::AlreadyUsed),
             SoldOutVerdict::AskLedger | SoldOutVerdict::MaybeAtLimit => {
                 let voucher = shared.voucher();
                 let mut answers = settle_without_units(

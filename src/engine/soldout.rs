@@ -3,9 +3,9 @@
 //! `201` after the voucher sold out while everyone else is answered by a memory read.
 
 use std::collections::hash_map::DefaultHasher;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
 use crate::clock::Millis;
@@ -24,49 +24,62 @@ pub struct VoucherShared {
     voucher: RwLock<Option<Arc<Voucher>>>,
     /// Reserves answered here without a message to the actor, for tests and diagnostics.
     short_circuits: AtomicU64,
+    /// When the last of them was answered: the actor counts them as traffic (idle stop).
+    last_short_circuit: AtomicI64,
 }
 
-/// What a sold-out voucher knows about who won: the orders (a retry of one gets its `201`) and
-/// the customers at their limit (a new order of theirs gets `ALREADY_USED`, not `OUT_OF_STOCK`).
+/// What a sold-out voucher knows about who won: the orders with their customers (a retry of one
+/// gets its `201`, anyone else using its id `ALREADY_USED`) and the customers at their limit (a
+/// new order of theirs gets `ALREADY_USED`, not `OUT_OF_STOCK`). Exact while small: then only a
+/// winner's own retry needs the ledger (for its stored body).
 #[derive(Debug, Default)]
 struct Winners {
-    orders: Members<String>,
-    at_limit: Members<i64>,
+    orders: Members<String, i64>,
+    at_limit: Members<i64, ()>,
 }
 
-/// A set that is exact when small and a Bloom filter when large (a miss is certain; a hit is
-/// checked against the ledger).
+/// A map that is exact when small and a Bloom filter of its keys when large (a miss is certain;
+/// a hit is checked against the ledger).
 #[derive(Debug)]
-enum Members<T> {
-    Exact(HashSet<T>),
+enum Members<K, V> {
+    Exact(HashMap<K, V>),
     Bloom(Bloom),
 }
 
-impl<T> Default for Members<T> {
+impl<K, V> Default for Members<K, V> {
     fn default() -> Self {
-        Self::Exact(HashSet::new())
+        Self::Exact(HashMap::new())
     }
 }
 
-impl<T: Hash + Eq> Members<T> {
-    fn new(items: Vec<T>, exact_max: usize) -> Self {
+/// What a [`Members`] knows of a key.
+#[derive(Debug, PartialEq, Eq)]
+enum Lookup<'a, V> {
+    No,
+    Yes(&'a V),
+    Maybe,
+}
+
+impl<K: Hash + Eq, V> Members<K, V> {
+    fn new(items: Vec<(K, V)>, exact_max: usize) -> Self {
         if items.len() <= exact_max {
             Self::Exact(items.into_iter().collect())
         } else {
             let mut bloom = Bloom::with_capacity(items.len());
-            items.iter().for_each(|i| bloom.insert(i));
+            items.iter().for_each(|(k, _)| bloom.insert(k));
             Self::Bloom(bloom)
         }
     }
 
-    fn may_contain<Q>(&self, item: &Q) -> bool
+    fn lookup<Q>(&self, key: &Q) -> Lookup<'_, V>
     where
-        T: std::borrow::Borrow<Q>,
+        K: std::borrow::Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
         match self {
-            Self::Exact(set) => set.contains(item),
-            Self::Bloom(bloom) => bloom.may_contain(item),
+            Self::Exact(map) => map.get(key).map_or(Lookup::No, Lookup::Yes),
+            Self::Bloom(bloom) if bloom.may_contain(key) => Lookup::Maybe,
+            Self::Bloom(_) => Lookup::No,
         }
     }
 }
@@ -77,6 +90,7 @@ pub enum SoldOutVerdict {
     /// The order may have won: only the ledger can say (a retry gets its `201`).
     AskLedger,
     NotEligible(Ineligible),
+    AlreadyUsed,
     /// The customer may be at their limit: the ledger's usage decides.
     MaybeAtLimit,
     OutOfStock,
@@ -111,10 +125,10 @@ impl VoucherShared {
         let at_limit = per_customer
             .into_iter()
             .filter(|&(_, n)| n >= per_user_limit)
-            .map(|(c, _)| c)
+            .map(|(c, _)| (c, ()))
             .collect();
         *guard = Winners {
-            orders: Members::new(won.into_iter().map(|(o, _)| o).collect(), exact_max),
+            orders: Members::new(won, exact_max),
             at_limit: Members::new(at_limit, exact_max),
         };
         self.sold_out.store(true, Ordering::Release);
@@ -141,8 +155,14 @@ impl VoucherShared {
             .clone()
     }
 
-    pub fn count_short_circuit(&self) {
+    pub fn count_short_circuit(&self, now: Millis) {
         self.short_circuits.fetch_add(1, Ordering::Relaxed);
+        self.last_short_circuit.fetch_max(now, Ordering::Relaxed);
+    }
+
+    /// When the frontend last answered a reserve from the flag.
+    pub fn last_short_circuit(&self) -> Millis {
+        self.last_short_circuit.load(Ordering::Relaxed)
     }
 
     pub fn short_circuits(&self) -> u64 {
@@ -155,24 +175,27 @@ impl VoucherShared {
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .orders
-            .may_contain(order_id)
+            .lookup(order_id)
+            != Lookup::No
     }
 
     /// DESIGN §4's precedence for a reserve of a sold-out voucher, as far as memory can tell.
     pub fn sold_out_verdict(&self, now: Millis, req: &ReserveRequest) -> SoldOutVerdict {
         let won = self.won.read().unwrap_or_else(|e| e.into_inner());
-        if won.orders.may_contain(req.order_id.as_str()) {
-            return SoldOutVerdict::AskLedger;
+        let refused = self
+            .voucher()
+            .and_then(|v| v.check_eligible(now, req.order_amount).err());
+        match (won.orders.lookup(req.order_id.as_str()), refused) {
+            (Lookup::Yes(&c), _) if c == req.customer_id => return SoldOutVerdict::AskLedger,
+            (Lookup::Maybe, _) => return SoldOutVerdict::AskLedger,
+            (_, Some(reason)) => return SoldOutVerdict::NotEligible(reason),
+            (Lookup::Yes(_), None) => return SoldOutVerdict::AlreadyUsed,
+            (Lookup::No, None) => {}
         }
-        if let Some(v) = self.voucher() {
-            if let Err(reason) = v.check_eligible(now, req.order_amount) {
-                return SoldOutVerdict::NotEligible(reason);
-            }
-        }
-        if won.at_limit.may_contain(&req.customer_id) {
-            SoldOutVerdict::MaybeAtLimit
-        } else {
-            SoldOutVerdict::OutOfStock
+        match won.at_limit.lookup(&req.customer_id) {
+            Lookup::Yes(()) => SoldOutVerdict::AlreadyUsed,
+            Lookup::Maybe => SoldOutVerdict::MaybeAtLimit,
+            Lookup::No => SoldOutVerdict::OutOfStock,
         }
     }
 }
@@ -263,7 +286,12 @@ mod tests {
         assert_eq!(s.sold_out_verdict(1_500, &req("n", 7, 500)), V::OutOfStock);
         s.restock();
         assert!(s.set_sold_out(1, vec![("a".into(), 7), ("b".into(), 8)], 1, 10));
-        assert_eq!(s.sold_out_verdict(1_500, &req("n", 7, 500)), V::MaybeAtLimit);
+        assert_eq!(s.sold_out_verdict(1_500, &req("n", 7, 500)), V::AlreadyUsed);
+        assert_eq!(
+            s.sold_out_verdict(1_500, &req("a", 9, 500)),
+            V::AlreadyUsed,
+            "a winning order id under another customer"
+        );
         assert_eq!(
             s.sold_out_verdict(1_500, &req("n", 7, 499)),
             V::NotEligible(Ineligible::MinOrderAmount)

@@ -64,6 +64,9 @@ async fn a_stored_order_replays_after_pause_and_end_and_new_orders_get_422_first
     patch(&app, "PREC", json!({"status": "PAUSED"})).await;
     let again = app.reserve("PREC", 1, "prec-1").await;
     assert_eq!(again, won, "a retry after the pause gets the same 201");
+    // Past the actor's memory of recent 201s: the ledger's row answers.
+    app.clock.advance_ms(1_000);
+    assert_eq!(app.reserve("PREC", 1, "prec-1").await, won, "from the ledger too");
     for (customer, order, why) in [
         (2, "prec-2", "a new order"),
         (1, "prec-1b", "a customer at their limit"),
@@ -77,6 +80,7 @@ async fn a_stored_order_replays_after_pause_and_end_and_new_orders_get_422_first
     }
 
     patch(&app, "PREC", json!({"status": "ACTIVE", "endsAt": "2021-01-01T00:00:00Z"})).await;
+    app.clock.advance_ms(1_000);
     assert_eq!(app.reserve("PREC", 1, "prec-1").await, won, "and after endsAt");
     assert_eq!(
         error(&app.reserve("PREC", 3, "prec-3").await),
@@ -95,8 +99,41 @@ async fn a_stored_order_replays_after_pause_and_end_and_new_orders_get_422_first
 }
 
 #[actix_web::test]
-async fn a_sold_out_voucher_answers_with_the_same_precedence_from_memory() {
+async fn a_released_order_is_not_replayed_from_memory() {
     let app = spawn_app().await;
+    assert_eq!(app.create_voucher("GONE", 5, 2).await.0, 201);
+    assert_eq!(app.reserve("GONE", 1, "gone-1").await.0, 201);
+    let url = format!("{}/vouchers/GONE/reservations/gone-1", app.base);
+    assert_eq!(send(&app.client, "DELETE", &url, None, None).await.0, 200);
+    // The retry comes right away (the actor remembers the 201), but the release voided it.
+    assert_eq!(
+        error(&app.reserve("GONE", 1, "gone-1").await),
+        (409, Some("ALREADY_USED"), None),
+        "a released order id is used up"
+    );
+    let books = audit::books(&app.db_url, "GONE").await;
+    books.assert_balanced("GONE");
+    assert_eq!((books.reserved, books.released), (0, 1));
+}
+
+#[actix_web::test]
+async fn a_sold_out_voucher_answers_with_the_same_precedence_from_memory() {
+    sold_out_precedence(None).await;
+}
+
+#[actix_web::test]
+async fn a_large_sold_out_voucher_asks_the_ledger_on_bloom_hits_with_the_same_answers() {
+    sold_out_precedence(Some(0)).await;
+}
+
+/// `exact_max`: `Some(0)` makes the winners' sets Bloom filters, whose hits the ledger answers.
+async fn sold_out_precedence(exact_max: Option<usize>) {
+    let app = spawn_app_with(|s| {
+        if let Some(n) = exact_max {
+            s.engine.won_set_exact_max = n;
+        }
+    })
+    .await;
     assert_eq!(app.create_voucher("SOLD", 2, 1).await.0, 201);
     let won = app.reserve("SOLD", 1, "sold-1").await;
     assert_eq!(won.0, 201);
@@ -154,9 +191,26 @@ async fn unknown_codes_get_404_without_an_actor_or_a_ledger_read() {
     let app = spawn_app_with(|s| s.engine.known_codes_refresh_ms = 3_600_000).await;
     assert_eq!(app.create_voucher("REAL", 5, 1).await.0, 201);
     let (reads, actors) = (app.engine.known_code_reads(), app.engine.actor_count());
+    // Created behind this node's back (another node, no Redis): the ledger has it, this node
+    // does not know it yet, so every answer below comes from memory.
+    let sneaky = vouchers::domain::Voucher {
+        code: "JUNKX".into(),
+        discount_amount: 100,
+        min_order_amount: 0,
+        total_limit: 3,
+        per_user_limit: 1,
+        starts_at: 0,
+        ends_at: i64::MAX / 2,
+        status: vouchers::domain::VoucherStatus::Active,
+    };
+    app.ledger
+        .create_voucher(&sneaky, app.engine.now_ms())
+        .await
+        .unwrap();
     let codes: Vec<String> = (0..300).map(|i| format!("JUNK{i}")).collect();
     let junk = join_all(codes.iter().zip(1..).map(|(c, i)| app.reserve(c, i, "j"))).await;
     assert_eq!(tally(&junk).get("404 NOT_FOUND"), Some(&300));
+    assert_eq!(app.reserve("JUNKX", 1, "j").await.0, 404);
     for (method, path) in [
         ("GET", "/vouchers/JUNKX"),
         ("GET", "/vouchers/JUNKX/reservations/o"),
@@ -208,11 +262,12 @@ async fn one_customer_flooding_gets_its_burst_then_429_and_nobody_else_is_hurt()
     assert_eq!(t.get("409 ALREADY_USED"), Some(&(burst - 1)), "{t:?}");
     assert_eq!(t.get("429 RATE_LIMITED"), Some(&(1000 - burst)), "{t:?}");
     let (s, e, retry) = reserve_with(&app, "FLOOD", 42, "flood-x", &[]).await;
-    assert_eq!((s, e.as_deref()), (429, Some("RATE_LIMITED")));
-    let retry: u64 = retry.expect("Retry-After").parse().expect("seconds");
-    assert!(retry >= 1, "Retry-After {retry}");
-    // Other customers are not affected, and the limited customer is let in again later.
+    // 10 a second: the next token is 100 ms away, rounded up to whole seconds.
+    assert_eq!((s, e.as_deref(), retry.as_deref()), (429, Some("RATE_LIMITED"), Some("1")));
+    // Other customers are not affected, and the limited customer is let in once Retry-After
+    // has passed (not before: the clock has not moved).
     assert_eq!(app.reserve("FLOOD", 43, "other-1").await.0, 201);
+    assert_eq!(reserve_with(&app, "FLOOD", 42, "flood-z", &[]).await.0, 429);
     app.clock.advance_ms(1_000);
     assert_eq!(
         error(&app.reserve("FLOOD", 42, "flood-y").await),
@@ -222,7 +277,7 @@ async fn one_customer_flooding_gets_its_burst_then_429_and_nobody_else_is_hurt()
     books.assert_balanced("FLOOD");
     assert_eq!(books.reserved, 2, "the ledger holds exactly the units sold");
     // Process-wide, but no other test reaches the per-customer limit.
-    assert_eq!(limited().await - limited_before, (1000 - burst + 1) as f64);
+    assert_eq!(limited().await - limited_before, (1000 - burst + 2) as f64);
 }
 
 #[actix_web::test]
@@ -234,13 +289,16 @@ async fn address_and_voucher_limits_refuse_in_memory() {
     })
     .await;
     assert_eq!(app.create_voucher("ADDR", 100, 1).await.0, 201);
-    let bot = [("X-Forwarded-For", "203.0.113.7, 10.0.0.1")];
+    // The proxy appends the address it saw; what the bot wrote before it changes nothing.
     for c in 1..=3 {
-        assert_eq!(reserve_with(&app, "ADDR", c, &format!("a-{c}"), &bot).await.0, 201);
+        let spoofed = format!("10.9.8.{c}, 203.0.113.7");
+        let xff = [("X-Forwarded-For", spoofed.as_str())];
+        assert_eq!(reserve_with(&app, "ADDR", c, &format!("a-{c}"), &xff).await.0, 201);
     }
-    let (s, e, retry) = reserve_with(&app, "ADDR", 4, "a-4", &bot).await;
+    let xff = [("X-Forwarded-For", "10.9.8.4, 203.0.113.7")];
+    let (s, e, retry) = reserve_with(&app, "ADDR", 4, "a-4", &xff).await;
     assert_eq!((s, e.as_deref(), retry.as_deref()), (429, Some("RATE_LIMITED"), Some("1")));
-    let human = [("X-Forwarded-For", "198.51.100.1")];
+    let human = [("X-Forwarded-For", "203.0.113.7, 198.51.100.1")];
     assert_eq!(reserve_with(&app, "ADDR", 5, "a-5", &human).await.0, 201);
     assert_eq!(audit::books(&app.db_url, "ADDR").await.reserved, 4);
 
@@ -276,4 +334,15 @@ async fn checkout_routes_need_one_of_the_configured_tokens() {
     // The public voucher view and health stay open.
     assert_eq!(app.call("GET", "/vouchers/AUTH").await.0, 200);
     assert_eq!(audit::books(&app.db_url, "AUTH").await.reserved, 1);
+}
+
+#[actix_web::test]
+async fn an_empty_checkout_token_is_refused_at_start() {
+    let dir = crate::helpers::temp_dir("emptytoken");
+    let mut settings = crate::helpers::test_settings(&format!("sqlite://{}/l.db", dir.display()));
+    settings.http.checkout_tokens = vec!["tok".into(), " ".into()];
+    let clock = std::sync::Arc::new(vouchers::clock::ManualClock::starting_now());
+    let built = vouchers::startup::Application::build(settings, clock).await;
+    let err = built.err().expect("an empty token would open the routes");
+    assert!(err.to_string().contains("empty token"), "{err}");
 }
