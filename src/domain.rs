@@ -40,6 +40,19 @@ pub struct Voucher {
     pub starts_at: Millis,
     pub ends_at: Millis,
     pub status: VoucherStatus,
+    pub limits: VoucherLimits,
+}
+
+/// A voucher's own rate limits (DESIGN §6), per node. `None` takes the node's configured
+/// default; `Some(0)` turns that limit off for this voucher.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct VoucherLimits {
+    /// Reserves per second one customer may make on this voucher, after a burst of
+    /// `customer_burst`.
+    pub customer_per_sec: Option<u32>,
+    pub customer_burst: Option<u32>,
+    /// Reserves per second this voucher admits.
+    pub admission_per_sec: Option<u32>,
 }
 
 /// Why a reserve is refused with `422 NOT_ELIGIBLE`.
@@ -77,6 +90,10 @@ pub struct VoucherPatch {
     pub status: Option<VoucherStatus>,
     pub ends_at: Option<Millis>,
     pub total_limit: Option<i64>,
+    /// Each limit: `None` leaves it, `Some(None)` returns it to the node's default.
+    pub customer_per_sec: Option<Option<u32>>,
+    pub customer_burst: Option<Option<u32>>,
+    pub admission_per_sec: Option<Option<u32>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
@@ -167,6 +184,7 @@ mod tests {
             starts_at: 1_000,
             ends_at: 2_000,
             status: VoucherStatus::Active,
+            limits: VoucherLimits::default(),
         }
     }
 

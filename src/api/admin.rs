@@ -8,7 +8,7 @@ use utoipa::ToSchema;
 
 use super::error::ErrorBody;
 use super::{bearer, check_code, json_body, timestamp, token_matches, ApiError, AppState};
-use crate::domain::{Voucher, VoucherPatch, VoucherStatus};
+use crate::domain::{Voucher, VoucherLimits, VoucherPatch, VoucherStatus};
 use crate::engine::VoucherView;
 use crate::ledger::Counters;
 
@@ -46,6 +46,36 @@ pub struct CreateBody {
     #[schema(value_type = Option<String>, format = DateTime)]
     ends_at: Option<DateTime<Utc>>,
     status: Option<VoucherStatus>,
+    /// This voucher's per-customer rate limit (reserves per second, per node); absent or null:
+    /// the node's default; 0: off.
+    #[schema(maximum = 1_000_000)]
+    customer_rate_per_sec: Option<u32>,
+    /// The per-customer burst; absent or null: the node's default.
+    #[schema(maximum = 1_000_000)]
+    customer_burst: Option<u32>,
+    /// Reserves per second this voucher admits on each node; absent or null: the node's
+    /// default; 0: no limit.
+    #[schema(maximum = 1_000_000)]
+    admission_rate_per_sec: Option<u32>,
+}
+
+/// Largest rate or burst a voucher may set.
+const MAX_RATE: u32 = 1_000_000;
+
+fn check_rates(rates: &[Option<u32>]) -> Result<(), ApiError> {
+    if rates.iter().flatten().any(|&r| r > MAX_RATE) {
+        return Err(ApiError::invalid("rate limits must be at most 1000000"));
+    }
+    Ok(())
+}
+
+/// Deserializes a present field (even `null`) as `Some`, so that absent and `null` differ.
+fn present<'de, D, T>(d: D) -> Result<Option<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    T::deserialize(d).map(Some)
 }
 
 fn one() -> i64 {
@@ -76,6 +106,11 @@ impl CreateBody {
         if ends_at <= starts_at {
             return Err(ApiError::invalid("endsAt must be after startsAt"));
         }
+        check_rates(&[
+            self.customer_rate_per_sec,
+            self.customer_burst,
+            self.admission_rate_per_sec,
+        ])?;
         Ok(Voucher {
             code: self.code,
             discount_amount: self.discount_amount,
@@ -85,6 +120,11 @@ impl CreateBody {
             starts_at,
             ends_at,
             status: self.status.unwrap_or(VoucherStatus::Active),
+            limits: VoucherLimits {
+                customer_per_sec: self.customer_rate_per_sec,
+                customer_burst: self.customer_burst,
+                admission_per_sec: self.admission_rate_per_sec,
+            },
         })
     }
 }
@@ -99,6 +139,16 @@ pub struct PatchBody {
     ends_at: Option<DateTime<Utc>>,
     #[schema(minimum = 1, maximum = 1_000_000_000)]
     total_limit: Option<i64>,
+    /// Set this voucher's limits; `null` returns one to the node's default, 0 turns it off.
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<u32>, maximum = 1_000_000)]
+    customer_rate_per_sec: Option<Option<u32>>,
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<u32>, maximum = 1_000_000)]
+    customer_burst: Option<Option<u32>>,
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<u32>, maximum = 1_000_000)]
+    admission_rate_per_sec: Option<Option<u32>>,
 }
 
 /// A voucher's definition.
@@ -116,6 +166,10 @@ pub struct AdminVoucher<'a> {
     ends_at: String,
     #[schema(value_type = VoucherStatus)]
     status: &'static str,
+    /// This voucher's own limits; null: the node's default.
+    customer_rate_per_sec: Option<u32>,
+    customer_burst: Option<u32>,
+    admission_rate_per_sec: Option<u32>,
 }
 
 impl<'a> From<&'a Voucher> for AdminVoucher<'a> {
@@ -129,6 +183,9 @@ impl<'a> From<&'a Voucher> for AdminVoucher<'a> {
             starts_at: timestamp(v.starts_at),
             ends_at: timestamp(v.ends_at),
             status: v.status.as_str(),
+            customer_rate_per_sec: v.limits.customer_per_sec,
+            customer_burst: v.limits.customer_burst,
+            admission_rate_per_sec: v.limits.admission_per_sec,
         }
     }
 }
@@ -267,10 +324,18 @@ pub async fn patch(
             ));
         }
     }
+    check_rates(&[
+        body.customer_rate_per_sec.flatten(),
+        body.customer_burst.flatten(),
+        body.admission_rate_per_sec.flatten(),
+    ])?;
     let patch = VoucherPatch {
         status: body.status,
         ends_at: body.ends_at.map(|t| t.timestamp_millis()),
         total_limit: body.total_limit,
+        customer_per_sec: body.customer_rate_per_sec,
+        customer_burst: body.customer_burst,
+        admission_per_sec: body.admission_rate_per_sec,
     };
     state.engine.update_voucher(&code, &patch).await?;
     let view = state.engine.voucher(&code).await?;

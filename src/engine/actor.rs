@@ -261,6 +261,9 @@ impl VoucherActor {
     /// Takes a (new) definition of the voucher; the frontend's copy follows.
     fn set_voucher(&mut self, v: Voucher) {
         self.shared.set_voucher(&v);
+        if self.shared.own_limits_spec() != v.limits {
+            self.shared.set_own_limits(self.core.limits.own(v.limits));
+        }
         self.voucher = Some(v);
     }
 

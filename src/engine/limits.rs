@@ -1,6 +1,7 @@
 //! Rate limits (DESIGN §6): per client address, per customer of a voucher, and per-voucher
 //! admission. Decided in memory before anything else, they answer `429 RATE_LIMITED` with
 //! `Retry-After` and change nothing. GCRA from `governor`, on the engine's injected clock.
+//! The node's settings are the defaults; a voucher may set its own ([`OwnLimits`]).
 //!
 //! Keyed state is bounded: a keyed limiter past `limits.max_keys` first drops the keys that have
 //! refilled (they hold nothing a fresh key would not), and if that is not enough (millions of
@@ -24,6 +25,7 @@ use governor::{Quota, RateLimiter};
 
 use crate::clock::{Millis, SharedClock};
 use crate::config::LimitSettings;
+use crate::domain::VoucherLimits;
 use crate::metrics as m;
 
 /// `governor`'s view of the engine's monotonic clock: nanoseconds since the limiters were made.
@@ -139,8 +141,30 @@ fn quota(per_sec: u32, burst: u32) -> Option<Quota> {
     Some(Quota::per_second(rate).allow_burst(burst))
 }
 
+/// One voucher's own limiters, for a voucher that sets any limit of its own.
+pub(crate) struct OwnLimits {
+    spec: VoucherLimits,
+    /// `None`: the node's per-customer limiter applies; `Some(None)`: none for this voucher.
+    customer: Option<Option<Bounded<i64>>>,
+    /// `None`: the node's default admission applies; `Some(None)`: none for this voucher.
+    admission: Option<Option<Admission>>,
+}
+
+impl std::fmt::Debug for OwnLimits {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OwnLimits").field("spec", &self.spec).finish()
+    }
+}
+
+impl OwnLimits {
+    pub(crate) fn spec(&self) -> VoucherLimits {
+        self.spec
+    }
+}
+
 /// Every rate limit of a node.
 pub(crate) struct RateLimits {
+    settings: LimitSettings,
     clock: LimiterClock,
     address: Option<Bounded<IpAddr>>,
     /// Keyed by (hash of the voucher code, customer): compact, and a collision of two codes'
@@ -161,8 +185,32 @@ impl RateLimits {
             customer: quota(s.per_customer_per_sec, s.per_customer_burst)
                 .map(|q| Bounded::new(Limiter::Customer, q, &clock, s.max_keys)),
             admission: quota(s.admission_per_sec, s.admission_per_sec),
+            settings: s.clone(),
             clock,
         }
+    }
+
+    /// A voucher's own limiters; `None` when it sets no limit of its own.
+    pub(crate) fn own(&self, spec: VoucherLimits) -> Option<OwnLimits> {
+        if spec == VoucherLimits::default() {
+            return None;
+        }
+        let s = &self.settings;
+        let customer = (spec.customer_per_sec.is_some() || spec.customer_burst.is_some()).then(|| {
+            quota(
+                spec.customer_per_sec.unwrap_or(s.per_customer_per_sec),
+                spec.customer_burst.unwrap_or(s.per_customer_burst),
+            )
+            .map(|q| Bounded::new(Limiter::Customer, q, &self.clock, s.max_keys))
+        });
+        let admission = spec.admission_per_sec.map(|rate| {
+            quota(rate, rate).map(|q| RateLimiter::direct_with_clock(q, self.clock.clone()))
+        });
+        Some(OwnLimits {
+            spec,
+            customer,
+            admission,
+        })
     }
 
     /// IPv6 addresses are limited per /64: one host commonly holds a whole /64.
@@ -177,10 +225,21 @@ impl RateLimits {
         self.address.as_ref().map_or(Ok(()), |l| l.check(&key))
     }
 
-    pub(crate) fn customer(&self, code_hash: u64, customer: i64) -> Result<(), Limited> {
-        self.customer
-            .as_ref()
-            .map_or(Ok(()), |l| l.check(&(code_hash, customer)))
+    /// The voucher's own per-customer limit if it sets one, else the node's.
+    pub(crate) fn customer(
+        &self,
+        code_hash: u64,
+        customer: i64,
+        own: Option<&OwnLimits>,
+    ) -> Result<(), Limited> {
+        match own.and_then(|o| o.customer.as_ref()) {
+            Some(Some(l)) => l.check(&customer),
+            Some(None) => Ok(()),
+            None => self
+                .customer
+                .as_ref()
+                .map_or(Ok(()), |l| l.check(&(code_hash, customer))),
+        }
     }
 
     /// A new voucher's admission limiter, if admission is limited.
@@ -189,11 +248,28 @@ impl RateLimits {
             .map(|q| RateLimiter::direct_with_clock(q, self.clock.clone()))
     }
 
-    pub(crate) fn admit(&self, admission: &Admission) -> Result<(), Limited> {
-        admission.check().map_err(|not_until| Limited {
-            limiter: Limiter::Voucher,
-            retry_after: not_until.wait_time_from(self.clock.now()),
+    /// The voucher's own admission limit if it sets one, else `default` (the node's).
+    pub(crate) fn admit(
+        &self,
+        default: Option<&Admission>,
+        own: Option<&OwnLimits>,
+    ) -> Result<(), Limited> {
+        let limiter = match own.and_then(|o| o.admission.as_ref()) {
+            Some(own) => own.as_ref(),
+            None => default,
+        };
+        limiter.map_or(Ok(()), |a| {
+            a.check().map_err(|not_until| Limited {
+                limiter: Limiter::Voucher,
+                retry_after: not_until.wait_time_from(self.clock.now()),
+            })
         })
+    }
+
+    pub(crate) fn upkeep_own(&self, own: &OwnLimits) {
+        if let Some(Some(l)) = &own.customer {
+            l.upkeep();
+        }
     }
 
     pub(crate) fn upkeep(&self) {
@@ -230,17 +306,17 @@ mod tests {
         let clock = Arc::new(ManualClock::new(1_000_000));
         let limits = RateLimits::new(&settings(), clock.clone());
         for _ in 0..5 {
-            assert_eq!(limits.customer(1, 7), Ok(()));
+            assert_eq!(limits.customer(1, 7, None), Ok(()));
         }
-        let refused = limits.customer(1, 7).unwrap_err();
+        let refused = limits.customer(1, 7, None).unwrap_err();
         assert_eq!(refused.limiter, Limiter::Customer);
         assert_eq!(refused.retry_after, Duration::from_millis(100));
         // Other customers, and the same customer of another voucher, are not affected.
-        assert_eq!(limits.customer(1, 8), Ok(()));
-        assert_eq!(limits.customer(2, 7), Ok(()));
+        assert_eq!(limits.customer(1, 8, None), Ok(()));
+        assert_eq!(limits.customer(2, 7, None), Ok(()));
         clock.advance_ms(100);
-        assert_eq!(limits.customer(1, 7), Ok(()));
-        assert!(limits.customer(1, 7).is_err());
+        assert_eq!(limits.customer(1, 7, None), Ok(()));
+        assert!(limits.customer(1, 7, None).is_err());
     }
 
     #[test]
@@ -249,7 +325,7 @@ mod tests {
         let limits = RateLimits::new(&settings(), clock.clone());
         let customer = limits.customer.as_ref().unwrap();
         for c in 0..10_000 {
-            let _ = limits.customer(1, c);
+            let _ = limits.customer(1, c, None);
             let len = customer.inner.read().unwrap().len();
             assert!(len <= 100 + SIZE_CHECK_EVERY as usize, "{len} keys");
         }
@@ -266,6 +342,34 @@ mod tests {
         assert_eq!(limits.address(host(2)), Ok(()));
         assert!(limits.address(host(3)).is_err(), "same /64");
         assert_eq!(limits.address(IpAddr::from([0x2001, 0xdb8, 0, 2, 0, 0, 0, 1])), Ok(()));
+    }
+
+    #[test]
+    fn a_voucher_may_set_its_own_limits_or_turn_them_off() {
+        let clock = Arc::new(ManualClock::new(0));
+        let limits = RateLimits::new(&settings(), clock);
+        assert!(limits.own(VoucherLimits::default()).is_none());
+        let tight = limits
+            .own(VoucherLimits {
+                customer_burst: Some(1),
+                admission_per_sec: Some(2),
+                ..Default::default()
+            })
+            .unwrap();
+        assert_eq!(limits.customer(1, 7, Some(&tight)), Ok(()));
+        assert!(limits.customer(1, 7, Some(&tight)).is_err(), "burst of 1");
+        assert_eq!(limits.admit(None, Some(&tight)), Ok(()));
+        assert_eq!(limits.admit(None, Some(&tight)), Ok(()));
+        assert!(limits.admit(None, Some(&tight)).is_err(), "2 a second, burst 2");
+        let off = limits
+            .own(VoucherLimits {
+                customer_per_sec: Some(0),
+                ..Default::default()
+            })
+            .unwrap();
+        for _ in 0..100 {
+            assert_eq!(limits.customer(1, 8, Some(&off)), Ok(()));
+        }
     }
 
     #[test]

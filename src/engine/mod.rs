@@ -211,7 +211,7 @@ pub(crate) struct Core {
     request_timeout: Duration,
     pub signals: Publisher,
     known: KnownCodes,
-    limits: RateLimits,
+    pub(crate) limits: RateLimits,
     registry: DashMap<String, Entry>,
     shards: Vec<ArbiterHandle>,
     next_generation: AtomicU64,
@@ -367,14 +367,15 @@ impl EngineHandle {
             m::reservation(error_outcome(&e));
             return Err(e);
         }
-        self.core
-            .limits
-            .customer(code_hash(code), req.customer_id)
-            .map_err(rate_limited)?;
         let first = self.core.entry(code);
-        if let Some(admission) = &first.admission {
-            self.core.limits.admit(admission).map_err(rate_limited)?;
-        }
+        let own = first.shared.own_limits();
+        let limits = &self.core.limits;
+        limits
+            .customer(code_hash(code), req.customer_id, own.as_deref())
+            .map_err(rate_limited)?;
+        limits
+            .admit(first.admission.as_deref(), own.as_deref())
+            .map_err(rate_limited)?;
         for _ in 0..3 {
             let entry = self.core.entry(code);
             if entry.shared.is_sold_out() {
@@ -637,6 +638,11 @@ impl EngineHandle {
     /// Rate limiters drop the keys that refilled.
     pub fn limits_upkeep(&self) {
         self.core.limits.upkeep();
+        for e in self.core.registry.iter() {
+            if let Some(own) = e.shared.own_limits() {
+                self.core.limits.upkeep_own(&own);
+            }
+        }
     }
 
     pub async fn ready(&self) -> bool {

@@ -1,6 +1,7 @@
 //! The per-voucher state the HTTP frontend reads without messaging the actor: the sold-out flag
 //! and the set of orders that won (DESIGN §5), so that a retry of a winning order still gets its
-//! `201` after the voucher sold out while everyone else is answered by a memory read.
+//! `201` after the voucher sold out while everyone else is answered by a memory read; the
+//! voucher's definition (for §4's precedence there) and its own rate limiters.
 
 use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
@@ -9,7 +10,8 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
 use crate::clock::Millis;
-use crate::domain::{Ineligible, ReserveRequest, Voucher};
+use super::limits::OwnLimits;
+use crate::domain::{Ineligible, ReserveRequest, Voucher, VoucherLimits};
 
 /// Shared between a voucher's actor (writer) and the frontend (reader).
 #[derive(Debug, Default)]
@@ -26,6 +28,8 @@ pub struct VoucherShared {
     short_circuits: AtomicU64,
     /// When the last of them was answered: the actor counts them as traffic (idle stop).
     last_short_circuit: AtomicI64,
+    /// The voucher's own rate limiters, when it sets any (the node's defaults apply otherwise).
+    own_limits: RwLock<Option<Arc<OwnLimits>>>,
 }
 
 /// What a sold-out voucher knows about who won: the orders with their customers (a retry of one
@@ -146,6 +150,22 @@ impl VoucherShared {
     /// The actor loaded or reloaded the voucher's definition.
     pub fn set_voucher(&self, v: &Voucher) {
         *self.voucher.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(v.clone()));
+    }
+
+    pub(crate) fn own_limits(&self) -> Option<Arc<OwnLimits>> {
+        self.own_limits
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// The limits the voucher's own limiters were made from (the default when it has none).
+    pub(crate) fn own_limits_spec(&self) -> VoucherLimits {
+        self.own_limits().map_or_else(VoucherLimits::default, |o| o.spec())
+    }
+
+    pub(crate) fn set_own_limits(&self, own: Option<OwnLimits>) {
+        *self.own_limits.write().unwrap_or_else(|e| e.into_inner()) = own.map(Arc::new);
     }
 
     pub fn voucher(&self) -> Option<Arc<Voucher>> {
@@ -271,6 +291,7 @@ mod tests {
             starts_at: 1_000,
             ends_at: 2_000,
             status: VoucherStatus::Active,
+            limits: Default::default(),
         };
         s.set_voucher(&v);
         assert!(s.set_sold_out(0, vec![("a".into(), 7), ("b".into(), 8)], 2, 10));

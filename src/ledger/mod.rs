@@ -500,6 +500,16 @@ pub fn apply_patch(current: &Voucher, patch: &VoucherPatch) -> Result<(Voucher, 
         }
         next.ends_at = ends_at;
     }
+    let l = &mut next.limits;
+    for (field, change) in [
+        (&mut l.customer_per_sec, patch.customer_per_sec),
+        (&mut l.customer_burst, patch.customer_burst),
+        (&mut l.admission_per_sec, patch.admission_per_sec),
+    ] {
+        if let Some(value) = change {
+            *field = value;
+        }
+    }
     let mut added = 0;
     if let Some(total) = patch.total_limit {
         if total < current.total_limit {

@@ -22,7 +22,7 @@ use sqlx::{Postgres, Row, Transaction};
 
 use super::rows::{
     group_restocks, reservation_from, voucher_from, LIVE_CODES_SQL, RESERVATION_COLUMNS,
-    VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
+    limit_column, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
 };
 use super::{
     resolve_plan, Batch, BatchResults, Closing, Counters, Grant, Lease, Ledger, LedgerError,
@@ -46,6 +46,10 @@ const MIGRATIONS: &[(i64, &str)] = &[
     (
         4,
         include_str!("../../migrations/postgres/0002_merged_commit.sql"),
+    ),
+    (
+        5,
+        include_str!("../../migrations/postgres/0005_voucher_limits.sql"),
     ),
 ];
 
@@ -149,8 +153,9 @@ impl Ledger for PostgresLedger {
     async fn create_voucher(&self, v: &Voucher, now: Millis) -> Result<(), LedgerError> {
         let res = sqlx::query(
             "INSERT INTO vouchers (code, discount_amount, min_order_amount, total_limit, \
-             per_user_limit, starts_at, ends_at, status, free, created_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $4, $9)",
+             per_user_limit, starts_at, ends_at, status, free, created_at, customer_rate, \
+             customer_burst, admission_rate) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $4, $9, $10, $11, $12)",
         )
         .bind(&v.code)
         .bind(v.discount_amount)
@@ -161,6 +166,9 @@ impl Ledger for PostgresLedger {
         .bind(v.ends_at)
         .bind(v.status.as_str())
         .bind(now)
+        .bind(limit_column(v.limits.customer_per_sec))
+        .bind(limit_column(v.limits.customer_burst))
+        .bind(limit_column(v.limits.admission_per_sec))
         .execute(&self.pool)
         .await;
         super::insert_unique(res)
@@ -203,14 +211,17 @@ impl Ledger for PostgresLedger {
         let current = voucher_from(&row)?;
         let (next, added) = super::apply_patch(&current, patch)?;
         sqlx::query(
-            "UPDATE vouchers SET status = $1, ends_at = $2, total_limit = $3, free = free + $4 \
-             WHERE code = $5",
+            "UPDATE vouchers SET status = $1, ends_at = $2, total_limit = $3, free = free + $4, \
+             customer_rate = $6, customer_burst = $7, admission_rate = $8 WHERE code = $5",
         )
         .bind(next.status.as_str())
         .bind(next.ends_at)
         .bind(next.total_limit)
         .bind(added)
         .bind(code)
+        .bind(limit_column(next.limits.customer_per_sec))
+        .bind(limit_column(next.limits.customer_burst))
+        .bind(limit_column(next.limits.admission_per_sec))
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;

@@ -5,19 +5,19 @@ use std::collections::HashMap;
 use sqlx::{ColumnIndex, Decode, Row, Type};
 
 use super::Restock;
-use crate::domain::{Reservation, ReservationStatus, Voucher, VoucherStatus};
+use crate::domain::{Reservation, ReservationStatus, Voucher, VoucherLimits, VoucherStatus};
 
 pub const RESERVATION_COLUMNS: &str =
     "order_id, voucher_code, customer_id, discount_amount, status, expires_at";
 pub const VOUCHER_COLUMNS: &str = "code, discount_amount, min_order_amount, total_limit, \
-     per_user_limit, starts_at, ends_at, status";
+     per_user_limit, starts_at, ends_at, status, customer_rate, customer_burst, admission_rate";
 
 /// Codes of vouchers whose window ends after `$1`.
 pub const LIVE_CODES_SQL: &str = "SELECT code FROM vouchers WHERE ends_at > $1 ORDER BY code";
 
 /// A voucher and the units still to be had: `free` plus the unused part of active leases.
 pub const VOUCHER_STOCK_SQL: &str = "SELECT code, discount_amount, min_order_amount, total_limit, \
-     per_user_limit, starts_at, ends_at, status, CAST(free + COALESCE((SELECT SUM(l.granted - \
+     per_user_limit, starts_at, ends_at, status, customer_rate, customer_burst, admission_rate, CAST(free + COALESCE((SELECT SUM(l.granted - \
      l.consumed) FROM leases l WHERE l.voucher_code = vouchers.code AND l.state = 'ACTIVE'), 0) \
      AS BIGINT) AS available FROM vouchers WHERE code = $1";
 
@@ -46,8 +46,13 @@ where
     &'static str: ColumnIndex<R>,
     String: Decode<'r, R::Database> + Type<R::Database>,
     i64: Decode<'r, R::Database> + Type<R::Database>,
+    Option<i32>: Decode<'r, R::Database> + Type<R::Database>,
 {
     let status: String = row.try_get("status")?;
+    let limit = |column: &'static str| -> Result<Option<u32>, sqlx::Error> {
+        let v: Option<i32> = row.try_get(column)?;
+        Ok(v.map(|n| n.max(0) as u32))
+    };
     Ok(Voucher {
         code: row.try_get("code")?,
         discount_amount: row.try_get("discount_amount")?,
@@ -58,7 +63,17 @@ where
         ends_at: row.try_get("ends_at")?,
         status: VoucherStatus::parse(&status)
             .ok_or_else(|| sqlx::Error::Decode("voucher status".into()))?,
+        limits: VoucherLimits {
+            customer_per_sec: limit("customer_rate")?,
+            customer_burst: limit("customer_burst")?,
+            admission_per_sec: limit("admission_rate")?,
+        },
     })
+}
+
+/// A limit as its column stores it (the API caps limits far below `i32::MAX`).
+pub fn limit_column(v: Option<u32>) -> Option<i32> {
+    v.map(|n| n.min(i32::MAX as u32) as i32)
 }
 
 /// Sums restocked units per voucher from `(code, units)` rows, dropping zeros, sorted by code.

@@ -20,7 +20,7 @@ use sqlx::sqlite::{
 
 use super::rows::{
     group_restocks, per_customer, reservation_from, voucher_from, LIVE_CODES_SQL,
-    RESERVATION_COLUMNS, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
+    limit_column, RESERVATION_COLUMNS, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
 };
 use super::sqlite_raw as raw;
 use super::{
@@ -30,7 +30,13 @@ use super::{
 use crate::clock::Millis;
 use crate::domain::{Reservation, ReservationStatus, Voucher, VoucherPatch};
 
-const MIGRATIONS: &[(i64, &str)] = &[(1, include_str!("../../migrations/sqlite/0001_init.sql"))];
+const MIGRATIONS: &[(i64, &str)] = &[
+    (1, include_str!("../../migrations/sqlite/0001_init.sql")),
+    (
+        2,
+        include_str!("../../migrations/sqlite/0002_voucher_limits.sql"),
+    ),
+];
 
 pub struct SqliteLedger {
     /// The one connection every write goes through.
@@ -163,8 +169,8 @@ impl Ledger for SqliteLedger {
     async fn create_voucher(&self, v: &Voucher, now: Millis) -> Result<(), LedgerError> {
         let res = sqlx::query(
             "INSERT INTO vouchers (code, discount_amount, min_order_amount, total_limit, \
-             per_user_limit, starts_at, ends_at, status, free, created_at) \
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+             per_user_limit, starts_at, ends_at, status, free, created_at, customer_rate, \
+             customer_burst, admission_rate) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(&v.code)
         .bind(v.discount_amount)
@@ -176,6 +182,9 @@ impl Ledger for SqliteLedger {
         .bind(v.status.as_str())
         .bind(v.total_limit)
         .bind(now)
+        .bind(limit_column(v.limits.customer_per_sec))
+        .bind(limit_column(v.limits.customer_burst))
+        .bind(limit_column(v.limits.admission_per_sec))
         .execute(&self.writer)
         .await;
         super::insert_unique(res)
@@ -218,13 +227,16 @@ impl Ledger for SqliteLedger {
         let current = voucher_from(&row)?;
         let (next, added) = super::apply_patch(&current, patch)?;
         sqlx::query(
-            "UPDATE vouchers SET status = ?, ends_at = ?, total_limit = ?, free = free + ? \
-             WHERE code = ?",
+            "UPDATE vouchers SET status = ?, ends_at = ?, total_limit = ?, free = free + ?, \
+             customer_rate = ?, customer_burst = ?, admission_rate = ? WHERE code = ?",
         )
         .bind(next.status.as_str())
         .bind(next.ends_at)
         .bind(next.total_limit)
         .bind(added)
+        .bind(limit_column(next.limits.customer_per_sec))
+        .bind(limit_column(next.limits.customer_burst))
+        .bind(limit_column(next.limits.admission_per_sec))
         .bind(code)
         .execute(&mut *tx)
         .await?;

@@ -56,6 +56,7 @@ async fn reserves_sell_out_and_come_back_without_http() {
         starts_at: now - 1,
         ends_at: now + 3_600_000,
         status: VoucherStatus::Active,
+        limits: Default::default(),
     };
     engine.create_voucher(&v).await.unwrap();
     let answers = join_all((1..=10).map(|i| engine.reserve("ENG", req(i, &format!("e{i}")), None))).await;
@@ -114,6 +115,7 @@ async fn many_hot_vouchers_at_once_each_sell_exactly_their_units() {
             starts_at: now - 1,
             ends_at: now + 3_600_000,
             status: VoucherStatus::Active,
+            limits: Default::default(),
         };
         engine.create_voucher(&v).await.unwrap();
     }

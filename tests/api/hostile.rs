@@ -202,6 +202,7 @@ async fn unknown_codes_get_404_without_an_actor_or_a_ledger_read() {
         starts_at: 0,
         ends_at: i64::MAX / 2,
         status: vouchers::domain::VoucherStatus::Active,
+        limits: Default::default(),
     };
     app.ledger
         .create_voucher(&sneaky, app.engine.now_ms())
@@ -241,6 +242,7 @@ async fn a_code_created_elsewhere_is_found_by_the_next_read() {
         starts_at: 0,
         ends_at: i64::MAX / 2,
         status: vouchers::domain::VoucherStatus::Active,
+        limits: Default::default(),
     };
     app.ledger.create_voucher(&v, app.engine.now_ms()).await.unwrap();
     assert_eq!(app.reserve("LATER", 1, "later-1").await.0, 201);
@@ -307,8 +309,9 @@ async fn address_and_voucher_limits_refuse_in_memory() {
     let answers = join_all((1..=8).map(|c| app.reserve("ADMIT", c, format!("ad-{c}")))).await;
     let t = tally(&answers);
     assert_eq!((t.get("201"), t.get("429 RATE_LIMITED")), (Some(&5), Some(&3)), "{t:?}");
+    // Process-wide (other tests limit vouchers too): at least these three.
     let m = metrics_text(&app.client, &app.base).await;
-    assert_eq!(metric_sum(&m, "vouchers_rate_limited_total", &["limiter=\"voucher\""]), 3.0);
+    assert!(metric_sum(&m, "vouchers_rate_limited_total", &["limiter=\"voucher\""]) >= 3.0);
     assert_eq!(audit::books(&app.db_url, "ADMIT").await.reserved, 5);
 }
 
@@ -345,4 +348,45 @@ async fn an_empty_checkout_token_is_refused_at_start() {
     let built = vouchers::startup::Application::build(settings, clock).await;
     let err = built.err().expect("an empty token would open the routes");
     assert!(err.to_string().contains("empty token"), "{err}");
+}
+
+#[actix_web::test]
+async fn a_voucher_sets_its_own_limits_on_create_and_patch() {
+    let app = spawn_app().await;
+    let (s, b) = app
+        .create_voucher_with(json!({
+            "code": "OWN", "discountAmount": 100, "totalLimit": 100, "perUserLimit": 5,
+            "startsAt": "2020-01-01T00:00:00Z", "endsAt": "2099-01-01T00:00:00Z",
+            "customerRatePerSec": 1, "customerBurst": 2
+        }))
+        .await;
+    assert_eq!((s, &b["customerBurst"], &b["admissionRatePerSec"]), (201, &json!(2), &Value::Null));
+    // The node applies a voucher's limits once it holds the voucher (warm-up loads it).
+    let warm = format!("{}/admin/vouchers/OWN/warm", app.base);
+    assert_eq!(send(&app.client, "POST", &warm, Some(TOKEN), None).await.0, 204);
+    let t = tally(&join_all((1..=5).map(|i| app.reserve("OWN", 7, format!("own-{i}")))).await);
+    assert_eq!((t.get("201"), t.get("429 RATE_LIMITED")), (Some(&2), Some(&3)), "{t:?}");
+
+    // Off for customers, 3 a second for the voucher as a whole.
+    patch(&app, "OWN", json!({"customerRatePerSec": 0, "admissionRatePerSec": 3})).await;
+    let (_, view) = app.admin("OWN").await;
+    assert_eq!((&view["customerRatePerSec"], &view["admissionRatePerSec"]), (&json!(0), &json!(3)));
+    app.clock.advance_ms(1_000);
+    eventually("the new limits apply", Duration::from_secs(10), || async {
+        app.clock.advance_ms(1_000);
+        let t = tally(&join_all((1..=4).map(|i| app.reserve("OWN", 100 + i, format!("x-{i}")))).await);
+        t.get("429 RATE_LIMITED") == Some(&1)
+    })
+    .await;
+    // Back to the node's defaults: a burst of 128 per customer, no admission limit.
+    patch(&app, "OWN", json!({"customerRatePerSec": null, "customerBurst": null, "admissionRatePerSec": null})).await;
+    eventually("the defaults apply again", Duration::from_secs(10), || async {
+        app.clock.advance_ms(1_000);
+        let base = app.engine.now_ms();
+        let t = tally(&join_all((1..=6).map(|i| app.reserve("OWN", 200 + i, format!("d-{base}-{i}")))).await);
+        t.get("201") == Some(&6)
+    })
+    .await;
+    let books = audit::books(&app.db_url, "OWN").await;
+    books.assert_balanced("OWN");
 }

@@ -3,7 +3,9 @@
 use std::collections::HashMap;
 
 use futures_util::future::join_all;
-use vouchers::domain::{Ineligible, ReservationStatus, Voucher, VoucherPatch, VoucherStatus};
+use vouchers::domain::{
+    Ineligible, ReservationStatus, Voucher, VoucherLimits, VoucherPatch, VoucherStatus,
+};
 use vouchers::ledger::{self, Batch, BatchRow, LedgerError, RowOutcome, SharedLedger};
 
 use crate::helpers::temp_dir;
@@ -21,6 +23,7 @@ fn voucher(code: &str, total: i64, per_user: i64) -> Voucher {
         starts_at: NOW - 1000,
         ends_at: NOW + 86_400_000,
         status: VoucherStatus::Active,
+        limits: Default::default(),
     }
 }
 
@@ -744,6 +747,37 @@ async fn edits_follow_the_rules(l: &SharedLedger) {
     ));
     let c = balanced(l, "E").await;
     assert_eq!(c.free, 8);
+    // A voucher's own rate limits round-trip; a patch sets, clears (back to the default) or
+    // leaves each one.
+    let limited = Voucher {
+        limits: VoucherLimits {
+            customer_per_sec: Some(3),
+            customer_burst: Some(0),
+            admission_per_sec: None,
+        },
+        ..voucher("EL", 5, 1)
+    };
+    l.create_voucher(&limited, NOW).await.unwrap();
+    assert_eq!(l.voucher("EL").await.unwrap().unwrap(), limited);
+    let (v, _) = l
+        .update_voucher(
+            "EL",
+            &VoucherPatch {
+                customer_per_sec: Some(None),
+                admission_per_sec: Some(Some(50)),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    let expected = VoucherLimits {
+        customer_per_sec: None,
+        customer_burst: Some(0),
+        admission_per_sec: Some(50),
+    };
+    assert_eq!(v.limits, expected);
+    assert_eq!(l.voucher("EL").await.unwrap().unwrap().limits, expected);
+    assert_eq!(l.voucher_stock("EL").await.unwrap().unwrap().0.limits, expected);
     // E ends a day after NOW: watched until then, not after.
     assert!(l
         .voucher_codes(NOW)
