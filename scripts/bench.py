@@ -13,6 +13,11 @@ distinct customers and order ids):
                in all) and as a voucher that never sells out (every request a durable
                reservation)
 
+  hostile      one SQLite node under abuse: a flood of unknown voucher codes (every request a
+               code that was never created) against a sold-out flood on the same node, the node's
+               RSS before and after at least a million junk requests, and real reserves
+               (CONNS/2 connections) alone and beside a junk flood of as many connections
+
 For every engine row it checks the books (201s seen by wrk vs the ledger, oversold units) and
 reports ledger transactions per 1000 reservations: the node's merged group commits
 (`vouchers_ledger_commits_total`), the actors' batches that went into them
@@ -20,6 +25,7 @@ reports ledger transactions per 1000 reservations: the node's merged group commi
 (`pg_stat_database`, grants, renewals and reads included).
 
 Usage: scripts/bench.sh [--duration S] [--conns N] [--only NAME,…] [--engine-bin PATH]
+(--only takes ceiling, pg-sql, redis-lua, sqlite, postgres, hostile)
 Traffic goes to 127.0.0.1 only; every process it starts is stopped at the end.
 """
 import argparse
@@ -103,12 +109,26 @@ class Procs:
                 self.stop(p)
 
 
-def wrk(base, code, prefix, vouchers, args):
-    out = subprocess.run(
-        ["wrk", f"-t{args.threads}", f"-c{args.conns}", f"-d{args.duration}s", "-s",
-         os.path.join(ROOT, "load-tests", "wrk-reserve.lua"), base, "--", code, prefix,
-         str(vouchers)],
-        capture_output=True, text=True, check=True).stdout
+def wrk_argv(base, code, prefix, vouchers, args, conns=None, duration=None):
+    return ["wrk", f"-t{args.threads}", f"-c{conns or args.conns}",
+            f"-d{duration or args.duration}s", "-s",
+            os.path.join(ROOT, "load-tests", "wrk-reserve.lua"), base, "--", code, prefix,
+            str(vouchers)]
+
+
+def wrk(base, code, prefix, vouchers, args, conns=None, duration=None):
+    out = subprocess.run(wrk_argv(base, code, prefix, vouchers, args, conns, duration),
+                         capture_output=True, text=True, check=True).stdout
+    return parse_wrk(out)
+
+
+def wrk_together(runs):
+    """Runs several wrk at once (each an argv); returns their results in order."""
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) for argv in runs]
+    return [parse_wrk(p.communicate()[0]) for p in procs]
+
+
+def parse_wrk(out):
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
     m = re.search(r"p50 ([\d.]+)ms p99 ([\d.]+)ms", out)
     statuses = {int(k): int(v) for k, v in re.findall(r"status (\d+): (\d+)", out)}
@@ -140,6 +160,57 @@ def psql(url, sql):
 def pg_xacts(db):
     return int(psql(PG_ADMIN, f"select xact_commit + xact_rollback from pg_stat_database "
                               f"where datname = '{db}'") or 0)
+
+
+def rss_mb(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1)) / 1024
+
+
+def create(base, code, total):
+    s, body = http("POST", f"{base}/admin/vouchers",
+                   {"code": code, "discountAmount": 100, "totalLimit": total, "perUserLimit": 1},
+                   TOKEN)
+    assert s == 201, (s, body)
+    s, body = http("POST", f"{base}/admin/vouchers/{code}/warm", None, TOKEN)
+    assert s == 204, (s, body)
+
+
+def run_hostile(base, pid, tag, args):
+    """The abuse rows: junk codes against a sold-out flood, RSS, real reserves beside junk."""
+    rows = []
+    sold_out = f"SOLD{tag}"
+    create(base, sold_out, 1000)
+    r = wrk(base, sold_out, f"{sold_out}-n0", 1, args)
+    r.update(name="hostile: sold-out flood (1 voucher)")
+    rows.append(r)
+    flood_rps = r["rps"]
+    # Every request names a code that does not exist: JUNK<tag>0 … JUNK<tag>999999.
+    rss0 = rss_mb(pid)
+    junk = 0
+    while junk < 1_000_000:
+        r = wrk(base, f"JUNK{tag}", f"JUNK{tag}-n{junk}", 1_000_000, args)
+        junk += sum(r["statuses"].values())
+        if len(rows) == 1:
+            r.update(name="hostile: unknown-code flood")
+            r["vs_flood"] = r["rps"] / flood_rps
+            rows.append(r)
+    rss1 = rss_mb(pid)
+    rows[-1]["rss"] = (rss0, rss1, junk)
+    real = f"REAL{tag}"
+    create(base, real, 10 ** 9)
+    half = max(1, args.conns // 2)
+    r = wrk(base, real, f"{real}-n0", 1, args, conns=half)
+    r.update(name=f"hostile: real reserves alone ({half} conns)")
+    rows.append(r)
+    alone = r["rps"]
+    both = wrk_together([wrk_argv(base, real, f"{real}-n1", 1, args, conns=half),
+                         wrk_argv(base, f"JUNK{tag}", f"JUNK{tag}-x", 1_000_000, args, conns=half)])
+    both[0].update(name=f"hostile: real reserves beside junk ({half} + {half} conns)")
+    both[0]["vs_alone"] = both[0]["rps"] / alone
+    both[1].update(name="hostile: the junk beside them")
+    rows += both
+    return rows
 
 
 def run_engine_scenario(name, base, codes, total_each, args, db=None):
@@ -243,6 +314,15 @@ def main():
                         f"{ledger} {kind} {n}v", base, codes, each, args,
                         db if ledger == "postgres" else None))
             procs.stop(p)
+        if want("hostile"):
+            port = free_port()
+            base = f"http://127.0.0.1:{port}"
+            env = {"VOUCHERS__HTTP__PORT": str(port), "VOUCHERS__ADMIN__TOKEN": TOKEN,
+                   "VOUCHERS__NODE__ID": "bench-hostile", "RUST_LOG": "warn",
+                   "VOUCHERS__LEDGER__URL": f"sqlite://{work}/hostile.db"}
+            p = procs.start("engine-hostile", [args.engine_bin], env, ready=f"{base}/health/ready")
+            rows += run_hostile(base, p.pid, tag, args)
+            procs.stop(p)
     finally:
         procs.stop_all()
         subprocess.run(["psql", "-q", PG_ADMIN, "-c", f"DROP DATABASE IF EXISTS {db} WITH (FORCE)"],
@@ -266,6 +346,16 @@ def report(rows, args):
               f"| {r['statuses'].get(201, 0)} | {fmt(r.get('sold'), '{}')} "
               f"| {fmt(r.get('oversold'), '{}')} | {fmt(r.get('balanced'), '{}')} "
               f"| {fmt(r.get('commits_k'))} | {fmt(r.get('batches_k'))} | {fmt(r.get('pg_k'))} |")
+    for r in rows:
+        if "vs_flood" in r:
+            print(f"\n{r['name']}: {100 * r['vs_flood']:.0f} % of the sold-out flood's rate "
+                  f"(statuses {r['statuses']})")
+        if "rss" in r:
+            rss0, rss1, n = r["rss"]
+            print(f"RSS {rss0:.1f} MB before, {rss1:.1f} MB after {n:,} junk requests "
+                  f"({rss1 - rss0:+.1f} MB)")
+        if "vs_alone" in r:
+            print(f"{r['name']}: {100 * r['vs_alone']:.0f} % of their rate alone")
     bad = [r["name"] for r in rows if r.get("oversold") or r.get("balanced") is False]
     errs = [f"{r['name']}: {r['socket_errors']}" for r in rows if r["socket_errors"]]
     if errs:

@@ -107,6 +107,9 @@ pub struct EngineSettings {
     /// A request for a code this node does not know re-reads the codes from the ledger at most
     /// this often; between re-reads unknown codes get `404` from memory.
     pub known_codes_refresh_ms: u64,
+    /// While reserves wait on this node, unknown codes get their `404` after this long (0: at
+    /// once); see `EngineHandle::known`.
+    pub unknown_code_tarpit_ms: u64,
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -17,7 +17,7 @@ use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -156,6 +156,22 @@ pub(crate) async fn settle_without_units(
         .collect())
 }
 
+/// Counts a reserve as waiting for its actor while alive.
+struct InFlight<'a>(&'a AtomicUsize);
+
+impl<'a> InFlight<'a> {
+    fn enter(counter: &'a AtomicUsize) -> Self {
+        counter.fetch_add(1, Ordering::Relaxed);
+        Self(counter)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// Counts a rate-limit refusal and turns it into the engine's answer.
 fn rate_limited(l: Limited) -> EngineError {
     m::rate_limited(l.limiter.label());
@@ -212,6 +228,8 @@ pub(crate) struct Core {
     pub signals: Publisher,
     known: KnownCodes,
     pub(crate) limits: RateLimits,
+    /// Reserves waiting for their actor's answer on this node (the tarpit's "busy").
+    in_flight: AtomicUsize,
     registry: DashMap<String, Entry>,
     shards: Vec<ArbiterHandle>,
     next_generation: AtomicU64,
@@ -300,6 +318,7 @@ impl EngineHandle {
         let arbiters: Vec<Arbiter> = (0..n).map(|_| Arbiter::new()).collect();
         let core = Core {
             known: KnownCodes::new(settings.known_codes_refresh_ms),
+            in_flight: AtomicUsize::new(0),
             limits: RateLimits::new(&limit_settings, clock.clone()),
             ledger,
             clock,
@@ -338,10 +357,21 @@ impl EngineHandle {
     }
 
     /// `404` from memory for a code that does not exist; `503` when that cannot be told.
+    ///
+    /// While reserves of real vouchers wait on this node, the `404` comes after
+    /// `engine.unknown_code_tarpit_ms`: a flood of junk codes then costs the node a timer per
+    /// request instead of CPU, and its connections cannot crowd out real checkouts (each junk
+    /// connection gets one answer per tarpit interval). An idle node answers at once.
     async fn known(&self, code: &str) -> Result<(), EngineError> {
         match self.core.known.check(code, &self.core.ledger).await {
             Known::Yes => Ok(()),
-            Known::No => Err(EngineError::NotFound),
+            Known::No => {
+                let tarpit = self.core.settings.unknown_code_tarpit_ms;
+                if tarpit > 0 && self.core.in_flight.load(Ordering::Relaxed) > 0 {
+                    tokio::time::sleep(Duration::from_millis(tarpit)).await;
+                }
+                Err(EngineError::NotFound)
+            }
             Known::Unknown => Err(EngineError::Unavailable),
         }
     }
@@ -402,6 +432,7 @@ impl EngineHandle {
                     continue;
                 }
             }
+            let _waiting = InFlight::enter(&self.core.in_flight);
             return match tokio::time::timeout(self.core.request_timeout, rx).await {
                 Ok(Ok(reply)) => reply.into_result(),
                 // The actor stopped without answering. Asking again is safe: a reserve is
@@ -454,6 +485,11 @@ impl EngineHandle {
             .registry
             .get(code)
             .is_some_and(|e| e.shared.is_sold_out())
+    }
+
+    /// Reserves waiting for their actor on this node now (tests and diagnostics).
+    pub fn reserves_in_flight(&self) -> usize {
+        self.core.in_flight.load(Ordering::Relaxed)
     }
 
     /// How many vouchers have an actor on this node (tests and diagnostics).

@@ -261,6 +261,8 @@ async fn one_customer_flooding_gets_its_burst_then_429_and_nobody_else_is_hurt()
     let answers = join_all((0..1000).map(|i| app.reserve("FLOOD", 42, format!("flood-{i}")))).await;
     let t = tally(&answers);
     assert_eq!(t.get("201"), Some(&1), "{t:?}");
+    // Every answered reserve left the in-flight count (which turns the junk-code tarpit on).
+    assert_eq!(app.engine.reserves_in_flight(), 0);
     assert_eq!(t.get("409 ALREADY_USED"), Some(&(burst - 1)), "{t:?}");
     assert_eq!(t.get("429 RATE_LIMITED"), Some(&(1000 - burst)), "{t:?}");
     let (s, e, retry) = reserve_with(&app, "FLOOD", 42, "flood-x", &[]).await;
