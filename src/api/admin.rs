@@ -245,12 +245,7 @@ impl<'a> From<&'a VoucherView> for AdminView<'a> {
     security(("admin_token" = [])),
     responses(
         (status = 201, description = "Created", body = AdminVoucher),
-        (status = 400, description = "Invalid voucher", body = ErrorBody),
-        (status = 401, description = "Missing or wrong admin token", body = ErrorBody),
         (status = 409, description = "ALREADY_EXISTS", body = ErrorBody),
-        (status = 413, description = "Body too large", body = ErrorBody),
-        (status = 503, description = "UNAVAILABLE", body = ErrorBody,
-            headers(("Retry-After" = u64, description = "Seconds to wait before retrying"))),
     )
 )]
 pub async fn create(
@@ -272,11 +267,6 @@ pub async fn create(
     security(("admin_token" = [])),
     responses(
         (status = 200, description = "The voucher and its counters", body = AdminView),
-        (status = 400, description = "Invalid code", body = ErrorBody),
-        (status = 401, description = "Missing or wrong admin token", body = ErrorBody),
-        (status = 404, description = "No such voucher", body = ErrorBody),
-        (status = 503, description = "UNAVAILABLE", body = ErrorBody,
-            headers(("Retry-After" = u64, description = "Seconds to wait before retrying"))),
     )
 )]
 pub async fn get(
@@ -299,12 +289,6 @@ pub async fn get(
     request_body = PatchBody,
     responses(
         (status = 200, description = "The edited voucher and its counters", body = AdminView),
-        (status = 400, description = "Invalid edit", body = ErrorBody),
-        (status = 401, description = "Missing or wrong admin token", body = ErrorBody),
-        (status = 404, description = "No such voucher", body = ErrorBody),
-        (status = 413, description = "Body too large", body = ErrorBody),
-        (status = 503, description = "UNAVAILABLE", body = ErrorBody,
-            headers(("Retry-After" = u64, description = "Seconds to wait before retrying"))),
     )
 )]
 pub async fn patch(
@@ -349,11 +333,6 @@ pub async fn patch(
     security(("admin_token" = [])),
     responses(
         (status = 204, description = "Warm: the first lease is held (or nothing is left)"),
-        (status = 400, description = "Invalid code", body = ErrorBody),
-        (status = 401, description = "Missing or wrong admin token", body = ErrorBody),
-        (status = 404, description = "No such voucher", body = ErrorBody),
-        (status = 503, description = "UNAVAILABLE", body = ErrorBody,
-            headers(("Retry-After" = u64, description = "Seconds to wait before retrying"))),
     )
 )]
 pub async fn warm(

@@ -31,7 +31,8 @@ use super::{admin, health, reservations, vouchers};
         health::metrics,
         openapi_json,
     ),
-    modifiers(&BearerSchemes),
+    components(schemas(super::error::ErrorBody)),
+    modifiers(&BearerSchemes, &CommonErrors),
     tags(
         (name = "checkout", description = "What a checkout service calls"),
         (name = "admin", description = "Operators; bearer admin token"),
@@ -53,6 +54,70 @@ impl Modify for BearerSchemes {
             );
         }
     }
+}
+
+/// The error answers that follow from how a route is built rather than from what it does, added
+/// to every operation they apply to (so each handler documents only its own): a `{code}` in the
+/// path is checked (`400`) and looked up (`404`); a body is parsed (`400`) and capped (`413`);
+/// admin routes check their token (`401`), and so do checkout routes when tokens are configured;
+/// anything that reaches the ledger may find it unavailable (`503` with `Retry-After`).
+struct CommonErrors;
+
+impl Modify for CommonErrors {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        for (path, item) in openapi.paths.paths.iter_mut() {
+            let ops = [&mut item.get, &mut item.post, &mut item.patch, &mut item.delete];
+            for op in ops.into_iter().flatten() {
+                let mut add = |status: &str, description: &str, retry_after: bool| {
+                    op.responses
+                        .responses
+                        .entry(status.into())
+                        .or_insert_with(|| error_response(description, retry_after).into());
+                };
+                if path.contains("{code}") {
+                    add("400", "INVALID_REQUEST: a malformed code, order id or body", false);
+                    add("404", "NOT_FOUND: no such voucher (or reservation)", false);
+                }
+                if op.request_body.is_some() {
+                    add("400", "INVALID_REQUEST: a malformed code, order id or body", false);
+                    add("413", "PAYLOAD_TOO_LARGE", false);
+                }
+                if path.starts_with("/admin/") {
+                    add("401", "UNAUTHORIZED: missing or wrong admin token", false);
+                }
+                if path.starts_with("/vouchers/{code}/reservations") {
+                    add("401", "UNAUTHORIZED: checkout tokens are configured and none was given", false);
+                }
+                if path.starts_with("/vouchers/") || path.starts_with("/admin/") {
+                    add("503", "UNAVAILABLE: the ledger cannot be reached now", true);
+                }
+            }
+        }
+    }
+}
+
+fn error_response(description: &str, retry_after: bool) -> utoipa::openapi::Response {
+    use utoipa::openapi::{ContentBuilder, HeaderBuilder, Ref, ResponseBuilder};
+    let mut response = ResponseBuilder::new().description(description).content(
+        "application/json",
+        ContentBuilder::new()
+            .schema(Some(Ref::from_schema_name("ErrorBody")))
+            .build(),
+    );
+    if retry_after {
+        response = response.header(
+            "Retry-After",
+            HeaderBuilder::new()
+                .schema(Some(
+                    utoipa::openapi::ObjectBuilder::new()
+                        .schema_type(utoipa::openapi::schema::Type::Integer)
+                        .minimum(Some(0)),
+                ))
+                .description(Some("Seconds to wait before retrying"))
+                .build(),
+        );
+    }
+    response.build()
 }
 
 /// This document.

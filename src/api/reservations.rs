@@ -92,16 +92,10 @@ pub struct StatusBody<'a> {
     security((), ("checkout_token" = [])),
     responses(
         (status = 201, description = "Reserved (or a retry of a stored order)", body = Created),
-        (status = 400, description = "Invalid request", body = ErrorBody),
-        (status = 401, description = "Checkout tokens are configured and none was given", body = ErrorBody),
-        (status = 404, description = "No such voucher", body = ErrorBody),
         (status = 409, description = "OUT_OF_STOCK or ALREADY_USED", body = ErrorBody),
-        (status = 413, description = "Body too large", body = ErrorBody),
         (status = 422, description = "NOT_ELIGIBLE, with the reason", body = ErrorBody),
         (status = 429, description = "RATE_LIMITED", body = ErrorBody,
             headers(("Retry-After" = u64, description = "Seconds until a retry may pass"))),
-        (status = 503, description = "UNAVAILABLE", body = ErrorBody,
-            headers(("Retry-After" = u64, description = "Seconds to wait before retrying"))),
     )
 )]
 pub async fn reserve(
@@ -147,11 +141,6 @@ fn ids(path: web::Path<(String, String)>) -> Result<(String, String), ApiError> 
     security((), ("checkout_token" = [])),
     responses(
         (status = 200, description = "The reservation", body = View),
-        (status = 400, description = "Invalid code or order id", body = ErrorBody),
-        (status = 401, description = "Checkout tokens are configured and none was given", body = ErrorBody),
-        (status = 404, description = "No such voucher or reservation", body = ErrorBody),
-        (status = 503, description = "UNAVAILABLE", body = ErrorBody,
-            headers(("Retry-After" = u64, description = "Seconds to wait before retrying"))),
     )
 )]
 pub async fn get(
@@ -175,12 +164,7 @@ pub async fn get(
     security((), ("checkout_token" = [])),
     responses(
         (status = 200, description = "Confirmed", body = StatusBody),
-        (status = 400, description = "Invalid code or order id", body = ErrorBody),
-        (status = 401, description = "Checkout tokens are configured and none was given", body = ErrorBody),
-        (status = 404, description = "No such voucher or reservation", body = ErrorBody),
         (status = 409, description = "RESERVATION_RELEASED", body = ErrorBody),
-        (status = 503, description = "UNAVAILABLE", body = ErrorBody,
-            headers(("Retry-After" = u64, description = "Seconds to wait before retrying"))),
     )
 )]
 pub async fn confirm(
@@ -207,12 +191,7 @@ pub async fn confirm(
     security((), ("checkout_token" = [])),
     responses(
         (status = 200, description = "Released", body = StatusBody),
-        (status = 400, description = "Invalid code or order id", body = ErrorBody),
-        (status = 401, description = "Checkout tokens are configured and none was given", body = ErrorBody),
-        (status = 404, description = "No such voucher or reservation", body = ErrorBody),
         (status = 409, description = "ALREADY_CONFIRMED", body = ErrorBody),
-        (status = 503, description = "UNAVAILABLE", body = ErrorBody,
-            headers(("Retry-After" = u64, description = "Seconds to wait before retrying"))),
     )
 )]
 pub async fn release(

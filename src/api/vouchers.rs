@@ -5,7 +5,6 @@ use serde::Serialize;
 
 use utoipa::ToSchema;
 
-use super::error::ErrorBody;
 use super::{check_code, timestamp, ApiError, AppState};
 use crate::domain::{Voucher, VoucherStatus};
 
@@ -46,10 +45,6 @@ impl<'a> PublicVoucher<'a> {
     params(("code" = String, Path, description = "The voucher code", pattern = r"^[A-Za-z0-9_-]{1,32}$")),
     responses(
         (status = 200, description = "The voucher", body = PublicVoucher),
-        (status = 400, description = "Invalid code", body = ErrorBody),
-        (status = 404, description = "No such voucher", body = ErrorBody),
-        (status = 503, description = "UNAVAILABLE", body = ErrorBody,
-            headers(("Retry-After" = u64, description = "Seconds to wait before retrying"))),
     )
 )]
 pub async fn get(

@@ -19,6 +19,25 @@ async fn patch(app: &TestApp, code: &str, body: Value) {
     assert_eq!(s, 200, "{b}");
 }
 
+/// Creates a voucher straight in the ledger, as another node without Redis would.
+async fn create_behind_the_node(app: &TestApp, code: &str) {
+    let v = vouchers::domain::Voucher {
+        code: code.into(),
+        discount_amount: 100,
+        min_order_amount: 0,
+        total_limit: 3,
+        per_user_limit: 1,
+        starts_at: 0,
+        ends_at: i64::MAX / 2,
+        status: vouchers::domain::VoucherStatus::Active,
+        limits: Default::default(),
+    };
+    app.ledger
+        .create_voucher(&v, app.engine.now_ms())
+        .await
+        .expect("create in the ledger");
+}
+
 fn error(a: &Answer) -> (u16, Option<&str>, Option<&str>) {
     (a.0, a.1["error"].as_str(), a.1["reason"].as_str())
 }
@@ -193,21 +212,7 @@ async fn unknown_codes_get_404_without_an_actor_or_a_ledger_read() {
     let (reads, actors) = (app.engine.known_code_reads(), app.engine.actor_count());
     // Created behind this node's back (another node, no Redis): the ledger has it, this node
     // does not know it yet, so every answer below comes from memory.
-    let sneaky = vouchers::domain::Voucher {
-        code: "JUNKX".into(),
-        discount_amount: 100,
-        min_order_amount: 0,
-        total_limit: 3,
-        per_user_limit: 1,
-        starts_at: 0,
-        ends_at: i64::MAX / 2,
-        status: vouchers::domain::VoucherStatus::Active,
-        limits: Default::default(),
-    };
-    app.ledger
-        .create_voucher(&sneaky, app.engine.now_ms())
-        .await
-        .unwrap();
+    create_behind_the_node(&app, "JUNKX").await;
     let codes: Vec<String> = (0..300).map(|i| format!("JUNK{i}")).collect();
     let junk = join_all(codes.iter().zip(1..).map(|(c, i)| app.reserve(c, i, "j"))).await;
     assert_eq!(tally(&junk).get("404 NOT_FOUND"), Some(&300));
@@ -233,18 +238,7 @@ async fn a_code_created_elsewhere_is_found_by_the_next_read() {
     // No Redis: another node created the code straight in the shared ledger.
     let app = spawn_app_with(|s| s.engine.known_codes_refresh_ms = 0).await;
     assert_eq!(app.reserve("LATER", 1, "later-1").await.0, 404);
-    let v = vouchers::domain::Voucher {
-        code: "LATER".into(),
-        discount_amount: 100,
-        min_order_amount: 0,
-        total_limit: 3,
-        per_user_limit: 1,
-        starts_at: 0,
-        ends_at: i64::MAX / 2,
-        status: vouchers::domain::VoucherStatus::Active,
-        limits: Default::default(),
-    };
-    app.ledger.create_voucher(&v, app.engine.now_ms()).await.unwrap();
+    create_behind_the_node(&app, "LATER").await;
     assert_eq!(app.reserve("LATER", 1, "later-1").await.0, 201);
 }
 
