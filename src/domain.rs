@@ -66,6 +66,13 @@ pub enum Ineligible {
 }
 
 impl Voucher {
+    /// An order amount below the minimum is refused before anything else about the order, on
+    /// every path: a stored order passed the minimum (which never changes), so a request below
+    /// it is never a retry of one.
+    pub fn refuses_amount(&self, order_amount: i64) -> bool {
+        order_amount < self.min_order_amount
+    }
+
     /// Checks everything about a reserve that does not need stock: status, window and amount.
     pub fn check_eligible(&self, now: Millis, order_amount: i64) -> Result<(), Ineligible> {
         if self.status == VoucherStatus::Paused {
@@ -134,12 +141,18 @@ pub struct Reservation {
 }
 
 impl Reservation {
-    /// Whether a repeat of `(code, customer)` for this order is the same order again (a retry),
-    /// which gets the original `201`, rather than a clash, which gets `409 ALREADY_USED`.
-    pub fn is_retry_of(&self, code: &str, customer_id: i64) -> bool {
+    /// Whether a repeat of `(code, customer)` at `now` for this order is the same order again (a
+    /// retry), which gets the original `201`, rather than a clash, which gets `409 ALREADY_USED`:
+    /// not once the reservation was released, nor once it expired unconfirmed (even before the
+    /// sweeper released it: confirm would refuse it).
+    pub fn is_retry_of(&self, code: &str, customer_id: i64, now: Millis) -> bool {
         self.voucher_code == code
             && self.customer_id == customer_id
-            && self.status != ReservationStatus::Released
+            && match self.status {
+                ReservationStatus::Released => false,
+                ReservationStatus::Reserved => self.expires_at > now,
+                ReservationStatus::Confirmed => true,
+            }
     }
 }
 

@@ -91,6 +91,7 @@ BEGIN
                  WHEN s.order_id IS NOT NULL THEN
                    CASE WHEN s.voucher_code = r.code AND s.customer_id = r.c
                              AND s.status <> 'RELEASED'
+                             AND NOT (s.status = 'RESERVED' AND s.expires_at <= p_now[r.b])
                         THEN 'REPLAYED' ELSE COALESCE(h.blocked, 'ALREADY_USED') END
                  WHEN f.first_idx <> r.idx THEN
                    CASE WHEN f.first_code = r.code AND f.first_c = r.c

@@ -116,7 +116,8 @@ impl ClientAddress {
             Self::Peer => peer(),
             Self::Header(name) => req
                 .headers()
-                .get(name)
+                .get_all(name)
+                .last()
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.rsplit(',').next())
                 .and_then(|v| v.trim().parse().ok())

@@ -3,7 +3,7 @@
 //! meanwhile), prefetches the next block at the low-water mark, renews, returns idle units, raises
 //! the sold-out flag, and stops after long idleness. Nothing else mutates this state.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -124,14 +124,7 @@ const VOUCHER_REFRESH_MS: i64 = 1000;
 const RECALL_PROBE_MS: i64 = 50;
 /// How often an actor waiting for units repeats its RECALL.
 const RECALL_REPEAT_MS: i64 = 100;
-/// How long a `201` answers repeats of its order from memory: another node may release the
-/// order, and without Redis this node would not hear of it.
-const REPEAT_CACHE_MS: i64 = 500;
-/// How far behind another node's clock this node's may run: a reserve this close to `startsAt`
-/// may be the retry of an order a faster node already took.
-const CLOCK_SKEW_MS: i64 = 5000;
-/// How many recent orders an actor remembers.
-const REPEAT_CACHE_MAX: usize = 4096;
+
 
 struct Pending {
     req: ReserveRequest,
@@ -184,10 +177,6 @@ pub(crate) struct VoucherActor {
     /// Reserves waiting for [`Self::answer_without_units`]: no unit can serve them, but some may
     /// be retries of stored orders.
     lookups: Vec<Pending>,
-    /// Orders this node answered `201` recently, with when and the restock epoch then: repeats
-    /// of them are answered from here. Any restock since (a release or an expiry among them,
-    /// on this node or, by signal, another) voids every entry; bounded: cleared when full.
-    repeats: HashMap<String, (Reservation, Millis, u64)>,
     warm_waiters: Vec<oneshot::Sender<Result<(), EngineError>>>,
     /// The leases of the batches in flight (at most `engine.batches_in_flight`, 1 by default;
     /// a lease may appear twice). With more than one, a second batch waits in the node's group
@@ -236,7 +225,6 @@ impl VoucherActor {
             leases: VecDeque::new(),
             pending: VecDeque::new(),
             lookups: Vec::new(),
-            repeats: HashMap::new(),
             warm_waiters: Vec::new(),
             committing: Vec::new(),
             granting: false,
@@ -265,25 +253,6 @@ impl VoucherActor {
             self.shared.set_own_limits(self.core.limits.own(v.limits));
         }
         self.voucher = Some(v);
-    }
-
-    /// A repeat of an order this node answered `201` within the last `REPEAT_CACHE_MS` (and no
-    /// restock since, so it was not released), answered without the ledger.
-    fn cached_repeat(&self, req: &ReserveRequest, now: Millis) -> Option<Reservation> {
-        let (r, at, epoch) = self.repeats.get(&req.order_id)?;
-        (now - at < REPEAT_CACHE_MS
-            && *epoch == self.shared.restock_epoch()
-            && r.is_retry_of(&self.code, req.customer_id)
-            && r.expires_at > now)
-            .then(|| r.clone())
-    }
-
-    fn remember(&mut self, r: &Reservation, now: Millis) {
-        if self.repeats.len() >= REPEAT_CACHE_MAX {
-            self.repeats.clear();
-        }
-        let epoch = self.shared.restock_epoch();
-        self.repeats.insert(r.order_id.clone(), (r.clone(), now, epoch));
     }
 
     fn room(&self) -> i64 {
@@ -335,25 +304,19 @@ impl VoucherActor {
             self.pending.push_back(p);
             return;
         };
-        // DESIGN §4: a retry of a stored order gets its 201 whatever the voucher's state now.
-        if let Some(r) = self.cached_repeat(&p.req, now) {
-            Tally::one(p, Reply::Replayed(r));
-            return;
-        }
         match v.check_eligible(now, p.req.order_amount) {
             Ok(()) => {}
-            // Nothing can have been reserved before the start (`startsAt` never moves; the
-            // margin covers nodes whose clocks run behind), nor below the minimum amount (it
-            // never changes either, and a stored order passed it).
-            Err(reason @ Ineligible::NotStarted) if v.starts_at - now > CLOCK_SKEW_MS => {
+            // Nothing can have been reserved before the start (`startsAt` never moves). A node
+            // whose clock runs behind another's answers a retry of an order that node took at
+            // the very start 422 until its own clock gets there: a late answer, never a wrong
+            // sale. Below the minimum amount is never a retry (a stored order passed it; see
+            // `Voucher::refuses_amount`).
+            Err(reason @ (Ineligible::NotStarted | Ineligible::MinOrderAmount)) => {
                 Tally::one(p, Reply::Failed(EngineError::NotEligible(reason)));
                 return;
             }
-            Err(reason @ Ineligible::MinOrderAmount) => {
-                Tally::one(p, Reply::Failed(EngineError::NotEligible(reason)));
-                return;
-            }
-            // It may be a retry of an order stored before the pause or the end: the ledger says.
+            // DESIGN §4: it may be a retry of an order stored before the pause or the end, which
+            // gets its 201 whatever the voucher's state now: the ledger says.
             Err(_) => {
                 self.lookups.push(p);
                 return;
@@ -525,13 +488,9 @@ impl VoucherActor {
                     let reply = match o {
                         RowOutcome::Created(r) => {
                             consumed += 1;
-                            self.remember(&r, now);
                             Reply::Created(r)
                         }
-                        RowOutcome::Replayed(r) => {
-                            self.remember(&r, now);
-                            Reply::Replayed(r)
-                        }
+                        RowOutcome::Replayed(r) => Reply::Replayed(r),
                         RowOutcome::AlreadyUsed => Reply::Failed(EngineError::AlreadyUsed),
                         RowOutcome::NotEligible(reason) => {
                             Reply::Failed(EngineError::NotEligible(reason))
@@ -724,10 +683,7 @@ impl VoucherActor {
                 Ok(answers) => {
                     for (p, answer) in waiting.into_iter().zip(answers) {
                         let reply = match answer {
-                            Ok(r) => {
-                                act.remember(&r.reservation, now);
-                                Reply::Replayed(r.reservation)
-                            }
+                            Ok(r) => Reply::Replayed(r.reservation),
                             Err(e) => Reply::Failed(e),
                         };
                         tally.answer(p, reply);
@@ -932,8 +888,6 @@ impl Handler<Restocked> for VoucherActor {
         if matches!(self.hold, Some((Hold::Dry | Hold::Waiting, _))) {
             self.hold = None;
         }
-        // Units came back: one of them may be a release of an order remembered here.
-        self.repeats.clear();
         self.free_hint = None;
         self.pump(ctx);
     }

@@ -98,6 +98,10 @@ impl KnownCodes {
         });
         crate::metrics::known_codes_read();
         self.reads.fetch_add(1, Ordering::Release);
+        // From the end of the read as well: a slow ledger is read once per interval, not back
+        // to back.
+        self.last_refresh
+            .store(self.since_epoch() + 1, Ordering::Release);
         res
     }
 

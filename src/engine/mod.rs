@@ -142,7 +142,10 @@ pub(crate) async fn settle_without_units(
     Ok(reqs
         .iter()
         .map(|req| match (found.get(&req.order_id), refusal(req)) {
-            (Some(r), _) if r.is_retry_of(code, req.customer_id) => Ok(Reserved {
+            _ if voucher.is_some_and(|v| v.refuses_amount(req.order_amount)) => {
+                Err(EngineError::NotEligible(Ineligible::MinOrderAmount))
+            }
+            (Some(r), _) if r.is_retry_of(code, req.customer_id, now) => Ok(Reserved {
                 reservation: r.clone(),
                 replayed: true,
             }),
@@ -359,9 +362,9 @@ impl EngineHandle {
     /// `404` from memory for a code that does not exist; `503` when that cannot be told.
     ///
     /// While reserves of real vouchers wait on this node, the `404` comes after
-    /// `engine.unknown_code_tarpit_ms`: a flood of junk codes then costs the node a timer per
-    /// request instead of CPU, and its connections cannot crowd out real checkouts (each junk
-    /// connection gets one answer per tarpit interval). An idle node answers at once.
+    /// `engine.unknown_code_tarpit_ms`: each junk connection then gets one answer per interval
+    /// (the request was still parsed), so a bot's connections cannot crowd out real checkouts.
+    /// An idle node answers at once.
     async fn known(&self, code: &str) -> Result<(), EngineError> {
         match self.core.known.check(code, &self.core.ledger).await {
             Known::Yes => Ok(()),
@@ -512,6 +515,7 @@ impl EngineHandle {
 
     pub async fn confirm(&self, code: &str, order_id: &str) -> Result<Reservation, EngineError> {
         self.known(code).await?;
+        self.reservation_exists(code, order_id).await?;
         Ok(self
             .core
             .ledger
@@ -521,6 +525,7 @@ impl EngineHandle {
 
     pub async fn release(&self, code: &str, order_id: &str) -> Result<Reservation, EngineError> {
         self.known(code).await?;
+        self.reservation_exists(code, order_id).await?;
         let (r, restock) = self
             .core
             .ledger
@@ -528,6 +533,22 @@ impl EngineHandle {
             .await?;
         self.after_restocks(restock.into_iter());
         Ok(r)
+    }
+
+    /// `404` unless the order exists for this voucher, from a read: confirm and release of made-up
+    /// order ids never take the ledger's writer (on SQLite the one connection every commit
+    /// needs).
+    async fn reservation_exists(&self, code: &str, order_id: &str) -> Result<(), EngineError> {
+        let found = self
+            .core
+            .ledger
+            .find_orders(&[order_id.to_string()])
+            .await?;
+        if found.iter().any(|r| r.voucher_code == code) {
+            Ok(())
+        } else {
+            Err(EngineError::NotFound)
+        }
     }
 
     pub async fn reservation(

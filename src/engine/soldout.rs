@@ -201,10 +201,12 @@ impl VoucherShared {
 
     /// DESIGN §4's precedence for a reserve of a sold-out voucher, as far as memory can tell.
     pub fn sold_out_verdict(&self, now: Millis, req: &ReserveRequest) -> SoldOutVerdict {
+        let voucher = self.voucher();
+        if voucher.as_ref().is_some_and(|v| v.refuses_amount(req.order_amount)) {
+            return SoldOutVerdict::NotEligible(Ineligible::MinOrderAmount);
+        }
         let won = self.won.read().unwrap_or_else(|e| e.into_inner());
-        let refused = self
-            .voucher()
-            .and_then(|v| v.check_eligible(now, req.order_amount).err());
+        let refused = voucher.and_then(|v| v.check_eligible(now, req.order_amount).err());
         match (won.orders.lookup(req.order_id.as_str()), refused) {
             (Lookup::Yes(&c), _) if c == req.customer_id => return SoldOutVerdict::AskLedger,
             (Lookup::Maybe, _) => return SoldOutVerdict::AskLedger,
@@ -316,6 +318,11 @@ mod tests {
         assert_eq!(
             s.sold_out_verdict(1_500, &req("n", 7, 499)),
             V::NotEligible(Ineligible::MinOrderAmount)
+        );
+        assert_eq!(
+            s.sold_out_verdict(1_500, &req("a", 7, 499)),
+            V::NotEligible(Ineligible::MinOrderAmount),
+            "below the minimum is never a retry, whichever path answers"
         );
         v.status = VoucherStatus::Paused;
         s.set_voucher(&v);

@@ -279,6 +279,7 @@ pub fn plan_batch(
     used: &HashMap<i64, i64>,
     per_user_limit: i64,
     blocked: Option<Ineligible>,
+    now: Millis,
 ) -> Vec<Planned> {
     let existing: HashMap<&str, &Reservation> =
         existing.iter().map(|r| (r.order_id.as_str(), r)).collect();
@@ -290,7 +291,7 @@ pub fn plan_batch(
             // DESIGN §4's precedence: a replay, then NOT_ELIGIBLE, then ALREADY_USED.
             let clash = || blocked.map_or(Planned::AlreadyUsed, Planned::NotEligible);
             if let Some(found) = existing.get(row.order_id.as_str()) {
-                return if found.is_retry_of(code, row.customer_id) {
+                return if found.is_retry_of(code, row.customer_id, now) {
                     Planned::Replay((*found).clone())
                 } else {
                     clash()
@@ -567,15 +568,28 @@ mod tests {
             customer_id: c,
             discount_amount: 1,
             status,
-            expires_at: 0,
+            expires_at: 1_000,
         }
+    }
+
+    #[test]
+    fn an_expired_reservation_is_not_replayed_even_before_the_sweeper_runs() {
+        let existing = [
+            resv("a", "V", 1, ReservationStatus::Reserved),
+            resv("b", "V", 1, ReservationStatus::Confirmed),
+        ];
+        let rows = [row("a", 1), row("b", 1)];
+        let at = |now| plan_batch("V", &rows, &existing, &HashMap::new(), 5, None, now);
+        assert!(matches!(at(999)[0], Planned::Replay(_)));
+        assert_eq!(at(1_000)[0], Planned::AlreadyUsed, "expired at 1000");
+        assert!(matches!(at(1_000)[1], Planned::Replay(_)), "a confirmed one never expires");
     }
 
     #[test]
     fn per_user_limit_counts_existing_usage_and_the_batch() {
         let rows = [row("a", 1), row("b", 1), row("c", 1), row("d", 2)];
         let used = HashMap::from([(1, 1)]);
-        let plan = plan_batch("V", &rows, &[], &used, 2, None);
+        let plan = plan_batch("V", &rows, &[], &used, 2, None, 0);
         assert_eq!(
             plan,
             vec![
@@ -590,7 +604,7 @@ mod tests {
     #[test]
     fn repeats_in_a_batch_follow_the_first_and_clashes_lose() {
         let rows = [row("a", 1), row("a", 1), row("a", 2)];
-        let plan = plan_batch("V", &rows, &[], &HashMap::new(), 5, None);
+        let plan = plan_batch("V", &rows, &[], &HashMap::new(), 5, None, 0);
         assert_eq!(
             plan,
             vec![Planned::Insert, Planned::SameAs(0), Planned::AlreadyUsed]
@@ -610,7 +624,7 @@ mod tests {
             resv("c", "V", 1, ReservationStatus::Released),
         ];
         let rows = [row("a", 1), row("a", 2), row("b", 1), row("c", 1)];
-        let plan = plan_batch("V", &rows, &existing, &HashMap::new(), 5, None);
+        let plan = plan_batch("V", &rows, &existing, &HashMap::new(), 5, None, 0);
         assert!(matches!(plan[0], Planned::Replay(_)));
         assert_eq!(
             plan[1..],
@@ -625,7 +639,7 @@ mod tests {
     #[test]
     fn an_insert_that_lost_a_race_resolves_to_already_used() {
         let rows = [row("a", 1), row("a", 1)];
-        let plan = plan_batch("V", &rows, &[], &HashMap::new(), 5, None);
+        let plan = plan_batch("V", &rows, &[], &HashMap::new(), 5, None, 0);
         let out = resolve_plan(plan, &HashMap::new());
         assert_eq!(out, vec![RowOutcome::AlreadyUsed, RowOutcome::AlreadyUsed]);
     }
@@ -641,6 +655,7 @@ mod tests {
             &HashMap::new(),
             5,
             Some(Ineligible::Paused),
+            0,
         );
         assert!(matches!(plan[0], Planned::Replay(_)));
         assert_eq!(plan[1], Planned::NotEligible(Ineligible::Paused));
@@ -655,6 +670,7 @@ mod tests {
             &HashMap::new(),
             5,
             Some(Ineligible::Ended),
+            0,
         );
         assert_eq!(
             clash,

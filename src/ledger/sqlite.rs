@@ -630,6 +630,7 @@ fn plan_merged(batches: &[Batch], mut reads: MergedReads) -> (BatchResults, Merg
             &used,
             v.per_user_limit,
             blocked,
+            batch.now,
         );
         let inserts: Vec<usize> = plan
             .iter()

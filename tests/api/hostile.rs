@@ -274,8 +274,8 @@ async fn one_customer_flooding_gets_its_burst_then_429_and_nobody_else_is_hurt()
     let books = audit::books(&app.db_url, "FLOOD").await;
     books.assert_balanced("FLOOD");
     assert_eq!(books.reserved, 2, "the ledger holds exactly the units sold");
-    // Process-wide, but no other test reaches the per-customer limit.
-    assert_eq!(limited().await - limited_before, (1000 - burst + 2) as f64);
+    // Process-wide (another test's voucher limits its customers too): at least these.
+    assert!(limited().await - limited_before >= (1000 - burst + 2) as f64);
 }
 
 #[actix_web::test]
@@ -363,12 +363,26 @@ async fn a_voucher_sets_its_own_limits_on_create_and_patch() {
     let t = tally(&join_all((1..=5).map(|i| app.reserve("OWN", 7, format!("own-{i}")))).await);
     assert_eq!((t.get("201"), t.get("429 RATE_LIMITED")), (Some(&2), Some(&3)), "{t:?}");
 
-    // Off for customers, 3 a second for the voucher as a whole.
-    patch(&app, "OWN", json!({"customerRatePerSec": 0, "admissionRatePerSec": 3})).await;
+    // Off for customers: one customer's 200 requests at once (more than the node's default
+    // burst of 128) pass the limits, and the ledger's perUserLimit decides.
+    patch(&app, "OWN", json!({"customerRatePerSec": 0})).await;
     let (_, view) = app.admin("OWN").await;
-    assert_eq!((&view["customerRatePerSec"], &view["admissionRatePerSec"]), (&json!(0), &json!(3)));
+    assert_eq!(view["customerRatePerSec"], json!(0));
+    let mut customer = 1000;
+    let app_ref = &app;
+    eventually("the customer limit is off", Duration::from_secs(10), || {
+        customer += 1;
+        let app = app_ref;
+        async move {
+            let t = tally(&join_all((0..200).map(|i| app.reserve("OWN", customer, format!("off-{customer}-{i}")))).await);
+            t.get("429 RATE_LIMITED").is_none() && t.get("201") == Some(&5)
+        }
+    })
+    .await;
+    // 3 a second for the voucher as a whole.
+    patch(&app, "OWN", json!({"admissionRatePerSec": 3})).await;
     app.clock.advance_ms(1_000);
-    eventually("the new limits apply", Duration::from_secs(10), || async {
+    eventually("the admission limit applies", Duration::from_secs(10), || async {
         app.clock.advance_ms(1_000);
         let t = tally(&join_all((1..=4).map(|i| app.reserve("OWN", 100 + i, format!("x-{i}")))).await);
         t.get("429 RATE_LIMITED") == Some(&1)
