@@ -51,9 +51,11 @@ fuzz() {
   return 1
 }
 
+# PUT /admin/switches is left out: a generated `readOnly: true` would turn every later reserve
+# into the 503 it documents (tests/api/switches.rs covers the route).
 echo "schemathesis: every operation, generated input"
 fuzz run "$BASE/openapi.json" --checks "$CHECKS" -H "Authorization: Bearer $TOKEN" \
-  --max-examples "$EXAMPLES" --warnings off
+  --max-examples "$EXAMPLES" --warnings off --exclude-operation-id putSwitches
 
 echo "schemathesis: checkout and admin routes on a real voucher"
 cat >"$DIR/pinned.toml" <<TOML

@@ -118,6 +118,8 @@ pub struct JobSettings {
     pub expiry_batch: i64,
     pub reaper_interval_ms: u64,
     pub reconcile_interval_ms: u64,
+    /// How often every node reads the emergency switches from the ledger.
+    pub switches_interval_ms: u64,
 }
 
 impl Settings {

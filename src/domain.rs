@@ -55,6 +55,23 @@ pub struct VoucherLimits {
     pub admission_per_sec: Option<u32>,
 }
 
+/// The node-wide emergency switches (DESIGN §6), held by the ledger.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Switches {
+    /// New reserves get `422 NOT_ELIGIBLE` (`PAUSED`); retries of stored orders their `201`.
+    pub sales_paused: bool,
+    /// New reserves get `503 UNAVAILABLE`; retries of stored orders their `201`; confirm and
+    /// release work.
+    pub read_only: bool,
+}
+
+/// A change of the switches: `None` leaves one as it is.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SwitchesPatch {
+    pub sales_paused: Option<bool>,
+    pub read_only: Option<bool>,
+}
+
 /// Why a reserve is refused with `422 NOT_ELIGIBLE`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]

@@ -1,5 +1,5 @@
-//! Background jobs: expiry of unconfirmed reservations, the lease reaper, the reconciler, and the
-//! rate limiters' upkeep.
+//! Background jobs: expiry of unconfirmed reservations, the lease reaper, the reconciler, the
+//! emergency switches' refresh, and the rate limiters' upkeep.
 //! Each is a loop around one [`EngineHandle`] call whose ledger statement is safe to run on every
 //! node at once (status-guarded updates), so no leader is needed.
 
@@ -57,11 +57,21 @@ pub fn start(engine: &EngineHandle, s: &JobSettings) -> Jobs {
         }
     });
     let e = engine.clone();
+    let switches = every(s.switches_interval_ms, move || {
+        let e = e.clone();
+        async move {
+            if let Err(err) = e.refresh_switches().await {
+                crate::metrics::ledger_error("jobs");
+                tracing::warn!(error = %err, "reading the switches failed");
+            }
+        }
+    });
+    let e = engine.clone();
     let limits = every(LIMITS_UPKEEP_MS, move || {
         e.limits_upkeep();
         async {}
     });
-    Jobs(vec![expiry, reaper, reconciler, limits])
+    Jobs(vec![expiry, reaper, reconciler, switches, limits])
 }
 
 fn every<F, Fut>(ms: u64, mut run: F) -> tokio::task::JoinHandle<()>

@@ -26,6 +26,7 @@ pub const RECONCILE_MISMATCHES: &str = "vouchers_reconcile_mismatches_total";
 pub const RECONCILE_BALANCED: &str = "vouchers_reconcile_balanced";
 pub const EXPIRED: &str = "vouchers_expired_reservations_total";
 pub const ACTIVE_ACTORS: &str = "vouchers_active_actors";
+pub const SWITCH: &str = "vouchers_switch";
 pub const KNOWN_CODES_READS: &str = "vouchers_known_codes_reads_total";
 pub const RATE_LIMITED: &str = "vouchers_rate_limited_total";
 pub const RATE_LIMIT_RESETS: &str = "vouchers_rate_limit_resets_total";
@@ -220,7 +221,7 @@ pub const LEDGER_OPS: [&str; 8] = [
     "find_orders",
     "jobs",
 ];
-const SIGNAL_KINDS: [&str; 4] = ["SOLD_OUT", "RESTOCK", "RECALL", "UPDATED"];
+const SIGNAL_KINDS: [&str; 5] = ["SOLD_OUT", "RESTOCK", "RECALL", "UPDATED", "SWITCHES"];
 
 /// Every counter and gauge of the catalogue exists from start-up at zero, so dashboards and
 /// alerts see a series (and a rate of zero) before the first event.
@@ -248,6 +249,7 @@ fn register_catalogue() {
     counter!(RECONCILE_MISMATCHES).increment(0);
     counter!(EXPIRED).increment(0);
     counter!(KNOWN_CODES_READS).increment(0);
+    switches(false, false);
     for l in LIMITERS {
         counter!(RATE_LIMITED, "limiter" => l).increment(0);
         counter!(RATE_LIMIT_RESETS, "limiter" => l).increment(0);
@@ -329,6 +331,12 @@ pub fn ledger_error(op: &'static str) {
 pub fn rate_limited(limiter: &'static str) {
     counter!(RATE_LIMITED, "limiter" => limiter).increment(1);
     reservation(Outcome::RateLimited);
+}
+
+/// The emergency switches as this node applies them (1: on).
+pub fn switches(sales_paused: bool, read_only: bool) {
+    gauge!(SWITCH, "switch" => "sales_paused").set(f64::from(u8::from(sales_paused)));
+    gauge!(SWITCH, "switch" => "read_only").set(f64::from(u8::from(read_only)));
 }
 
 /// The node read every voucher code from the ledger (start-up, or a miss after the interval).

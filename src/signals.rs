@@ -1,4 +1,5 @@
-//! Cluster signals over Redis pub/sub: `SOLD_OUT`, `RESTOCK`, `RECALL`, `UPDATED`.
+//! Cluster signals over Redis pub/sub: `SOLD_OUT`, `RESTOCK`, `RECALL`, `UPDATED`, and
+//! `SWITCHES` (on `vouchers:{~switches}:signal`).
 //!
 //! Signals are hints that make the cluster converge faster; correctness never depends on them.
 //! Publishing never blocks the caller: a bounded queue feeds one background publisher, and a full
@@ -28,6 +29,8 @@ pub enum Signal {
     Restock,
     Recall,
     Updated,
+    /// The emergency switches changed: read them from the ledger.
+    Switches,
 }
 
 impl Signal {
@@ -37,6 +40,7 @@ impl Signal {
             Self::Restock => "RESTOCK",
             Self::Recall => "RECALL",
             Self::Updated => "UPDATED",
+            Self::Switches => "SWITCHES",
         }
     }
 
@@ -46,6 +50,7 @@ impl Signal {
             "RESTOCK" => Some(Self::Restock),
             "RECALL" => Some(Self::Recall),
             "UPDATED" => Some(Self::Updated),
+            "SWITCHES" => Some(Self::Switches),
             _ => None,
         }
     }
@@ -264,6 +269,7 @@ mod tests {
             Signal::Restock,
             Signal::Recall,
             Signal::Updated,
+            Signal::Switches,
         ] {
             assert_eq!(Signal::parse(s.as_str()), Some(s));
         }

@@ -147,6 +147,9 @@ impl Application {
         let signals = RedisSignals::new(signal_tasks);
         // After subscribing: a code created meanwhile comes by signal or in this read.
         engine.load_known_codes().await;
+        if let Err(e) = engine.refresh_switches().await {
+            tracing::warn!(error = %e, "could not read the switches yet");
+        }
         let jobs = jobs::start(&engine, &settings.jobs);
         let listener = TcpListener::bind((settings.http.host.as_str(), settings.http.port))
             .with_context(|| format!("bind {}:{}", settings.http.host, settings.http.port))?;

@@ -1,5 +1,6 @@
-//! `/admin/vouchers…`: create, inspect (with the ledger's counters), edit, warm up. Every route
-//! checks the bearer token before it reads the body, so a refused request changes nothing.
+//! `/admin/vouchers…`: create, inspect (with the ledger's counters), edit, warm up; and
+//! `/admin/switches`, the emergency switches. Every route checks the bearer token before it reads
+//! the body, so a refused request changes nothing.
 
 use actix_web::{web, HttpRequest, HttpResponse};
 use chrono::{DateTime, Utc};
@@ -8,7 +9,7 @@ use utoipa::ToSchema;
 
 use super::error::ErrorBody;
 use super::{bearer, check_code, json_body, timestamp, token_matches, ApiError, AppState};
-use crate::domain::{Voucher, VoucherLimits, VoucherPatch, VoucherStatus};
+use crate::domain::{Switches, SwitchesPatch, Voucher, VoucherLimits, VoucherPatch, VoucherStatus};
 use crate::engine::VoucherView;
 use crate::ledger::Counters;
 
@@ -345,4 +346,68 @@ pub async fn warm(
     check_code(&code)?;
     state.engine.warm(&code).await?;
     Ok(HttpResponse::NoContent().finish())
+}
+
+/// A change of the emergency switches; a key left out stays as it is.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SwitchesBody {
+    /// New reserves get `422 NOT_ELIGIBLE` (`PAUSED`), on every voucher.
+    sales_paused: Option<bool>,
+    /// New reserves get `503 UNAVAILABLE`; confirm and release keep working.
+    read_only: Option<bool>,
+}
+
+/// The emergency switches. Retries of stored orders get their `201` whatever they say.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SwitchesView {
+    sales_paused: bool,
+    read_only: bool,
+}
+
+impl From<Switches> for SwitchesView {
+    fn from(s: Switches) -> Self {
+        Self {
+            sales_paused: s.sales_paused,
+            read_only: s.read_only,
+        }
+    }
+}
+
+/// The emergency switches as this node applies them.
+#[utoipa::path(
+    get, operation_id = "getSwitches", path = "/admin/switches", tag = "admin",
+    security(("admin_token" = [])),
+    responses((status = 200, description = "The switches", body = SwitchesView))
+)]
+pub async fn get_switches(
+    req: HttpRequest,
+    state: web::Data<AppState>,
+) -> Result<HttpResponse, ApiError> {
+    authorize(&req, &state)?;
+    Ok(HttpResponse::Ok().json(SwitchesView::from(state.engine.switches())))
+}
+
+/// Stop every sale at once, or put the service in read-only mode. Held by the ledger: every
+/// node applies a change within `jobs.switches_interval_ms` (at once with Redis).
+#[utoipa::path(
+    put, operation_id = "putSwitches", path = "/admin/switches", tag = "admin",
+    request_body = SwitchesBody,
+    security(("admin_token" = [])),
+    responses((status = 200, description = "The switches as they now are", body = SwitchesView))
+)]
+pub async fn put_switches(
+    req: HttpRequest,
+    state: web::Data<AppState>,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    authorize(&req, &state)?;
+    let body: SwitchesBody = json_body(payload, state.body_limit).await?;
+    let patch = SwitchesPatch {
+        sales_paused: body.sales_paused,
+        read_only: body.read_only,
+    };
+    let s = state.engine.set_switches(&patch).await?;
+    Ok(HttpResponse::Ok().json(SwitchesView::from(s)))
 }

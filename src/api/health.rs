@@ -14,6 +14,17 @@ pub struct Health {
     status: String,
 }
 
+/// Readiness, with the emergency switches this node applies (so a load balancer's health view
+/// shows a paused or read-only service).
+#[derive(serde::Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Ready {
+    #[schema(example = "ok")]
+    status: &'static str,
+    sales_paused: bool,
+    read_only: bool,
+}
+
 /// The process is up.
 #[utoipa::path(get, operation_id = "live", path = "/health/live", tag = "operations",
     responses((status = 200, description = "Alive", body = Health)))]
@@ -24,13 +35,18 @@ pub async fn live() -> HttpResponse {
 /// `503` when the ledger does not answer.
 #[utoipa::path(get, operation_id = "ready", path = "/health/ready", tag = "operations",
     responses(
-        (status = 200, description = "The ledger answers", body = Health),
+        (status = 200, description = "The ledger answers", body = Ready),
         (status = 503, description = "The ledger does not answer", body = ErrorBody,
             headers(("Retry-After" = u64, description = "Seconds to wait before retrying"))),
     ))]
 pub async fn ready(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     if state.engine.ready().await {
-        Ok(HttpResponse::Ok().json(json!({ "status": "ok" })))
+        let s = state.engine.switches();
+        Ok(HttpResponse::Ok().json(Ready {
+            status: "ok",
+            sales_paused: s.sales_paused,
+            read_only: s.read_only,
+        }))
     } else {
         Err(EngineError::Unavailable.into())
     }

@@ -149,6 +149,8 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
             .route("/{code}", web::patch().to(admin::patch))
             .route("/{code}/warm", web::post().to(admin::warm)),
     )
+    .route("/admin/switches", web::get().to(admin::get_switches))
+    .route("/admin/switches", web::put().to(admin::put_switches))
     .route("/openapi.json", web::get().to(openapi::openapi_json))
     .route("/metrics", web::get().to(health::metrics))
     .route("/health/live", web::get().to(health::live))

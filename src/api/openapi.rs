@@ -26,6 +26,8 @@ use super::{admin, health, reservations, vouchers};
         admin::get,
         admin::patch,
         admin::warm,
+        admin::get_switches,
+        admin::put_switches,
         health::live,
         health::ready,
         health::metrics,
@@ -66,7 +68,13 @@ struct CommonErrors;
 impl Modify for CommonErrors {
     fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
         for (path, item) in openapi.paths.paths.iter_mut() {
-            let ops = [&mut item.get, &mut item.post, &mut item.patch, &mut item.delete];
+            let ops = [
+                &mut item.get,
+                &mut item.post,
+                &mut item.put,
+                &mut item.patch,
+                &mut item.delete,
+            ];
             for op in ops.into_iter().flatten() {
                 let mut add = |status: &str, description: &str, retry_after: bool| {
                     op.responses
@@ -155,6 +163,7 @@ mod tests {
             for (method, op) in [
                 ("GET", &item.get),
                 ("POST", &item.post),
+                ("PUT", &item.put),
                 ("PATCH", &item.patch),
                 ("DELETE", &item.delete),
             ] {
@@ -174,6 +183,6 @@ mod tests {
                 checked += 1;
             }
         }
-        assert_eq!(checked, 13, "every operation of DESIGN §6 that exists is documented");
+        assert_eq!(checked, 15, "every operation of DESIGN §6 that exists is documented");
     }
 }

@@ -12,7 +12,7 @@ use tokio::sync::oneshot;
 
 use super::sizing::{block_size, low_water, RateEstimator};
 use super::soldout::VoucherShared;
-use super::{error_outcome, settle_without_units, Core, EngineError, Reserved};
+use super::{error_outcome, settle_without_units, Core, EngineError, Reserved, Stop};
 use crate::clock::Millis;
 use crate::domain::{Ineligible, Reservation, ReserveRequest, Voucher};
 use crate::ledger::{Batch, BatchRow, Grant, LedgerError, RowOutcome};
@@ -305,6 +305,11 @@ impl VoucherActor {
             return;
         };
         match v.check_eligible(now, p.req.order_amount) {
+            // The switches stop new sales; a retry of a stored order still gets its 201.
+            Ok(()) if self.core.stop() != Stop::No => {
+                self.lookups.push(p);
+                return;
+            }
             Ok(()) => {}
             // Nothing can have been reserved before the start (`startsAt` never moves). A node
             // whose clock runs behind another's answers a retry of an order that node took at
@@ -673,8 +678,9 @@ impl VoucherActor {
         );
         let now = self.now();
         self.looking_up = true;
+        let stop = self.core.stop();
         let fut = async move {
-            settle_without_units(&ledger, &code, voucher.as_ref(), now, &reqs).await
+            settle_without_units(&ledger, &code, voucher.as_ref(), now, &reqs, stop).await
         };
         ctx.spawn(fut.into_actor(self).map(move |res, act, ctx| {
             act.looking_up = false;

@@ -17,7 +17,7 @@ use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,7 +28,9 @@ use tokio::sync::oneshot;
 
 use crate::clock::{Millis, SharedClock};
 use crate::config::{EngineSettings, LimitSettings};
-use crate::domain::{Ineligible, Reservation, ReserveRequest, Voucher, VoucherPatch};
+use crate::domain::{
+    Ineligible, Reservation, ReserveRequest, Switches, SwitchesPatch, Voucher, VoucherPatch,
+};
 use crate::ledger::{Counters, LedgerError, Restock, SharedLedger};
 use crate::metrics::{self as m, Outcome};
 use crate::signals::{Publisher, Signal};
@@ -101,17 +103,30 @@ pub(crate) fn error_outcome(e: &EngineError) -> Outcome {
     }
 }
 
-/// Answers reserves that no lease unit can serve (the voucher is sold out here, or not eligible
-/// now) with DESIGN §4's precedence, from the ledger's rows: a retry of a stored order of the
-/// same customer gets its `201`; then `422` if the voucher (as `voucher` says) refuses the
-/// order; then `409 ALREADY_USED` (the order id is taken, or the customer is at their limit);
-/// else `409 OUT_OF_STOCK`. Two ledger reads at most, for all of `reqs` at once.
+/// What the node-wide switches do to new reserves (retries of stored orders still get their
+/// `201`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Stop {
+    No,
+    /// `422 NOT_ELIGIBLE` with reason `PAUSED`.
+    SalesPaused,
+    /// `503 UNAVAILABLE`.
+    ReadOnly,
+}
+
+/// Answers reserves that no lease unit can serve (the voucher is sold out here, not eligible
+/// now, or the switches stop new sales) with DESIGN §4's precedence, from the ledger's rows: a
+/// retry of a stored order of the same customer gets its `201`; then `503` if the node is
+/// read-only; then `422` if the voucher (as `voucher` says) or the sales-paused switch refuses
+/// the order; then `409 ALREADY_USED` (the order id is taken, or the customer is at their
+/// limit); else `409 OUT_OF_STOCK`. Two ledger reads at most, for all of `reqs` at once.
 pub(crate) async fn settle_without_units(
     ledger: &SharedLedger,
     code: &str,
     voucher: Option<&Voucher>,
     now: Millis,
     reqs: &[ReserveRequest],
+    stop: Stop,
 ) -> Result<Vec<Result<Reserved, EngineError>>, LedgerError> {
     let ids: Vec<String> = reqs.iter().map(|r| r.order_id.clone()).collect();
     let found: HashMap<String, Reservation> = ledger
@@ -121,11 +136,15 @@ pub(crate) async fn settle_without_units(
         .map(|r| (r.order_id.clone(), r))
         .collect();
     let refusal = |req: &ReserveRequest| {
-        voucher.and_then(|v| v.check_eligible(now, req.order_amount).err())
+        voucher
+            .and_then(|v| v.check_eligible(now, req.order_amount).err())
+            .or((stop == Stop::SalesPaused).then_some(Ineligible::Paused))
     };
     let mut customers: Vec<i64> = reqs
         .iter()
-        .filter(|r| !found.contains_key(&r.order_id) && refusal(r).is_none())
+        .filter(|r| {
+            !found.contains_key(&r.order_id) && refusal(r).is_none() && stop != Stop::ReadOnly
+        })
         .map(|r| r.customer_id)
         .collect();
     customers.sort_unstable();
@@ -149,6 +168,7 @@ pub(crate) async fn settle_without_units(
                 reservation: r.clone(),
                 replayed: true,
             }),
+            _ if stop == Stop::ReadOnly => Err(EngineError::Unavailable),
             (_, Some(reason)) => Err(EngineError::NotEligible(reason)),
             (Some(_), None) => Err(EngineError::AlreadyUsed),
             (None, None) if used.get(&req.customer_id).is_some_and(|&n| n >= limit) => {
@@ -158,6 +178,9 @@ pub(crate) async fn settle_without_units(
         })
         .collect())
 }
+
+/// The "code" the `SWITCHES` signal travels under (no voucher code contains `~`).
+const SWITCHES_CHANNEL: &str = "~switches";
 
 /// Counts a reserve as waiting for its actor while alive.
 struct InFlight<'a>(&'a AtomicUsize);
@@ -233,12 +256,33 @@ pub(crate) struct Core {
     pub(crate) limits: RateLimits,
     /// Reserves waiting for their actor's answer on this node (the tarpit's "busy").
     in_flight: AtomicUsize,
+    /// The emergency switches as this node last read them (from the ledger, at least every
+    /// `jobs.switches_interval_ms`, and at once on the `SWITCHES` signal).
+    sales_paused: AtomicBool,
+    read_only: AtomicBool,
     registry: DashMap<String, Entry>,
     shards: Vec<ArbiterHandle>,
     next_generation: AtomicU64,
 }
 
 impl Core {
+    /// What the switches say about new reserves now.
+    pub(crate) fn stop(&self) -> Stop {
+        if self.read_only.load(Ordering::Acquire) {
+            Stop::ReadOnly
+        } else if self.sales_paused.load(Ordering::Acquire) {
+            Stop::SalesPaused
+        } else {
+            Stop::No
+        }
+    }
+
+    fn apply_switches(&self, s: Switches) {
+        self.sales_paused.store(s.sales_paused, Ordering::Release);
+        self.read_only.store(s.read_only, Ordering::Release);
+        m::switches(s.sales_paused, s.read_only);
+    }
+
     /// Units went back to `free` for `code` on this node: act on it and tell the cluster.
     pub(crate) fn restocked(&self, code: &str) {
         self.apply_restock(code);
@@ -322,6 +366,8 @@ impl EngineHandle {
         let core = Core {
             known: KnownCodes::new(settings.known_codes_refresh_ms),
             in_flight: AtomicUsize::new(0),
+            sales_paused: AtomicBool::new(false),
+            read_only: AtomicBool::new(false),
             limits: RateLimits::new(&limit_settings, clock.clone()),
             ledger,
             clock,
@@ -463,7 +509,20 @@ impl EngineHandle {
         shared: &VoucherShared,
     ) -> Result<Reserved, EngineError> {
         let now = self.now_ms();
+        let stop = self.core.stop();
         match shared.sold_out_verdict(now, req) {
+            // The switches come after a possible retry's 201 and before the other answers.
+            SoldOutVerdict::NotEligible(Ineligible::MinOrderAmount) => {
+                Err(EngineError::NotEligible(Ineligible::MinOrderAmount))
+            }
+            SoldOutVerdict::NotEligible(_) | SoldOutVerdict::AlreadyUsed | SoldOutVerdict::OutOfStock
+                if stop == Stop::ReadOnly =>
+            {
+                Err(EngineError::Unavailable)
+            }
+            SoldOutVerdict::AlreadyUsed | SoldOutVerdict::OutOfStock if stop == Stop::SalesPaused => {
+                Err(EngineError::NotEligible(Ineligible::Paused))
+            }
             SoldOutVerdict::OutOfStock => Err(EngineError::OutOfStock),
             SoldOutVerdict::NotEligible(reason) => Err(EngineError::NotEligible(reason)),
             SoldOutVerdict::AlreadyUsed => Err(EngineError::AlreadyUsed),
@@ -475,6 +534,7 @@ impl EngineHandle {
                     voucher.as_deref(),
                     now,
                     std::slice::from_ref(req),
+                    stop,
                 )
                 .await?;
                 answers.pop().unwrap_or(Err(EngineError::OutOfStock))
@@ -649,6 +709,14 @@ impl EngineHandle {
                     let _ = e.addr.try_send(Recall);
                 }
             }
+            Signal::Switches => {
+                let e = self.clone();
+                tokio::spawn(async move {
+                    if let Err(err) = e.refresh_switches().await {
+                        tracing::warn!(error = %err, "read switches");
+                    }
+                });
+            }
             Signal::Updated => {
                 self.core.known.insert(code);
                 let Some(addr) = self.core.registry.get(code).map(|e| e.addr.clone()) else {
@@ -690,6 +758,31 @@ impl EngineHandle {
             }
             Err(e) => tracing::warn!(error = %e, "could not return leases; the reaper will"),
         }
+    }
+
+    /// The emergency switches as this node applies them now.
+    pub fn switches(&self) -> Switches {
+        Switches {
+            sales_paused: self.core.sales_paused.load(Ordering::Acquire),
+            read_only: self.core.read_only.load(Ordering::Acquire),
+        }
+    }
+
+    /// Changes the switches in the ledger (every node reads them from there within
+    /// `jobs.switches_interval_ms`), applies them here at once and signals the cluster.
+    pub async fn set_switches(&self, patch: &SwitchesPatch) -> Result<Switches, EngineError> {
+        let s = self.core.ledger.set_switches(patch, self.now_ms()).await?;
+        self.core.apply_switches(s);
+        tracing::warn!(sales_paused = s.sales_paused, read_only = s.read_only, "switches set");
+        self.core.signals.publish(SWITCHES_CHANNEL, Signal::Switches);
+        Ok(s)
+    }
+
+    /// Reads the switches from the ledger and applies them.
+    pub async fn refresh_switches(&self) -> Result<Switches, EngineError> {
+        let s = self.core.ledger.switches().await?;
+        self.core.apply_switches(s);
+        Ok(s)
     }
 
     /// Rate limiters drop the keys that refilled.

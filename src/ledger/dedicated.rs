@@ -17,7 +17,7 @@ use super::{
     Batch, BatchResults, Counters, Grant, Ledger, LedgerError, Restock, RowOutcome, SharedLedger,
 };
 use crate::clock::Millis;
-use crate::domain::{Reservation, Voucher, VoucherPatch};
+use crate::domain::{Reservation, Switches, SwitchesPatch, Voucher, VoucherPatch};
 
 pub struct Dedicated {
     inner: SharedLedger,
@@ -148,6 +148,20 @@ impl Ledger for Dedicated {
     async fn find_orders(&self, order_ids: &[String]) -> Result<Vec<Reservation>, LedgerError> {
         let ids = order_ids.to_vec();
         self.run(move |l| async move { l.find_orders(&ids).await })
+            .await
+    }
+
+    async fn switches(&self) -> Result<Switches, LedgerError> {
+        self.run(move |l| async move { l.switches().await }).await
+    }
+
+    async fn set_switches(
+        &self,
+        patch: &SwitchesPatch,
+        now: Millis,
+    ) -> Result<Switches, LedgerError> {
+        let patch = *patch;
+        self.run(move |l| async move { l.set_switches(&patch, now).await })
             .await
     }
 

@@ -20,7 +20,9 @@ use std::sync::Arc;
 use async_trait::async_trait;
 
 use crate::clock::Millis;
-use crate::domain::{Ineligible, Reservation, Voucher, VoucherPatch, VoucherStatus};
+use crate::domain::{
+    Ineligible, Reservation, Switches, SwitchesPatch, Voucher, VoucherPatch, VoucherStatus,
+};
 
 /// What can go wrong at the ledger. Small and concrete: the engine decides on each variant.
 #[derive(Debug, thiserror::Error)]
@@ -244,6 +246,14 @@ pub trait Ledger: Send + Sync + 'static {
     async fn reap_expired(&self, now: Millis) -> Result<Vec<Restock>, LedgerError>;
     /// Counters of one voucher, with the reconciliation verdict.
     async fn counters(&self, code: &str) -> Result<Option<Counters>, LedgerError>;
+    /// The emergency switches.
+    async fn switches(&self) -> Result<Switches, LedgerError>;
+    /// Changes the switches; returns them as they now are.
+    async fn set_switches(
+        &self,
+        patch: &SwitchesPatch,
+        now: Millis,
+    ) -> Result<Switches, LedgerError>;
     /// Codes of every voucher, for the reconciler.
     /// Codes of the vouchers whose window ends after `ending_after`: the ones whose counters can
     /// still change by themselves (sales, expiries), which the reconciler watches.

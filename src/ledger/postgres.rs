@@ -29,7 +29,9 @@ use super::{
     Planned, Restock, RowOutcome, LEASE_FILTER,
 };
 use crate::clock::Millis;
-use crate::domain::{Ineligible, Reservation, ReservationStatus, Voucher, VoucherPatch};
+use crate::domain::{
+    Ineligible, Reservation, ReservationStatus, Switches, SwitchesPatch, Voucher, VoucherPatch,
+};
 
 const MIGRATIONS: &[(i64, &str)] = &[
     (1, include_str!("../../migrations/postgres/0001_init.sql")),
@@ -45,6 +47,7 @@ const MIGRATIONS: &[(i64, &str)] = &[
         5,
         include_str!("../../migrations/postgres/0005_voucher_limits.sql"),
     ),
+    (6, include_str!("../../migrations/postgres/0006_switches.sql")),
 ];
 
 /// Definitions applied on every start after the versioned migrations (each is `CREATE OR
@@ -368,6 +371,38 @@ impl Ledger for PostgresLedger {
             .iter()
             .map(reservation_from)
             .collect::<Result<_, _>>()?)
+    }
+
+    async fn switches(&self) -> Result<Switches, LedgerError> {
+        let (sales_paused, read_only): (bool, bool) =
+            sqlx::query_as("SELECT sales_paused, read_only FROM switches WHERE id = 1")
+                .fetch_one(&self.pool)
+                .await?;
+        Ok(Switches {
+            sales_paused,
+            read_only,
+        })
+    }
+
+    async fn set_switches(
+        &self,
+        patch: &SwitchesPatch,
+        now: Millis,
+    ) -> Result<Switches, LedgerError> {
+        let (sales_paused, read_only): (bool, bool) = sqlx::query_as(
+            "UPDATE switches SET sales_paused = COALESCE($1, sales_paused), \
+             read_only = COALESCE($2, read_only), updated_at = $3 WHERE id = 1 \
+             RETURNING sales_paused, read_only",
+        )
+        .bind(patch.sales_paused)
+        .bind(patch.read_only)
+        .bind(now)
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(Switches {
+            sales_paused,
+            read_only,
+        })
     }
 
     async fn won_orders(&self, code: &str) -> Result<Vec<(String, i64)>, LedgerError> {

@@ -28,7 +28,9 @@ use super::{
     LedgerError, Planned, Restock, LEASE_FILTER,
 };
 use crate::clock::Millis;
-use crate::domain::{Reservation, ReservationStatus, Voucher, VoucherPatch};
+use crate::domain::{
+    Reservation, ReservationStatus, Switches, SwitchesPatch, Voucher, VoucherPatch,
+};
 
 const MIGRATIONS: &[(i64, &str)] = &[
     (1, include_str!("../../migrations/sqlite/0001_init.sql")),
@@ -36,6 +38,7 @@ const MIGRATIONS: &[(i64, &str)] = &[
         2,
         include_str!("../../migrations/sqlite/0002_voucher_limits.sql"),
     ),
+    (3, include_str!("../../migrations/sqlite/0003_switches.sql")),
 ];
 
 pub struct SqliteLedger {
@@ -315,6 +318,38 @@ impl Ledger for SqliteLedger {
             .iter()
             .map(reservation_from)
             .collect::<Result<_, _>>()?)
+    }
+
+    async fn switches(&self) -> Result<Switches, LedgerError> {
+        let (sales_paused, read_only): (bool, bool) =
+            sqlx::query_as("SELECT sales_paused, read_only FROM switches WHERE id = 1")
+                .fetch_one(&self.reader)
+                .await?;
+        Ok(Switches {
+            sales_paused,
+            read_only,
+        })
+    }
+
+    async fn set_switches(
+        &self,
+        patch: &SwitchesPatch,
+        now: Millis,
+    ) -> Result<Switches, LedgerError> {
+        let (sales_paused, read_only): (bool, bool) = sqlx::query_as(
+            "UPDATE switches SET sales_paused = COALESCE(?, sales_paused), \
+             read_only = COALESCE(?, read_only), updated_at = ? WHERE id = 1 \
+             RETURNING sales_paused, read_only",
+        )
+        .bind(patch.sales_paused)
+        .bind(patch.read_only)
+        .bind(now)
+        .fetch_one(&self.writer)
+        .await?;
+        Ok(Switches {
+            sales_paused,
+            read_only,
+        })
     }
 
     async fn won_orders(&self, code: &str) -> Result<Vec<(String, i64)>, LedgerError> {

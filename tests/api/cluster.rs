@@ -963,3 +963,79 @@ async fn a_hung_postgres_link_turns_into_503s_and_recovers() {
     drop(proxy);
     proxy_rt.shutdown_background();
 }
+
+#[actix_web::test]
+#[cfg_attr(
+    any(no_test_pg, no_test_redis),
+    ignore = "needs TEST_DATABASE_URL and TEST_REDIS_URL; .ci/run sets them"
+)]
+async fn switches_reach_every_node_with_redis_and_without() {
+    let (Some(db), Some(redis)) = (fresh_pg_schema("switches").await, redis_url()) else {
+        return;
+    };
+    let proxy = Proxy::start(&host_port(&redis)).await;
+    let cluster = Cluster::start(3, &db, &via_port(&redis, proxy.port), &[]).await;
+    let code = code("SWCL");
+    cluster.create(&code, 1000, 1).await;
+    let bases = cluster.bases();
+    let warm = flood(&cluster.client, &bases, &[1, 1, 1], &code, 1..31, 8).await;
+    assert_eq!(count(&warm, 201), 30);
+    let put = |node: usize, body: Value| {
+        let (c, url) = (cluster.client.clone(), format!("{}/admin/switches", bases[node]));
+        async move { send(&c, "PUT", &url, Some(TOKEN), Some(&body)).await.0 }
+    };
+    let next = Cell::new(1000);
+    // Every node answers a new order `expected` (status, error).
+    let all_answer = |expected: (u16, &'static str)| {
+        let (c, code, bases, next) = (cluster.client.clone(), code.clone(), bases.clone(), &next);
+        async move {
+            for base in &bases {
+                next.set(next.get() + 1);
+                let n = next.get();
+                let a = try_reserve(&c, base, &code, n, &format!("{code}-s{n}")).await;
+                let got = a.as_ref().map(|(s, b)| (*s, b["error"].as_str().unwrap_or("")));
+                if got != Some(expected) {
+                    return false;
+                }
+            }
+            true
+        }
+    };
+
+    assert_eq!(put(0, json!({"salesPaused": true})).await, 200);
+    let started = Instant::now();
+    eventually("every node pauses (signal)", Duration::from_secs(10), || {
+        all_answer((422, "NOT_ELIGIBLE"))
+    })
+    .await;
+    let with_redis = started.elapsed();
+    // A retry of a stored order still gets its 201, on any node.
+    let (node, order, first) = &warm[0];
+    let customer: i64 = order.rsplit("-o").next().and_then(|i| i.parse().ok()).expect("customer");
+    let other = &bases[(node + 2) % 3];
+    assert_eq!(try_reserve(&cluster.client, other, &code, customer, order).await, first.clone());
+    assert_eq!(put(1, json!({"salesPaused": false})).await, 200);
+    eventually("every node sells again", Duration::from_secs(10), || all_answer((201, ""))).await;
+
+    // Without Redis the ledger carries the switch: every node reads it within its interval.
+    proxy.cut();
+    assert_eq!(put(2, json!({"readOnly": true})).await, 200);
+    let started = Instant::now();
+    eventually("every node is read-only (ledger)", Duration::from_secs(10), || {
+        all_answer((503, "UNAVAILABLE"))
+    })
+    .await;
+    let without_redis = started.elapsed();
+    eprintln!("switch reached every node in {with_redis:?} with Redis, {without_redis:?} without");
+    // Confirm and release keep working on every node.
+    for (i, (_, order, _)) in warm.iter().take(6).enumerate() {
+        let url = format!("{}/vouchers/{code}/reservations/{order}", bases[i % 3]);
+        let (method, url) = if i % 2 == 0 { ("POST", format!("{url}/confirm")) } else { ("DELETE", url) };
+        assert_eq!(send(&cluster.client, method, &url, None, None).await.0, 200, "{method} {url}");
+    }
+    assert_eq!(put(0, json!({"readOnly": false})).await, 200);
+    eventually("every node sells again", Duration::from_secs(10), || all_answer((201, ""))).await;
+    let v = cluster.admin(0, &code).await;
+    assert_eq!(v["balanced"], json!(true), "{v}");
+    assert_eq!((v["confirmed"].clone(), v["released"].clone()), (json!(3), json!(3)), "{v}");
+}

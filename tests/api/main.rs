@@ -13,3 +13,4 @@ mod hostile;
 mod ledger;
 mod lifecycle;
 mod proxy;
+mod switches;

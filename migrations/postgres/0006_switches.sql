@@ -1,0 +1,8 @@
+-- Emergency switches (DESIGN §6): one row, read by every node at least once a second.
+CREATE TABLE IF NOT EXISTS switches (
+    id           INTEGER PRIMARY KEY CHECK (id = 1),
+    sales_paused BOOLEAN NOT NULL DEFAULT FALSE,
+    read_only    BOOLEAN NOT NULL DEFAULT FALSE,
+    updated_at   BIGINT  NOT NULL DEFAULT 0
+);
+INSERT INTO switches (id) VALUES (1) ON CONFLICT DO NOTHING;

@@ -1,0 +1,117 @@
+//! The emergency switches (DESIGN §6): `PUT /admin/switches` stops every sale at once, or puts
+//! the service in read-only mode, held by the ledger and applied by every node.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::audit;
+use crate::helpers::{eventually, metric_sum, metrics_text, send, spawn_app, Answer, TestApp, TOKEN};
+
+async fn put(app: &TestApp, body: Value) -> Answer {
+    let url = format!("{}/admin/switches", app.base);
+    send(&app.client, "PUT", &url, Some(TOKEN), Some(&body)).await
+}
+
+fn error(a: &Answer) -> (u16, Option<&str>, Option<&str>) {
+    (a.0, a.1["error"].as_str(), a.1["reason"].as_str())
+}
+
+#[actix_web::test]
+async fn sales_paused_and_read_only_stop_new_sales_but_not_retries_confirm_or_release() {
+    let app = spawn_app().await;
+    assert_eq!(app.create_voucher("SW", 10, 3).await.0, 201);
+    assert_eq!(app.create_voucher("SWONE", 1, 1).await.0, 201);
+    let kept = app.reserve("SW", 1, "sw-1").await;
+    let to_confirm = app.reserve("SW", 2, "sw-2").await;
+    let to_release = app.reserve("SW", 3, "sw-3").await;
+    let winner = app.reserve("SWONE", 1, "one-1").await;
+    assert!([&kept, &to_confirm, &to_release, &winner].iter().all(|a| a.0 == 201));
+    // SWONE sells out: its late traffic is answered by the frontend's short-circuit.
+    assert_eq!(error(&app.reserve("SWONE", 2, "one-2").await).0, 409);
+
+    // Refused without the admin token or with a bad body: nothing changes.
+    let url = format!("{}/admin/switches", app.base);
+    let (s, _) = send(&app.client, "PUT", &url, None, Some(&json!({"salesPaused": true}))).await;
+    assert_eq!(s, 401);
+    assert_eq!(put(&app, json!({"salesPaused": "yes"})).await.0, 400);
+    assert_eq!(put(&app, json!({"paused": true})).await.0, 400);
+    let (s, b) = send(&app.client, "GET", &url, Some(TOKEN), None).await;
+    assert_eq!((s, b), (200, json!({"salesPaused": false, "readOnly": false})));
+
+    let (s, b) = put(&app, json!({"salesPaused": true})).await;
+    assert_eq!((s, b), (200, json!({"salesPaused": true, "readOnly": false})));
+    for (code, customer, order) in [("SW", 4, "sw-4"), ("SWONE", 3, "one-3"), ("SW", 1, "sw-1b")] {
+        assert_eq!(
+            error(&app.reserve(code, customer, order).await),
+            (422, Some("NOT_ELIGIBLE"), Some("PAUSED")),
+            "{code} {order}: a new order while sales are paused"
+        );
+    }
+    assert_eq!(app.reserve("SW", 1, "sw-1").await, kept, "a retry still gets its 201");
+    assert_eq!(app.reserve("SWONE", 1, "one-1").await, winner, "on the sold-out path too");
+    let (_, ready) = app.call("GET", "/health/ready").await;
+    assert_eq!(ready["salesPaused"], json!(true));
+    let m = metrics_text(&app.client, &app.base).await;
+    assert_eq!(metric_sum(&m, "vouchers_switch", &["switch=\"sales_paused\""]), 1.0);
+
+    // Read-only (one key changes, the other stays): new reserves 503, lifecycle goes on.
+    let (s, b) = put(&app, json!({"readOnly": true})).await;
+    assert_eq!((s, b), (200, json!({"salesPaused": true, "readOnly": true})));
+    assert_eq!(put(&app, json!({"salesPaused": false})).await.0, 200);
+    let refused = app.reserve("SW", 5, "sw-5").await;
+    assert_eq!(error(&refused), (503, Some("UNAVAILABLE"), None));
+    assert_eq!(error(&app.reserve("SWONE", 5, "one-5").await).0, 503);
+    assert_eq!(app.reserve("SW", 1, "sw-1").await, kept);
+    let one = |o: &str| format!("/vouchers/SW/reservations/{o}");
+    assert_eq!(app.call("POST", &format!("{}/confirm", one("sw-2"))).await.0, 200);
+    assert_eq!(app.call("DELETE", &one("sw-3")).await.0, 200);
+
+    assert_eq!(put(&app, json!({"readOnly": false})).await.0, 200);
+    assert_eq!(app.reserve("SW", 6, "sw-6").await.0, 201, "sales resume");
+    let books = audit::books(&app.db_url, "SW").await;
+    books.assert_balanced("SW");
+    assert_eq!(
+        (books.reserved, books.confirmed, books.released),
+        (2, 1, 1),
+        "sw-1 and sw-6 reserved, sw-2 confirmed, sw-3 released; nothing refused left a trace"
+    );
+}
+
+#[actix_web::test]
+async fn a_switch_set_behind_the_node_is_applied_from_the_ledger() {
+    // Another node set it and no signal came (no Redis here): the periodic read picks it up.
+    let app = spawn_app_with_fast_switches().await;
+    assert_eq!(app.create_voucher("SWL", 10, 1).await.0, 201);
+    let patch = vouchers::domain::SwitchesPatch {
+        sales_paused: Some(true),
+        read_only: None,
+    };
+    app.ledger.set_switches(&patch, app.engine.now_ms()).await.unwrap();
+    let started = Instant::now();
+    let mut n = 0;
+    let app = &app;
+    eventually("the node reads the switch", Duration::from_secs(10), || {
+        n += 1;
+        async move {
+            let a = app.reserve("SWL", n, format!("swl-{n}")).await;
+            error(&a) == (422, Some("NOT_ELIGIBLE"), Some("PAUSED"))
+        }
+    })
+    .await;
+    eprintln!("a switch set in the ledger was applied after {:?}", started.elapsed());
+}
+
+async fn spawn_app_with_fast_switches() -> TestApp {
+    crate::helpers::spawn_app_with(|s| s.jobs.switches_interval_ms = 100).await
+}
+
+#[actix_web::test]
+async fn the_switches_start_as_the_ledger_holds_them() {
+    let app = spawn_app().await;
+    assert_eq!(put(&app, json!({"readOnly": true})).await.0, 200);
+    // A second node on the same ledger starts read-only.
+    let url = app.db_url.clone();
+    let other = crate::helpers::spawn_app_with(move |s| s.ledger.url = url).await;
+    assert!(other.engine.switches().read_only);
+}
