@@ -110,6 +110,8 @@ pub struct EngineSettings {
     /// While reserves wait on this node, unknown codes get their `404` after this long (0: at
     /// once); see `EngineHandle::known`.
     pub unknown_code_tarpit_ms: u64,
+    /// Every node warms vouchers whose sale starts within this long (0: no pre-heat).
+    pub preheat_ms: i64,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -120,6 +122,8 @@ pub struct JobSettings {
     pub reconcile_interval_ms: u64,
     /// How often every node reads the emergency switches from the ledger.
     pub switches_interval_ms: u64,
+    /// How often every node looks for vouchers to pre-heat.
+    pub preheat_interval_ms: u64,
 }
 
 impl Settings {

@@ -221,7 +221,7 @@ pub const LEDGER_OPS: [&str; 8] = [
     "find_orders",
     "jobs",
 ];
-const SIGNAL_KINDS: [&str; 5] = ["SOLD_OUT", "RESTOCK", "RECALL", "UPDATED", "SWITCHES"];
+const SIGNAL_KINDS: [&str; 6] = ["SOLD_OUT", "RESTOCK", "RECALL", "UPDATED", "SWITCHES", "WARM"];
 
 /// Every counter and gauge of the catalogue exists from start-up at zero, so dashboards and
 /// alerts see a series (and a rate of zero) before the first event.

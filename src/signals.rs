@@ -1,4 +1,4 @@
-//! Cluster signals over Redis pub/sub: `SOLD_OUT`, `RESTOCK`, `RECALL`, `UPDATED`, and
+//! Cluster signals over Redis pub/sub: `SOLD_OUT`, `RESTOCK`, `RECALL`, `UPDATED`, `WARM`, and
 //! `SWITCHES` (on `vouchers:{~switches}:signal`).
 //!
 //! Signals are hints that make the cluster converge faster; correctness never depends on them.
@@ -31,6 +31,8 @@ pub enum Signal {
     Updated,
     /// The emergency switches changed: read them from the ledger.
     Switches,
+    /// An operator warmed the voucher: every node takes its first lease now.
+    Warm,
 }
 
 impl Signal {
@@ -41,6 +43,7 @@ impl Signal {
             Self::Recall => "RECALL",
             Self::Updated => "UPDATED",
             Self::Switches => "SWITCHES",
+            Self::Warm => "WARM",
         }
     }
 
@@ -51,6 +54,7 @@ impl Signal {
             "RECALL" => Some(Self::Recall),
             "UPDATED" => Some(Self::Updated),
             "SWITCHES" => Some(Self::Switches),
+            "WARM" => Some(Self::Warm),
             _ => None,
         }
     }
@@ -270,6 +274,7 @@ mod tests {
             Signal::Recall,
             Signal::Updated,
             Signal::Switches,
+            Signal::Warm,
         ] {
             assert_eq!(Signal::parse(s.as_str()), Some(s));
         }

@@ -327,7 +327,8 @@ pub async fn patch(
     Ok(HttpResponse::Ok().json(AdminView::from(&view)))
 }
 
-/// Start the voucher's actor on this node and take its first lease.
+/// Start the voucher's actor on this node and take its first lease; every other node does the
+/// same on the `WARM` signal.
 #[utoipa::path(
     post, operation_id = "warmVoucher", path = "/admin/vouchers/{code}/warm", tag = "admin",
     params(("code" = String, Path, description = "The voucher code", pattern = r"^[A-Za-z0-9_-]{1,32}$")),
@@ -344,7 +345,7 @@ pub async fn warm(
     authorize(&req, &state)?;
     let code = path.into_inner();
     check_code(&code)?;
-    state.engine.warm(&code).await?;
+    state.engine.warm_everywhere(&code).await?;
     Ok(HttpResponse::NoContent().finish())
 }
 

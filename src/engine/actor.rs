@@ -184,6 +184,9 @@ pub(crate) struct VoucherActor {
     committing: Vec<i64>,
     granting: bool,
     renewing: bool,
+    /// Warmed (by an operator or pre-heat): if the sale has not started, the lease is kept until
+    /// it does.
+    warmed: bool,
     /// A ledger lookup for reserves that arrived while the ledger had nothing is in flight; the
     /// next waiters go in the next lookup, so a dry spell costs one query at a time, not one per
     /// request.
@@ -229,6 +232,7 @@ impl VoucherActor {
             committing: Vec::new(),
             granting: false,
             renewing: false,
+            warmed: false,
             looking_up: false,
             free_hint: None,
             hold: None,
@@ -735,10 +739,20 @@ impl VoucherActor {
         }
         let core = self.core.clone();
         let s = &core.settings;
-        let idle = now - self.last_activity;
+        // A voucher warmed ahead of its start keeps its lease until then: idleness counts from
+        // the start.
+        let waiting_for_start = match (&self.voucher, self.warmed) {
+            (Some(v), true) => v.starts_at,
+            _ => Millis::MIN,
+        };
+        let idle = now - self.last_activity.max(waiting_for_start);
         // Reserves the frontend answered from the sold-out flag count as traffic: an actor whose
         // voucher is flooded after selling out stays, with its flag and winners.
-        let unseen = now - self.last_activity.max(self.shared.last_short_circuit());
+        let unseen = now
+            - self
+                .last_activity
+                .max(self.shared.last_short_circuit())
+                .max(waiting_for_start);
         if idle >= s.lease_idle_timeout_ms && self.committing.is_empty() && self.pending.is_empty()
         {
             self.give_back_leases(now, LeaseEvent::Returned, |_| false);
@@ -913,6 +927,7 @@ impl Handler<Warm> for VoucherActor {
 
     fn handle(&mut self, msg: Warm, ctx: &mut Context<Self>) {
         self.last_activity = self.now();
+        self.warmed = true;
         if self.missing {
             let _ = msg.0.send(Err(EngineError::NotFound));
             return;

@@ -678,6 +678,32 @@ impl EngineHandle {
         Ok(voucher)
     }
 
+    /// Warms the voucher on this node and tells every other node to do the same (`WARM`).
+    pub async fn warm_everywhere(&self, code: &str) -> Result<(), EngineError> {
+        self.warm(code).await?;
+        self.core.signals.publish(code, Signal::Warm);
+        Ok(())
+    }
+
+    /// Pre-heat: warms, on this node, every voucher whose sale starts within
+    /// `engine.preheat_ms`, so the first second of the sale is served from leases. Every node
+    /// runs it (jobs), so every node is warm. Returns how many vouchers it warmed.
+    pub async fn preheat(&self) -> Result<usize, EngineError> {
+        let lead = self.core.settings.preheat_ms;
+        if lead <= 0 {
+            return Ok(0);
+        }
+        let now = self.now_ms();
+        let codes = self.core.ledger.starting_between(now, now + lead).await?;
+        let warmed = futures_util::future::join_all(codes.iter().map(|c| self.warm(c))).await;
+        for (code, res) in codes.iter().zip(&warmed) {
+            if let Err(e) = res {
+                tracing::warn!(code = %code, error = %e, "pre-heat");
+            }
+        }
+        Ok(warmed.iter().filter(|r| r.is_ok()).count())
+    }
+
     /// Starts the voucher's actor on this node and waits until it holds its first lease.
     pub async fn warm(&self, code: &str) -> Result<(), EngineError> {
         if self.core.ledger.voucher(code).await?.is_none() {
@@ -708,6 +734,14 @@ impl EngineHandle {
                 if let Some(e) = self.core.registry.get(code) {
                     let _ = e.addr.try_send(Recall);
                 }
+            }
+            Signal::Warm => {
+                let (e, code) = (self.clone(), code.to_string());
+                tokio::spawn(async move {
+                    if let Err(err) = e.warm(&code).await {
+                        tracing::warn!(code = %code, error = %err, "warm on signal");
+                    }
+                });
             }
             Signal::Switches => {
                 let e = self.clone();

@@ -151,6 +151,11 @@ impl Ledger for Dedicated {
             .await
     }
 
+    async fn starting_between(&self, from: Millis, to: Millis) -> Result<Vec<String>, LedgerError> {
+        self.run(move |l| async move { l.starting_between(from, to).await })
+            .await
+    }
+
     async fn switches(&self) -> Result<Switches, LedgerError> {
         self.run(move |l| async move { l.switches().await }).await
     }

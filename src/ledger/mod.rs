@@ -246,6 +246,8 @@ pub trait Ledger: Send + Sync + 'static {
     async fn reap_expired(&self, now: Millis) -> Result<Vec<Restock>, LedgerError>;
     /// Counters of one voucher, with the reconciliation verdict.
     async fn counters(&self, code: &str) -> Result<Option<Counters>, LedgerError>;
+    /// Active vouchers whose sale starts after `from` and no later than `to` (pre-heat).
+    async fn starting_between(&self, from: Millis, to: Millis) -> Result<Vec<String>, LedgerError>;
     /// The emergency switches.
     async fn switches(&self) -> Result<Switches, LedgerError>;
     /// Changes the switches; returns them as they now are.

@@ -22,7 +22,7 @@ use sqlx::{Postgres, Row, Transaction};
 
 use super::rows::{
     group_restocks, reservation_from, voucher_from, LIVE_CODES_SQL, RESERVATION_COLUMNS,
-    limit_column, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
+    limit_column, STARTING_SQL, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
 };
 use super::{
     resolve_plan, Batch, BatchResults, Closing, Counters, Grant, Lease, Ledger, LedgerError,
@@ -371,6 +371,14 @@ impl Ledger for PostgresLedger {
             .iter()
             .map(reservation_from)
             .collect::<Result<_, _>>()?)
+    }
+
+    async fn starting_between(&self, from: Millis, to: Millis) -> Result<Vec<String>, LedgerError> {
+        Ok(sqlx::query_scalar(STARTING_SQL)
+            .bind(from)
+            .bind(to)
+            .fetch_all(&self.pool)
+            .await?)
     }
 
     async fn switches(&self) -> Result<Switches, LedgerError> {

@@ -15,6 +15,10 @@ pub const VOUCHER_COLUMNS: &str = "code, discount_amount, min_order_amount, tota
 /// Codes of vouchers whose window ends after `$1`.
 pub const LIVE_CODES_SQL: &str = "SELECT code FROM vouchers WHERE ends_at > $1 ORDER BY code";
 
+/// Active vouchers whose sale starts in `($1, $2]`, soonest first: the ones to pre-heat.
+pub const STARTING_SQL: &str = "SELECT code FROM vouchers WHERE status = 'ACTIVE' \
+     AND starts_at > $1 AND starts_at <= $2 ORDER BY starts_at LIMIT 1000";
+
 /// A voucher and the units still to be had: `free` plus the unused part of active leases.
 pub const VOUCHER_STOCK_SQL: &str = "SELECT code, discount_amount, min_order_amount, total_limit, \
      per_user_limit, starts_at, ends_at, status, customer_rate, customer_burst, admission_rate, CAST(free + COALESCE((SELECT SUM(l.granted - \

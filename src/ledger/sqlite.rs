@@ -20,7 +20,7 @@ use sqlx::sqlite::{
 
 use super::rows::{
     group_restocks, per_customer, reservation_from, voucher_from, LIVE_CODES_SQL,
-    limit_column, RESERVATION_COLUMNS, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
+    limit_column, STARTING_SQL, RESERVATION_COLUMNS, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
 };
 use super::sqlite_raw as raw;
 use super::{
@@ -318,6 +318,14 @@ impl Ledger for SqliteLedger {
             .iter()
             .map(reservation_from)
             .collect::<Result<_, _>>()?)
+    }
+
+    async fn starting_between(&self, from: Millis, to: Millis) -> Result<Vec<String>, LedgerError> {
+        Ok(sqlx::query_scalar(STARTING_SQL)
+            .bind(from)
+            .bind(to)
+            .fetch_all(&self.reader)
+            .await?)
     }
 
     async fn switches(&self) -> Result<Switches, LedgerError> {

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
 use futures_util::StreamExt;
+use chrono::Utc;
 use serde_json::{json, Value};
 
 use crate::helpers::{
@@ -1038,4 +1039,52 @@ async fn switches_reach_every_node_with_redis_and_without() {
     let v = cluster.admin(0, &code).await;
     assert_eq!(v["balanced"], json!(true), "{v}");
     assert_eq!((v["confirmed"].clone(), v["released"].clone()), (json!(3), json!(3)), "{v}");
+}
+
+#[actix_web::test]
+#[cfg_attr(
+    any(no_test_pg, no_test_redis),
+    ignore = "needs TEST_DATABASE_URL and TEST_REDIS_URL; .ci/run sets them"
+)]
+async fn every_node_is_warm_before_the_start_and_on_a_warm_up() {
+    let (Some(db), Some(redis)) = (fresh_pg_schema("preheat").await, redis_url()) else {
+        return;
+    };
+    let cluster = Cluster::start(3, &db, &redis, &[("VOUCHERS__JOBS__PREHEAT_INTERVAL_MS", "200")]).await;
+    let pg = cluster.pg().await;
+    // Whether all three nodes hold an active lease of the voucher.
+    let all_warm = |code: String| {
+        let pg = pg.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(DISTINCT node_id) FROM leases \
+                 WHERE voucher_code = $1 AND state = 'ACTIVE'",
+            )
+            .bind(code)
+            .fetch_one(&pg)
+            .await
+            .expect("count warm nodes")
+                == 3
+        }
+    };
+    // An operator's warm-up on one node reaches the others (WARM signal).
+    let warmup = code("WARMUP");
+    cluster.create(&warmup, 1000, 1).await;
+    let url = format!("{}/admin/vouchers/{warmup}/warm", cluster.base(0));
+    assert_eq!(send(&cluster.client, "POST", &url, Some(TOKEN), None).await.0, 204);
+    eventually("every node holds a lease", Duration::from_secs(10), || all_warm(warmup.clone())).await;
+
+    // A voucher starting in 10 s: every node warms it by itself before the start.
+    let soon = code("SOON");
+    let starts = Utc::now() + chrono::Duration::seconds(10);
+    let body = json!({"code": soon, "discountAmount": 100, "totalLimit": 1000, "perUserLimit": 1,
+                      "startsAt": starts.to_rfc3339(), "endsAt": "2099-01-01T00:00:00Z"});
+    let (s, b) = create_voucher(&cluster.client, &cluster.base(1), &body).await;
+    assert_eq!(s, 201, "{b}");
+    let deadline = (starts - Utc::now()).to_std().unwrap_or_default();
+    let started = Instant::now();
+    eventually("every node warm before the start", deadline, || all_warm(soon.clone())).await;
+    eprintln!("pre-heat: every node held a lease {:?} after the create, {deadline:?} before the start", started.elapsed());
+    let (s, b) = try_reserve(&cluster.client, &cluster.base(2), &soon, 1, "early").await.expect("answered");
+    assert_eq!((s, b["reason"].as_str()), (422, Some("NOT_STARTED")));
 }

@@ -12,5 +12,6 @@ mod helpers;
 mod hostile;
 mod ledger;
 mod lifecycle;
+mod preheat;
 mod proxy;
 mod switches;
