@@ -29,7 +29,10 @@ impl Clock for SystemClock {
 
     fn monotonic_ms(&self) -> Millis {
         static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
-        START.get_or_init(std::time::Instant::now).elapsed().as_millis() as Millis
+        START
+            .get_or_init(std::time::Instant::now)
+            .elapsed()
+            .as_millis() as Millis
     }
 }
 

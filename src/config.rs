@@ -122,6 +122,8 @@ pub struct JobSettings {
     pub reconcile_interval_ms: u64,
     /// How often every node reads the emergency switches from the ledger.
     pub switches_interval_ms: u64,
+    /// How often every node refreshes the live per-voucher numbers (`vouchers_units`).
+    pub live_numbers_interval_ms: u64,
     /// How often every node looks for vouchers to pre-heat.
     pub preheat_interval_ms: u64,
 }

@@ -1,5 +1,5 @@
 //! Background jobs: expiry of unconfirmed reservations, the lease reaper, the reconciler, the
-//! emergency switches' refresh, pre-heat, and the rate limiters' upkeep.
+//! emergency switches' refresh, the live numbers, pre-heat, and the rate limiters' upkeep.
 //! Each is a loop around one [`EngineHandle`] call whose ledger statement is safe to run on every
 //! node at once (status-guarded updates), so no leader is needed.
 
@@ -67,6 +67,16 @@ pub fn start(engine: &EngineHandle, s: &JobSettings) -> Jobs {
         }
     });
     let e = engine.clone();
+    let live = every(s.live_numbers_interval_ms, move || {
+        let e = e.clone();
+        async move {
+            if let Err(err) = e.live_numbers().await {
+                crate::metrics::ledger_error("jobs");
+                tracing::warn!(error = %err, "live numbers failed");
+            }
+        }
+    });
+    let e = engine.clone();
     let preheat = every(s.preheat_interval_ms, move || {
         let e = e.clone();
         async move {
@@ -81,7 +91,9 @@ pub fn start(engine: &EngineHandle, s: &JobSettings) -> Jobs {
         e.limits_upkeep();
         async {}
     });
-    Jobs(vec![expiry, reaper, reconciler, switches, preheat, limits])
+    Jobs(vec![
+        expiry, reaper, reconciler, switches, live, preheat, limits,
+    ])
 }
 
 fn every<F, Fut>(ms: u64, mut run: F) -> tokio::task::JoinHandle<()>

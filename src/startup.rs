@@ -106,7 +106,12 @@ impl Application {
                 "a shared ledger needs one admin token for every node: set VOUCHERS__ADMIN__TOKEN"
             );
         }
-        if settings.http.checkout_tokens.iter().any(|t| t.trim().is_empty()) {
+        if settings
+            .http
+            .checkout_tokens
+            .iter()
+            .any(|t| t.trim().is_empty())
+        {
             anyhow::bail!("http.checkout_tokens holds an empty token, which would open the routes");
         }
         let admin_token = if settings.admin.token.is_empty() {

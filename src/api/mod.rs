@@ -172,9 +172,10 @@ pub fn app(
     actix_web::App::new()
         .app_data(web::Data::new(state))
         // A path segment that does not decode gets the contract's 400, not actix's plain text.
-        .app_data(web::PathConfig::default().error_handler(|e, _| {
-            ApiError::invalid(format!("invalid path: {e}")).into()
-        }))
+        .app_data(
+            web::PathConfig::default()
+                .error_handler(|e, _| ApiError::invalid(format!("invalid path: {e}")).into()),
+        )
         .configure(configure)
         .default_service(web::to(|| async {
             ApiError::NotFound.error_response_owned()

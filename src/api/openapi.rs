@@ -83,18 +83,30 @@ impl Modify for CommonErrors {
                         .or_insert_with(|| error_response(description, retry_after).into());
                 };
                 if path.contains("{code}") {
-                    add("400", "INVALID_REQUEST: a malformed code, order id or body", false);
+                    add(
+                        "400",
+                        "INVALID_REQUEST: a malformed code, order id or body",
+                        false,
+                    );
                     add("404", "NOT_FOUND: no such voucher (or reservation)", false);
                 }
                 if op.request_body.is_some() {
-                    add("400", "INVALID_REQUEST: a malformed code, order id or body", false);
+                    add(
+                        "400",
+                        "INVALID_REQUEST: a malformed code, order id or body",
+                        false,
+                    );
                     add("413", "PAYLOAD_TOO_LARGE", false);
                 }
                 if path.starts_with("/admin/") {
                     add("401", "UNAUTHORIZED: missing or wrong admin token", false);
                 }
                 if path.starts_with("/vouchers/{code}/reservations") {
-                    add("401", "UNAUTHORIZED: checkout tokens are configured and none was given", false);
+                    add(
+                        "401",
+                        "UNAUTHORIZED: checkout tokens are configured and none was given",
+                        false,
+                    );
                 }
                 if path.starts_with("/vouchers/") || path.starts_with("/admin/") {
                     add("503", "UNAVAILABLE: the ledger cannot be reached now", true);
@@ -183,6 +195,9 @@ mod tests {
                 checked += 1;
             }
         }
-        assert_eq!(checked, 15, "every operation of DESIGN §6 that exists is documented");
+        assert_eq!(
+            checked, 15,
+            "every operation of DESIGN §6 that exists is documented"
+        );
     }
 }

@@ -125,7 +125,6 @@ const RECALL_PROBE_MS: i64 = 50;
 /// How often an actor waiting for units repeats its RECALL.
 const RECALL_REPEAT_MS: i64 = 100;
 
-
 struct Pending {
     req: ReserveRequest,
     reply: oneshot::Sender<Reply>,

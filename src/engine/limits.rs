@@ -124,7 +124,11 @@ impl<K: Hash + Eq + Clone> Bounded<K> {
         *self.inner.write().unwrap_or_else(|e| e.into_inner()) =
             RateLimiter::dashmap_with_clock(self.quota, self.clock.clone());
         m::rate_limit_reset(self.limiter.label());
-        tracing::warn!(limiter = self.limiter.label(), max_keys = self.max_keys, "rate limiter full: started over");
+        tracing::warn!(
+            limiter = self.limiter.label(),
+            max_keys = self.max_keys,
+            "rate limiter full: started over"
+        );
     }
 
     /// Drops keys that refilled (periodic, so an idle node gives the memory back).
@@ -152,7 +156,9 @@ pub(crate) struct OwnLimits {
 
 impl std::fmt::Debug for OwnLimits {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("OwnLimits").field("spec", &self.spec).finish()
+        f.debug_struct("OwnLimits")
+            .field("spec", &self.spec)
+            .finish()
     }
 }
 
@@ -196,13 +202,14 @@ impl RateLimits {
             return None;
         }
         let s = &self.settings;
-        let customer = (spec.customer_per_sec.is_some() || spec.customer_burst.is_some()).then(|| {
-            quota(
-                spec.customer_per_sec.unwrap_or(s.per_customer_per_sec),
-                spec.customer_burst.unwrap_or(s.per_customer_burst),
-            )
-            .map(|q| Bounded::new(Limiter::Customer, q, &self.clock, s.max_keys))
-        });
+        let customer =
+            (spec.customer_per_sec.is_some() || spec.customer_burst.is_some()).then(|| {
+                quota(
+                    spec.customer_per_sec.unwrap_or(s.per_customer_per_sec),
+                    spec.customer_burst.unwrap_or(s.per_customer_burst),
+                )
+                .map(|q| Bounded::new(Limiter::Customer, q, &self.clock, s.max_keys))
+            });
         let admission = spec.admission_per_sec.map(|rate| {
             quota(rate, rate).map(|q| RateLimiter::direct_with_clock(q, self.clock.clone()))
         });
@@ -341,7 +348,10 @@ mod tests {
         assert_eq!(limits.address(host(1)), Ok(()));
         assert_eq!(limits.address(host(2)), Ok(()));
         assert!(limits.address(host(3)).is_err(), "same /64");
-        assert_eq!(limits.address(IpAddr::from([0x2001, 0xdb8, 0, 2, 0, 0, 0, 1])), Ok(()));
+        assert_eq!(
+            limits.address(IpAddr::from([0x2001, 0xdb8, 0, 2, 0, 0, 0, 1])),
+            Ok(())
+        );
     }
 
     #[test]
@@ -360,7 +370,10 @@ mod tests {
         assert!(limits.customer(1, 7, Some(&tight)).is_err(), "burst of 1");
         assert_eq!(limits.admit(None, Some(&tight)), Ok(()));
         assert_eq!(limits.admit(None, Some(&tight)), Ok(()));
-        assert!(limits.admit(None, Some(&tight)).is_err(), "2 a second, burst 2");
+        assert!(
+            limits.admit(None, Some(&tight)).is_err(),
+            "2 a second, burst 2"
+        );
         let off = limits
             .own(VoucherLimits {
                 customer_per_sec: Some(0),

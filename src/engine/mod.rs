@@ -34,9 +34,9 @@ use crate::domain::{
 use crate::ledger::{Counters, LedgerError, Restock, SharedLedger};
 use crate::metrics::{self as m, Outcome};
 use crate::signals::{Publisher, Signal};
+use actor::{Drain, Recall, Reload, Reserve, Restocked, SoldOutElsewhere, VoucherActor, Warm};
 use known::{Known, KnownCodes};
 use limits::{Limited, RateLimits};
-use actor::{Drain, Recall, Reload, Reserve, Restocked, SoldOutElsewhere, VoucherActor, Warm};
 use sizing::SizingParams;
 use soldout::{SoldOutVerdict, VoucherShared};
 
@@ -515,12 +515,16 @@ impl EngineHandle {
             SoldOutVerdict::NotEligible(Ineligible::MinOrderAmount) => {
                 Err(EngineError::NotEligible(Ineligible::MinOrderAmount))
             }
-            SoldOutVerdict::NotEligible(_) | SoldOutVerdict::AlreadyUsed | SoldOutVerdict::OutOfStock
+            SoldOutVerdict::NotEligible(_)
+            | SoldOutVerdict::AlreadyUsed
+            | SoldOutVerdict::OutOfStock
                 if stop == Stop::ReadOnly =>
             {
                 Err(EngineError::Unavailable)
             }
-            SoldOutVerdict::AlreadyUsed | SoldOutVerdict::OutOfStock if stop == Stop::SalesPaused => {
+            SoldOutVerdict::AlreadyUsed | SoldOutVerdict::OutOfStock
+                if stop == Stop::SalesPaused =>
+            {
                 Err(EngineError::NotEligible(Ineligible::Paused))
             }
             SoldOutVerdict::OutOfStock => Err(EngineError::OutOfStock),
@@ -807,8 +811,14 @@ impl EngineHandle {
     pub async fn set_switches(&self, patch: &SwitchesPatch) -> Result<Switches, EngineError> {
         let s = self.core.ledger.set_switches(patch, self.now_ms()).await?;
         self.core.apply_switches(s);
-        tracing::warn!(sales_paused = s.sales_paused, read_only = s.read_only, "switches set");
-        self.core.signals.publish(SWITCHES_CHANNEL, Signal::Switches);
+        tracing::warn!(
+            sales_paused = s.sales_paused,
+            read_only = s.read_only,
+            "switches set"
+        );
+        self.core
+            .signals
+            .publish(SWITCHES_CHANNEL, Signal::Switches);
         Ok(s)
     }
 
@@ -817,6 +827,25 @@ impl EngineHandle {
         let s = self.core.ledger.switches().await?;
         self.core.apply_switches(s);
         Ok(s)
+    }
+
+    /// Live numbers: the units of every voucher hot on this node whose sale has started, from its
+    /// row and leases (no scan of its reservations), into `vouchers_units`. Vouchers not yet
+    /// started are never exported: their codes are the secret of an unannounced sale.
+    pub async fn live_numbers(&self) -> Result<usize, EngineError> {
+        let codes: Vec<String> = self.core.registry.iter().map(|e| e.key().clone()).collect();
+        if codes.is_empty() {
+            return Ok(0);
+        }
+        let now = self.now_ms();
+        let mut n = 0;
+        for u in self.core.ledger.live_units(&codes).await? {
+            if u.starts_at <= now {
+                m::live_units(&u);
+                n += 1;
+            }
+        }
+        Ok(n)
     }
 
     /// Rate limiters drop the keys that refilled.
@@ -875,9 +904,21 @@ impl EngineHandle {
     pub async fn reconcile(&self) -> Result<Vec<String>, EngineError> {
         let ending_after = self.now_ms() - self.core.settings.reservation_ttl_ms - 60_000;
         let mut unbalanced = Vec::new();
+        let now = self.now_ms();
         for code in self.core.ledger.voucher_codes(ending_after).await? {
             if let Some(c) = self.core.ledger.counters(&code).await? {
-                m::voucher_units(&code, &c);
+                // Not exported before the sale starts (see `live_numbers`).
+                let started = self
+                    .core
+                    .ledger
+                    .voucher(&code)
+                    .await?
+                    .is_some_and(|v| v.starts_at <= now);
+                if started {
+                    m::voucher_units(&code, &c);
+                } else if !c.balanced {
+                    m::reconcile_mismatch();
+                }
                 if !c.balanced {
                     tracing::error!(code = %code, counters = ?c, "ledger does not balance");
                     unbalanced.push(code);

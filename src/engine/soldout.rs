@@ -9,8 +9,8 @@ use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
-use crate::clock::Millis;
 use super::limits::OwnLimits;
+use crate::clock::Millis;
 use crate::domain::{Ineligible, ReserveRequest, Voucher, VoucherLimits};
 
 /// Shared between a voucher's actor (writer) and the frontend (reader).
@@ -161,7 +161,8 @@ impl VoucherShared {
 
     /// The limits the voucher's own limiters were made from (the default when it has none).
     pub(crate) fn own_limits_spec(&self) -> VoucherLimits {
-        self.own_limits().map_or_else(VoucherLimits::default, |o| o.spec())
+        self.own_limits()
+            .map_or_else(VoucherLimits::default, |o| o.spec())
     }
 
     pub(crate) fn set_own_limits(&self, own: Option<OwnLimits>) {
@@ -202,7 +203,10 @@ impl VoucherShared {
     /// DESIGN §4's precedence for a reserve of a sold-out voucher, as far as memory can tell.
     pub fn sold_out_verdict(&self, now: Millis, req: &ReserveRequest) -> SoldOutVerdict {
         let voucher = self.voucher();
-        if voucher.as_ref().is_some_and(|v| v.refuses_amount(req.order_amount)) {
+        if voucher
+            .as_ref()
+            .is_some_and(|v| v.refuses_amount(req.order_amount))
+        {
             return SoldOutVerdict::NotEligible(Ineligible::MinOrderAmount);
         }
         let won = self.won.read().unwrap_or_else(|e| e.into_inner());

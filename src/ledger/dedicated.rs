@@ -14,7 +14,8 @@ use tokio::runtime::Handle;
 
 use super::committer::Committer;
 use super::{
-    Batch, BatchResults, Counters, Grant, Ledger, LedgerError, Restock, RowOutcome, SharedLedger,
+    Batch, BatchResults, Counters, Grant, Ledger, LedgerError, LiveUnits, Restock, RowOutcome,
+    SharedLedger,
 };
 use crate::clock::Millis;
 use crate::domain::{Reservation, Switches, SwitchesPatch, Voucher, VoucherPatch};
@@ -148,6 +149,12 @@ impl Ledger for Dedicated {
     async fn find_orders(&self, order_ids: &[String]) -> Result<Vec<Reservation>, LedgerError> {
         let ids = order_ids.to_vec();
         self.run(move |l| async move { l.find_orders(&ids).await })
+            .await
+    }
+
+    async fn live_units(&self, codes: &[String]) -> Result<Vec<LiveUnits>, LedgerError> {
+        let codes = codes.to_vec();
+        self.run(move |l| async move { l.live_units(&codes).await })
             .await
     }
 

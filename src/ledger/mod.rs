@@ -114,6 +114,20 @@ pub struct Counters {
     pub balanced: bool,
 }
 
+/// A voucher's units as its row and its leases say now, without scanning its reservations: the
+/// live numbers of the dashboard (the reconciler recomputes everything, less often).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveUnits {
+    pub code: String,
+    pub starts_at: Millis,
+    pub total_limit: i64,
+    pub free: i64,
+    pub leased_unused: i64,
+    pub reserved: i64,
+    pub confirmed: i64,
+    pub released: i64,
+}
+
 /// Which ACTIVE leases a close (return or reap) applies to.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Closing<'a> {
@@ -246,6 +260,8 @@ pub trait Ledger: Send + Sync + 'static {
     async fn reap_expired(&self, now: Millis) -> Result<Vec<Restock>, LedgerError>;
     /// Counters of one voucher, with the reconciliation verdict.
     async fn counters(&self, code: &str) -> Result<Option<Counters>, LedgerError>;
+    /// The live numbers of these vouchers (see [`LiveUnits`]).
+    async fn live_units(&self, codes: &[String]) -> Result<Vec<LiveUnits>, LedgerError>;
     /// Active vouchers whose sale starts after `from` and no later than `to` (pre-heat).
     async fn starting_between(&self, from: Millis, to: Millis) -> Result<Vec<String>, LedgerError>;
     /// The emergency switches.
@@ -594,7 +610,10 @@ mod tests {
         let at = |now| plan_batch("V", &rows, &existing, &HashMap::new(), 5, None, now);
         assert!(matches!(at(999)[0], Planned::Replay(_)));
         assert_eq!(at(1_000)[0], Planned::AlreadyUsed, "expired at 1000");
-        assert!(matches!(at(1_000)[1], Planned::Replay(_)), "a confirmed one never expires");
+        assert!(
+            matches!(at(1_000)[1], Planned::Replay(_)),
+            "a confirmed one never expires"
+        );
     }
 
     #[test]

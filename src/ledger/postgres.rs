@@ -21,12 +21,12 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{Postgres, Row, Transaction};
 
 use super::rows::{
-    group_restocks, reservation_from, voucher_from, LIVE_CODES_SQL, RESERVATION_COLUMNS,
-    limit_column, STARTING_SQL, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
+    group_restocks, limit_column, reservation_from, voucher_from, LIVE_CODES_SQL,
+    RESERVATION_COLUMNS, STARTING_SQL, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
 };
 use super::{
     resolve_plan, Batch, BatchResults, Closing, Counters, Grant, Lease, Ledger, LedgerError,
-    Planned, Restock, RowOutcome, LEASE_FILTER,
+    LiveUnits, Planned, Restock, RowOutcome, LEASE_FILTER,
 };
 use crate::clock::Millis;
 use crate::domain::{
@@ -47,7 +47,10 @@ const MIGRATIONS: &[(i64, &str)] = &[
         5,
         include_str!("../../migrations/postgres/0005_voucher_limits.sql"),
     ),
-    (6, include_str!("../../migrations/postgres/0006_switches.sql")),
+    (
+        6,
+        include_str!("../../migrations/postgres/0006_switches.sql"),
+    ),
 ];
 
 /// Definitions applied on every start after the versioned migrations (each is `CREATE OR
@@ -371,6 +374,23 @@ impl Ledger for PostgresLedger {
             .iter()
             .map(reservation_from)
             .collect::<Result<_, _>>()?)
+    }
+
+    async fn live_units(&self, codes: &[String]) -> Result<Vec<LiveUnits>, LedgerError> {
+        // `reserved` is derived from the leases (see the migration): units batches took, less
+        // those confirmed or released since.
+        let rows: Vec<(String, i64, i64, i64, i64, i64, i64, i64)> = sqlx::query_as(
+            "SELECT v.code, v.starts_at, v.total_limit, v.free, \
+             COALESCE(SUM(l.granted - l.consumed) FILTER (WHERE l.state = 'ACTIVE'), 0)::BIGINT, \
+             (COALESCE(SUM(l.consumed), 0) - v.confirmed - v.released)::BIGINT, \
+             v.confirmed, v.released \
+             FROM vouchers v LEFT JOIN leases l ON l.voucher_code = v.code \
+             WHERE v.code = ANY ($1) GROUP BY v.code",
+        )
+        .bind(codes)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows.into_iter().map(super::rows::live_units_from).collect())
     }
 
     async fn starting_between(&self, from: Millis, to: Millis) -> Result<Vec<String>, LedgerError> {

@@ -75,6 +75,32 @@ where
     })
 }
 
+/// A [`LiveUnits`](super::LiveUnits) from its query's row: code, starts_at, total, free,
+/// leased unused, reserved, confirmed, released.
+pub fn live_units_from(
+    (code, starts_at, total_limit, free, leased_unused, reserved, confirmed, released): (
+        String,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+    ),
+) -> super::LiveUnits {
+    super::LiveUnits {
+        code,
+        starts_at,
+        total_limit,
+        free,
+        leased_unused,
+        reserved,
+        confirmed,
+        released,
+    }
+}
+
 /// A limit as its column stores it (the API caps limits far below `i32::MAX`).
 pub fn limit_column(v: Option<u32>) -> Option<i32> {
     v.map(|n| n.min(i32::MAX as u32) as i32)

@@ -19,13 +19,13 @@ use sqlx::sqlite::{
 };
 
 use super::rows::{
-    group_restocks, per_customer, reservation_from, voucher_from, LIVE_CODES_SQL,
-    limit_column, STARTING_SQL, RESERVATION_COLUMNS, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
+    group_restocks, limit_column, per_customer, reservation_from, voucher_from, LIVE_CODES_SQL,
+    RESERVATION_COLUMNS, STARTING_SQL, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
 };
 use super::sqlite_raw as raw;
 use super::{
     plan_batch, resolve_plan, Batch, BatchResults, Closing, Counters, Grant, Lease, Ledger,
-    LedgerError, Planned, Restock, LEASE_FILTER,
+    LedgerError, LiveUnits, Planned, Restock, LEASE_FILTER,
 };
 use crate::clock::Millis;
 use crate::domain::{
@@ -318,6 +318,20 @@ impl Ledger for SqliteLedger {
             .iter()
             .map(reservation_from)
             .collect::<Result<_, _>>()?)
+    }
+
+    async fn live_units(&self, codes: &[String]) -> Result<Vec<LiveUnits>, LedgerError> {
+        let rows: Vec<(String, i64, i64, i64, i64, i64, i64, i64)> = sqlx::query_as(
+            "SELECT v.code, v.starts_at, v.total_limit, v.free, \
+             COALESCE((SELECT SUM(l.granted - l.consumed) FROM leases l \
+                       WHERE l.voucher_code = v.code AND l.state = 'ACTIVE'), 0), \
+             v.reserved, v.confirmed, v.released \
+             FROM vouchers v WHERE v.code IN (SELECT value FROM json_each(?))",
+        )
+        .bind(json_list(codes))
+        .fetch_all(&self.reader)
+        .await?;
+        Ok(rows.into_iter().map(super::rows::live_units_from).collect())
     }
 
     async fn starting_between(&self, from: Millis, to: Millis) -> Result<Vec<String>, LedgerError> {

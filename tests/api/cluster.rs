@@ -6,9 +6,9 @@ use std::cell::Cell;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
+use chrono::Utc;
 use futures_util::future::join_all;
 use futures_util::StreamExt;
-use chrono::Utc;
 use serde_json::{json, Value};
 
 use crate::helpers::{
@@ -84,10 +84,14 @@ impl Cluster {
         // (engine.known_codes_refresh_ms); until then it answers 404 from memory.
         for node in 0..self.nodes.len() {
             let url = format!("{}/vouchers/{code}", self.base(node));
-            eventually("every node knows the new code", Duration::from_secs(10), || {
-                let url = url.clone();
-                async move { send(&self.client, "GET", &url, None, None).await.0 == 200 }
-            })
+            eventually(
+                "every node knows the new code",
+                Duration::from_secs(10),
+                || {
+                    let url = url.clone();
+                    async move { send(&self.client, "GET", &url, None, None).await.0 == 200 }
+                },
+            )
             .await;
         }
     }
@@ -602,7 +606,11 @@ async fn pausing_on_one_node_stops_every_node() {
     // one that took it.
     for (node, order, a) in &warm {
         let original = a.clone().expect("answered");
-        let customer: i64 = order.rsplit("-o").next().and_then(|i| i.parse().ok()).expect("customer");
+        let customer: i64 = order
+            .rsplit("-o")
+            .next()
+            .and_then(|i| i.parse().ok())
+            .expect("customer");
         let other = bases[(node + 1) % bases.len()].clone();
         assert_eq!(
             try_reserve(&cluster.client, &other, &code, customer, order).await,
@@ -982,7 +990,10 @@ async fn switches_reach_every_node_with_redis_and_without() {
     let warm = flood(&cluster.client, &bases, &[1, 1, 1], &code, 1..31, 8).await;
     assert_eq!(count(&warm, 201), 30);
     let put = |node: usize, body: Value| {
-        let (c, url) = (cluster.client.clone(), format!("{}/admin/switches", bases[node]));
+        let (c, url) = (
+            cluster.client.clone(),
+            format!("{}/admin/switches", bases[node]),
+        );
         async move { send(&c, "PUT", &url, Some(TOKEN), Some(&body)).await.0 }
     };
     let next = Cell::new(1000);
@@ -994,7 +1005,9 @@ async fn switches_reach_every_node_with_redis_and_without() {
                 next.set(next.get() + 1);
                 let n = next.get();
                 let a = try_reserve(&c, base, &code, n, &format!("{code}-s{n}")).await;
-                let got = a.as_ref().map(|(s, b)| (*s, b["error"].as_str().unwrap_or("")));
+                let got = a
+                    .as_ref()
+                    .map(|(s, b)| (*s, b["error"].as_str().unwrap_or("")));
                 if got != Some(expected) {
                     return false;
                 }
@@ -1005,40 +1018,69 @@ async fn switches_reach_every_node_with_redis_and_without() {
 
     assert_eq!(put(0, json!({"salesPaused": true})).await, 200);
     let started = Instant::now();
-    eventually("every node pauses (signal)", Duration::from_secs(10), || {
-        all_answer((422, "NOT_ELIGIBLE"))
-    })
+    eventually(
+        "every node pauses (signal)",
+        Duration::from_secs(10),
+        || all_answer((422, "NOT_ELIGIBLE")),
+    )
     .await;
     let with_redis = started.elapsed();
     // A retry of a stored order still gets its 201, on any node.
     let (node, order, first) = &warm[0];
-    let customer: i64 = order.rsplit("-o").next().and_then(|i| i.parse().ok()).expect("customer");
+    let customer: i64 = order
+        .rsplit("-o")
+        .next()
+        .and_then(|i| i.parse().ok())
+        .expect("customer");
     let other = &bases[(node + 2) % 3];
-    assert_eq!(try_reserve(&cluster.client, other, &code, customer, order).await, first.clone());
+    assert_eq!(
+        try_reserve(&cluster.client, other, &code, customer, order).await,
+        first.clone()
+    );
     assert_eq!(put(1, json!({"salesPaused": false})).await, 200);
-    eventually("every node sells again", Duration::from_secs(10), || all_answer((201, ""))).await;
+    eventually("every node sells again", Duration::from_secs(10), || {
+        all_answer((201, ""))
+    })
+    .await;
 
     // Without Redis the ledger carries the switch: every node reads it within its interval.
     proxy.cut();
     assert_eq!(put(2, json!({"readOnly": true})).await, 200);
     let started = Instant::now();
-    eventually("every node is read-only (ledger)", Duration::from_secs(10), || {
-        all_answer((503, "UNAVAILABLE"))
-    })
+    eventually(
+        "every node is read-only (ledger)",
+        Duration::from_secs(10),
+        || all_answer((503, "UNAVAILABLE")),
+    )
     .await;
     let without_redis = started.elapsed();
     eprintln!("switch reached every node in {with_redis:?} with Redis, {without_redis:?} without");
     // Confirm and release keep working on every node.
     for (i, (_, order, _)) in warm.iter().take(6).enumerate() {
         let url = format!("{}/vouchers/{code}/reservations/{order}", bases[i % 3]);
-        let (method, url) = if i % 2 == 0 { ("POST", format!("{url}/confirm")) } else { ("DELETE", url) };
-        assert_eq!(send(&cluster.client, method, &url, None, None).await.0, 200, "{method} {url}");
+        let (method, url) = if i % 2 == 0 {
+            ("POST", format!("{url}/confirm"))
+        } else {
+            ("DELETE", url)
+        };
+        assert_eq!(
+            send(&cluster.client, method, &url, None, None).await.0,
+            200,
+            "{method} {url}"
+        );
     }
     assert_eq!(put(0, json!({"readOnly": false})).await, 200);
-    eventually("every node sells again", Duration::from_secs(10), || all_answer((201, ""))).await;
+    eventually("every node sells again", Duration::from_secs(10), || {
+        all_answer((201, ""))
+    })
+    .await;
     let v = cluster.admin(0, &code).await;
     assert_eq!(v["balanced"], json!(true), "{v}");
-    assert_eq!((v["confirmed"].clone(), v["released"].clone()), (json!(3), json!(3)), "{v}");
+    assert_eq!(
+        (v["confirmed"].clone(), v["released"].clone()),
+        (json!(3), json!(3)),
+        "{v}"
+    );
 }
 
 #[actix_web::test]
@@ -1050,7 +1092,13 @@ async fn every_node_is_warm_before_the_start_and_on_a_warm_up() {
     let (Some(db), Some(redis)) = (fresh_pg_schema("preheat").await, redis_url()) else {
         return;
     };
-    let cluster = Cluster::start(3, &db, &redis, &[("VOUCHERS__JOBS__PREHEAT_INTERVAL_MS", "200")]).await;
+    let cluster = Cluster::start(
+        3,
+        &db,
+        &redis,
+        &[("VOUCHERS__JOBS__PREHEAT_INTERVAL_MS", "200")],
+    )
+    .await;
     let pg = cluster.pg().await;
     // Whether all three nodes hold an active lease of the voucher.
     let all_warm = |code: String| {
@@ -1071,8 +1119,16 @@ async fn every_node_is_warm_before_the_start_and_on_a_warm_up() {
     let warmup = code("WARMUP");
     cluster.create(&warmup, 1000, 1).await;
     let url = format!("{}/admin/vouchers/{warmup}/warm", cluster.base(0));
-    assert_eq!(send(&cluster.client, "POST", &url, Some(TOKEN), None).await.0, 204);
-    eventually("every node holds a lease", Duration::from_secs(10), || all_warm(warmup.clone())).await;
+    assert_eq!(
+        send(&cluster.client, "POST", &url, Some(TOKEN), None)
+            .await
+            .0,
+        204
+    );
+    eventually("every node holds a lease", Duration::from_secs(10), || {
+        all_warm(warmup.clone())
+    })
+    .await;
 
     // A voucher starting in 10 s: every node warms it by itself before the start.
     let soon = code("SOON");
@@ -1083,8 +1139,16 @@ async fn every_node_is_warm_before_the_start_and_on_a_warm_up() {
     assert_eq!(s, 201, "{b}");
     let deadline = (starts - Utc::now()).to_std().unwrap_or_default();
     let started = Instant::now();
-    eventually("every node warm before the start", deadline, || all_warm(soon.clone())).await;
-    eprintln!("pre-heat: every node held a lease {:?} after the create, {deadline:?} before the start", started.elapsed());
-    let (s, b) = try_reserve(&cluster.client, &cluster.base(2), &soon, 1, "early").await.expect("answered");
+    eventually("every node warm before the start", deadline, || {
+        all_warm(soon.clone())
+    })
+    .await;
+    eprintln!(
+        "pre-heat: every node held a lease {:?} after the create, {deadline:?} before the start",
+        started.elapsed()
+    );
+    let (s, b) = try_reserve(&cluster.client, &cluster.base(2), &soon, 1, "early")
+        .await
+        .expect("answered");
     assert_eq!((s, b["reason"].as_str()), (422, Some("NOT_STARTED")));
 }

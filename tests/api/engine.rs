@@ -59,7 +59,8 @@ async fn reserves_sell_out_and_come_back_without_http() {
         limits: Default::default(),
     };
     engine.create_voucher(&v).await.unwrap();
-    let answers = join_all((1..=10).map(|i| engine.reserve("ENG", req(i, &format!("e{i}")), None))).await;
+    let answers =
+        join_all((1..=10).map(|i| engine.reserve("ENG", req(i, &format!("e{i}")), None))).await;
     let won: Vec<_> = answers.iter().filter_map(|a| a.as_ref().ok()).collect();
     assert_eq!(won.len(), 3);
     assert!(won

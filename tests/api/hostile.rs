@@ -85,7 +85,11 @@ async fn a_stored_order_replays_after_pause_and_end_and_new_orders_get_422_first
     assert_eq!(again, won, "a retry after the pause gets the same 201");
     // Past the actor's memory of recent 201s: the ledger's row answers.
     app.clock.advance_ms(1_000);
-    assert_eq!(app.reserve("PREC", 1, "prec-1").await, won, "from the ledger too");
+    assert_eq!(
+        app.reserve("PREC", 1, "prec-1").await,
+        won,
+        "from the ledger too"
+    );
     for (customer, order, why) in [
         (2, "prec-2", "a new order"),
         (1, "prec-1b", "a customer at their limit"),
@@ -98,9 +102,18 @@ async fn a_stored_order_replays_after_pause_and_end_and_new_orders_get_422_first
         );
     }
 
-    patch(&app, "PREC", json!({"status": "ACTIVE", "endsAt": "2021-01-01T00:00:00Z"})).await;
+    patch(
+        &app,
+        "PREC",
+        json!({"status": "ACTIVE", "endsAt": "2021-01-01T00:00:00Z"}),
+    )
+    .await;
     app.clock.advance_ms(1_000);
-    assert_eq!(app.reserve("PREC", 1, "prec-1").await, won, "and after endsAt");
+    assert_eq!(
+        app.reserve("PREC", 1, "prec-1").await,
+        won,
+        "and after endsAt"
+    );
     assert_eq!(
         error(&app.reserve("PREC", 3, "prec-3").await),
         (422, Some("NOT_ELIGIBLE"), Some("ENDED"))
@@ -169,7 +182,11 @@ async fn sold_out_precedence(exact_max: Option<usize>) {
     })
     .await;
     let before = app.engine.short_circuits("SOLD");
-    assert_eq!(app.reserve("SOLD", 1, "sold-1").await, won, "the winner's retry");
+    assert_eq!(
+        app.reserve("SOLD", 1, "sold-1").await,
+        won,
+        "the winner's retry"
+    );
     assert_eq!(
         error(&app.reserve("SOLD", 1, "sold-1c").await),
         (409, Some("ALREADY_USED"), None),
@@ -185,16 +202,25 @@ async fn sold_out_precedence(exact_max: Option<usize>) {
         (409, Some("OUT_OF_STOCK"), None)
     );
     patch(&app, "SOLD", json!({"status": "PAUSED"})).await;
-    eventually("the frontend sees the pause", Duration::from_secs(10), || async {
-        error(&app.reserve("SOLD", 9, "sold-9").await) == (422, Some("NOT_ELIGIBLE"), Some("PAUSED"))
-    })
+    eventually(
+        "the frontend sees the pause",
+        Duration::from_secs(10),
+        || async {
+            error(&app.reserve("SOLD", 9, "sold-9").await)
+                == (422, Some("NOT_ELIGIBLE"), Some("PAUSED"))
+        },
+    )
     .await;
     assert_eq!(
         error(&app.reserve("SOLD", 1, "sold-1d").await),
         (422, Some("NOT_ELIGIBLE"), Some("PAUSED")),
         "422 before ALREADY_USED"
     );
-    assert_eq!(app.reserve("SOLD", 1, "sold-1").await, won, "paused and sold out");
+    assert_eq!(
+        app.reserve("SOLD", 1, "sold-1").await,
+        won,
+        "paused and sold out"
+    );
     assert!(app.engine.is_sold_out_locally("SOLD"));
     assert!(
         app.engine.short_circuits("SOLD") - before >= 7,
@@ -225,7 +251,11 @@ async fn unknown_codes_get_404_without_an_actor_or_a_ledger_read() {
     ] {
         assert_eq!(app.call(method, path).await.0, 404, "{method} {path}");
     }
-    assert_eq!(app.engine.known_code_reads(), reads, "no ledger read for junk");
+    assert_eq!(
+        app.engine.known_code_reads(),
+        reads,
+        "no ledger read for junk"
+    );
     assert_eq!(app.engine.actor_count(), actors, "no actor for junk");
     // A code created through this node is known at once.
     assert_eq!(app.create_voucher("FRESH", 5, 1).await.0, 201);
@@ -251,7 +281,9 @@ async fn one_customer_flooding_gets_its_burst_then_429_and_nobody_else_is_hurt()
         metric_sum(&m, "vouchers_rate_limited_total", &["limiter=\"customer\""])
     };
     let limited_before = limited().await;
-    let burst = vouchers::config::Settings::defaults().limits.per_customer_burst as usize;
+    let burst = vouchers::config::Settings::defaults()
+        .limits
+        .per_customer_burst as usize;
     let answers = join_all((0..1000).map(|i| app.reserve("FLOOD", 42, format!("flood-{i}")))).await;
     let t = tally(&answers);
     assert_eq!(t.get("201"), Some(&1), "{t:?}");
@@ -261,7 +293,10 @@ async fn one_customer_flooding_gets_its_burst_then_429_and_nobody_else_is_hurt()
     assert_eq!(t.get("429 RATE_LIMITED"), Some(&(1000 - burst)), "{t:?}");
     let (s, e, retry) = reserve_with(&app, "FLOOD", 42, "flood-x", &[]).await;
     // 10 a second: the next token is 100 ms away, rounded up to whole seconds.
-    assert_eq!((s, e.as_deref(), retry.as_deref()), (429, Some("RATE_LIMITED"), Some("1")));
+    assert_eq!(
+        (s, e.as_deref(), retry.as_deref()),
+        (429, Some("RATE_LIMITED"), Some("1"))
+    );
     // Other customers are not affected, and the limited customer is let in once Retry-After
     // has passed (not before: the clock has not moved).
     assert_eq!(app.reserve("FLOOD", 43, "other-1").await.0, 201);
@@ -291,11 +326,19 @@ async fn address_and_voucher_limits_refuse_in_memory() {
     for c in 1..=3 {
         let spoofed = format!("10.9.8.{c}, 203.0.113.7");
         let xff = [("X-Forwarded-For", spoofed.as_str())];
-        assert_eq!(reserve_with(&app, "ADDR", c, &format!("a-{c}"), &xff).await.0, 201);
+        assert_eq!(
+            reserve_with(&app, "ADDR", c, &format!("a-{c}"), &xff)
+                .await
+                .0,
+            201
+        );
     }
     let xff = [("X-Forwarded-For", "10.9.8.4, 203.0.113.7")];
     let (s, e, retry) = reserve_with(&app, "ADDR", 4, "a-4", &xff).await;
-    assert_eq!((s, e.as_deref(), retry.as_deref()), (429, Some("RATE_LIMITED"), Some("1")));
+    assert_eq!(
+        (s, e.as_deref(), retry.as_deref()),
+        (429, Some("RATE_LIMITED"), Some("1"))
+    );
     let human = [("X-Forwarded-For", "203.0.113.7, 198.51.100.1")];
     assert_eq!(reserve_with(&app, "ADDR", 5, "a-5", &human).await.0, 201);
     assert_eq!(audit::books(&app.db_url, "ADDR").await.reserved, 4);
@@ -304,7 +347,11 @@ async fn address_and_voucher_limits_refuse_in_memory() {
     assert_eq!(app.create_voucher("ADMIT", 100, 1).await.0, 201);
     let answers = join_all((1..=8).map(|c| app.reserve("ADMIT", c, format!("ad-{c}")))).await;
     let t = tally(&answers);
-    assert_eq!((t.get("201"), t.get("429 RATE_LIMITED")), (Some(&5), Some(&3)), "{t:?}");
+    assert_eq!(
+        (t.get("201"), t.get("429 RATE_LIMITED")),
+        (Some(&5), Some(&3)),
+        "{t:?}"
+    );
     // Process-wide (other tests limit vouchers too): at least these three.
     let m = metrics_text(&app.client, &app.base).await;
     assert!(metric_sum(&m, "vouchers_rate_limited_total", &["limiter=\"voucher\""]) >= 3.0);
@@ -313,23 +360,50 @@ async fn address_and_voucher_limits_refuse_in_memory() {
 
 #[actix_web::test]
 async fn checkout_routes_need_one_of_the_configured_tokens() {
-    let app = spawn_app_with(|s| s.http.checkout_tokens = vec!["tok-old".into(), "tok-new".into()]).await;
+    let app =
+        spawn_app_with(|s| s.http.checkout_tokens = vec!["tok-old".into(), "tok-new".into()]).await;
     assert_eq!(app.create_voucher("AUTH", 5, 1).await.0, 201);
     let url = format!("{}/vouchers/AUTH/reservations", app.base);
     let body = json!({"customerId": 1, "orderId": "auth-1", "orderAmount": 5000});
     for token in [None, Some("wrong"), Some(TOKEN)] {
         let (s, b) = send(&app.client, "POST", &url, token, Some(&body)).await;
-        assert_eq!((s, b["error"].as_str()), (401, Some("UNAUTHORIZED")), "{token:?}");
+        assert_eq!(
+            (s, b["error"].as_str()),
+            (401, Some("UNAUTHORIZED")),
+            "{token:?}"
+        );
     }
-    assert_eq!(audit::books(&app.db_url, "AUTH").await.reserved, 0, "no trace");
+    assert_eq!(
+        audit::books(&app.db_url, "AUTH").await.reserved,
+        0,
+        "no trace"
+    );
     for token in ["tok-old", "tok-new"] {
-        assert_eq!(send(&app.client, "POST", &url, Some(token), Some(&body)).await.0, 201);
+        assert_eq!(
+            send(&app.client, "POST", &url, Some(token), Some(&body))
+                .await
+                .0,
+            201
+        );
     }
     let one = format!("{url}/auth-1");
-    for (method, path) in [("GET", one.clone()), ("POST", format!("{one}/confirm")), ("DELETE", one.clone())] {
-        assert_eq!(send(&app.client, method, &path, None, None).await.0, 401, "{method} {path}");
+    for (method, path) in [
+        ("GET", one.clone()),
+        ("POST", format!("{one}/confirm")),
+        ("DELETE", one.clone()),
+    ] {
+        assert_eq!(
+            send(&app.client, method, &path, None, None).await.0,
+            401,
+            "{method} {path}"
+        );
     }
-    assert_eq!(send(&app.client, "GET", &one, Some("tok-new"), None).await.0, 200);
+    assert_eq!(
+        send(&app.client, "GET", &one, Some("tok-new"), None)
+            .await
+            .0,
+        200
+    );
     // The public voucher view and health stay open.
     assert_eq!(app.call("GET", "/vouchers/AUTH").await.0, 200);
     assert_eq!(audit::books(&app.db_url, "AUTH").await.reserved, 1);
@@ -356,12 +430,22 @@ async fn a_voucher_sets_its_own_limits_on_create_and_patch() {
             "customerRatePerSec": 1, "customerBurst": 2
         }))
         .await;
-    assert_eq!((s, &b["customerBurst"], &b["admissionRatePerSec"]), (201, &json!(2), &Value::Null));
+    assert_eq!(
+        (s, &b["customerBurst"], &b["admissionRatePerSec"]),
+        (201, &json!(2), &Value::Null)
+    );
     // The node applies a voucher's limits once it holds the voucher (warm-up loads it).
     let warm = format!("{}/admin/vouchers/OWN/warm", app.base);
-    assert_eq!(send(&app.client, "POST", &warm, Some(TOKEN), None).await.0, 204);
+    assert_eq!(
+        send(&app.client, "POST", &warm, Some(TOKEN), None).await.0,
+        204
+    );
     let t = tally(&join_all((1..=5).map(|i| app.reserve("OWN", 7, format!("own-{i}")))).await);
-    assert_eq!((t.get("201"), t.get("429 RATE_LIMITED")), (Some(&2), Some(&3)), "{t:?}");
+    assert_eq!(
+        (t.get("201"), t.get("429 RATE_LIMITED")),
+        (Some(&2), Some(&3)),
+        "{t:?}"
+    );
 
     // Off for customers: one customer's 200 requests at once (more than the node's default
     // burst of 128) pass the limits, and the ledger's perUserLimit decides.
@@ -374,7 +458,12 @@ async fn a_voucher_sets_its_own_limits_on_create_and_patch() {
         customer += 1;
         let app = app_ref;
         async move {
-            let t = tally(&join_all((0..200).map(|i| app.reserve("OWN", customer, format!("off-{customer}-{i}")))).await);
+            let t = tally(
+                &join_all(
+                    (0..200).map(|i| app.reserve("OWN", customer, format!("off-{customer}-{i}"))),
+                )
+                .await,
+            );
             t.get("429 RATE_LIMITED").is_none() && t.get("201") == Some(&5)
         }
     })
@@ -382,20 +471,38 @@ async fn a_voucher_sets_its_own_limits_on_create_and_patch() {
     // 3 a second for the voucher as a whole.
     patch(&app, "OWN", json!({"admissionRatePerSec": 3})).await;
     app.clock.advance_ms(1_000);
-    eventually("the admission limit applies", Duration::from_secs(10), || async {
-        app.clock.advance_ms(1_000);
-        let t = tally(&join_all((1..=4).map(|i| app.reserve("OWN", 100 + i, format!("x-{i}")))).await);
-        t.get("429 RATE_LIMITED") == Some(&1)
-    })
+    eventually(
+        "the admission limit applies",
+        Duration::from_secs(10),
+        || async {
+            app.clock.advance_ms(1_000);
+            let t = tally(
+                &join_all((1..=4).map(|i| app.reserve("OWN", 100 + i, format!("x-{i}")))).await,
+            );
+            t.get("429 RATE_LIMITED") == Some(&1)
+        },
+    )
     .await;
     // Back to the node's defaults: a burst of 128 per customer, no admission limit.
-    patch(&app, "OWN", json!({"customerRatePerSec": null, "customerBurst": null, "admissionRatePerSec": null})).await;
-    eventually("the defaults apply again", Duration::from_secs(10), || async {
-        app.clock.advance_ms(1_000);
-        let base = app.engine.now_ms();
-        let t = tally(&join_all((1..=6).map(|i| app.reserve("OWN", 200 + i, format!("d-{base}-{i}")))).await);
-        t.get("201") == Some(&6)
-    })
+    patch(
+        &app,
+        "OWN",
+        json!({"customerRatePerSec": null, "customerBurst": null, "admissionRatePerSec": null}),
+    )
+    .await;
+    eventually(
+        "the defaults apply again",
+        Duration::from_secs(10),
+        || async {
+            app.clock.advance_ms(1_000);
+            let base = app.engine.now_ms();
+            let t = tally(
+                &join_all((1..=6).map(|i| app.reserve("OWN", 200 + i, format!("d-{base}-{i}"))))
+                    .await,
+            );
+            t.get("201") == Some(&6)
+        },
+    )
     .await;
     let books = audit::books(&app.db_url, "OWN").await;
     books.assert_balanced("OWN");

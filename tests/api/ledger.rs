@@ -163,6 +163,30 @@ async fn batches_apply_idempotency_and_limits(l: &SharedLedger) {
     assert_eq!(out[0], RowOutcome::AlreadyUsed);
     let c = balanced(l, "B").await;
     assert_eq!((c.reserved, c.leased_unused), (3, 7));
+    // The live numbers (row and leases, no scan of the reservations) agree with the full count.
+    let live = l.live_units(&["B".into(), "NOPE".into()]).await.unwrap();
+    assert_eq!(live.len(), 1, "unknown codes are left out");
+    let u = &live[0];
+    assert_eq!(
+        (
+            u.code.as_str(),
+            u.total_limit,
+            u.free,
+            u.leased_unused,
+            u.reserved,
+            u.confirmed,
+            u.released
+        ),
+        (
+            "B",
+            c.total_limit,
+            c.free,
+            c.leased_unused,
+            c.reserved,
+            c.confirmed,
+            c.released
+        )
+    );
     let found = l
         .find_orders(&["b1".into(), "b2".into(), "zz".into()])
         .await
@@ -777,7 +801,10 @@ async fn edits_follow_the_rules(l: &SharedLedger) {
     };
     assert_eq!(v.limits, expected);
     assert_eq!(l.voucher("EL").await.unwrap().unwrap().limits, expected);
-    assert_eq!(l.voucher_stock("EL").await.unwrap().unwrap().0.limits, expected);
+    assert_eq!(
+        l.voucher_stock("EL").await.unwrap().unwrap().0.limits,
+        expected
+    );
     // E ends a day after NOW: watched until then, not after.
     assert!(l
         .voucher_codes(NOW)

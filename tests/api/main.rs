@@ -12,6 +12,7 @@ mod helpers;
 mod hostile;
 mod ledger;
 mod lifecycle;
+mod live;
 mod preheat;
 mod proxy;
 mod switches;

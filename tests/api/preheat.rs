@@ -27,10 +27,14 @@ async fn a_voucher_starting_soon_is_warm_before_it_starts() {
         .await;
     assert_eq!(s, 201, "{b}");
     let db = app.db_url.clone();
-    eventually("a lease is held before the start", Duration::from_secs(10), || {
-        let db = db.clone();
-        async move { audit::books(&db, "SOONER").await.leased_unused > 0 }
-    })
+    eventually(
+        "a lease is held before the start",
+        Duration::from_secs(10),
+        || {
+            let db = db.clone();
+            async move { audit::books(&db, "SOONER").await.leased_unused > 0 }
+        },
+    )
     .await;
     assert!(app.engine.now_ms() < starts, "the clock has not moved");
     let (s, b) = app.reserve("SOONER", 1, "soon-1").await;

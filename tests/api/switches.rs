@@ -6,7 +6,9 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::audit;
-use crate::helpers::{eventually, metric_sum, metrics_text, send, spawn_app, Answer, TestApp, TOKEN};
+use crate::helpers::{
+    eventually, metric_sum, metrics_text, send, spawn_app, Answer, TestApp, TOKEN,
+};
 
 async fn put(app: &TestApp, body: Value) -> Answer {
     let url = format!("{}/admin/switches", app.base);
@@ -26,21 +28,36 @@ async fn sales_paused_and_read_only_stop_new_sales_but_not_retries_confirm_or_re
     let to_confirm = app.reserve("SW", 2, "sw-2").await;
     let to_release = app.reserve("SW", 3, "sw-3").await;
     let winner = app.reserve("SWONE", 1, "one-1").await;
-    assert!([&kept, &to_confirm, &to_release, &winner].iter().all(|a| a.0 == 201));
+    assert!([&kept, &to_confirm, &to_release, &winner]
+        .iter()
+        .all(|a| a.0 == 201));
     // SWONE sells out: its late traffic is answered by the frontend's short-circuit.
     assert_eq!(error(&app.reserve("SWONE", 2, "one-2").await).0, 409);
 
     // Refused without the admin token or with a bad body: nothing changes.
     let url = format!("{}/admin/switches", app.base);
-    let (s, _) = send(&app.client, "PUT", &url, None, Some(&json!({"salesPaused": true}))).await;
+    let (s, _) = send(
+        &app.client,
+        "PUT",
+        &url,
+        None,
+        Some(&json!({"salesPaused": true})),
+    )
+    .await;
     assert_eq!(s, 401);
     assert_eq!(put(&app, json!({"salesPaused": "yes"})).await.0, 400);
     assert_eq!(put(&app, json!({"paused": true})).await.0, 400);
     let (s, b) = send(&app.client, "GET", &url, Some(TOKEN), None).await;
-    assert_eq!((s, b), (200, json!({"salesPaused": false, "readOnly": false})));
+    assert_eq!(
+        (s, b),
+        (200, json!({"salesPaused": false, "readOnly": false}))
+    );
 
     let (s, b) = put(&app, json!({"salesPaused": true})).await;
-    assert_eq!((s, b), (200, json!({"salesPaused": true, "readOnly": false})));
+    assert_eq!(
+        (s, b),
+        (200, json!({"salesPaused": true, "readOnly": false}))
+    );
     for (code, customer, order) in [("SW", 4, "sw-4"), ("SWONE", 3, "one-3"), ("SW", 1, "sw-1b")] {
         assert_eq!(
             error(&app.reserve(code, customer, order).await),
@@ -48,23 +65,42 @@ async fn sales_paused_and_read_only_stop_new_sales_but_not_retries_confirm_or_re
             "{code} {order}: a new order while sales are paused"
         );
     }
-    assert_eq!(app.reserve("SW", 1, "sw-1").await, kept, "a retry still gets its 201");
-    assert_eq!(app.reserve("SWONE", 1, "one-1").await, winner, "on the sold-out path too");
+    assert_eq!(
+        app.reserve("SW", 1, "sw-1").await,
+        kept,
+        "a retry still gets its 201"
+    );
+    assert_eq!(
+        app.reserve("SWONE", 1, "one-1").await,
+        winner,
+        "on the sold-out path too"
+    );
     let (_, ready) = app.call("GET", "/health/ready").await;
     assert_eq!(ready["salesPaused"], json!(true));
     let m = metrics_text(&app.client, &app.base).await;
-    assert_eq!(metric_sum(&m, "vouchers_switch", &["switch=\"sales_paused\""]), 1.0);
+    assert_eq!(
+        metric_sum(&m, "vouchers_switch", &["switch=\"sales_paused\""]),
+        1.0
+    );
 
     // Read-only (one key changes, the other stays): new reserves 503, lifecycle goes on.
     let (s, b) = put(&app, json!({"readOnly": true})).await;
-    assert_eq!((s, b), (200, json!({"salesPaused": true, "readOnly": true})));
+    assert_eq!(
+        (s, b),
+        (200, json!({"salesPaused": true, "readOnly": true}))
+    );
     assert_eq!(put(&app, json!({"salesPaused": false})).await.0, 200);
     let refused = app.reserve("SW", 5, "sw-5").await;
     assert_eq!(error(&refused), (503, Some("UNAVAILABLE"), None));
     assert_eq!(error(&app.reserve("SWONE", 5, "one-5").await).0, 503);
     assert_eq!(app.reserve("SW", 1, "sw-1").await, kept);
     let one = |o: &str| format!("/vouchers/SW/reservations/{o}");
-    assert_eq!(app.call("POST", &format!("{}/confirm", one("sw-2"))).await.0, 200);
+    assert_eq!(
+        app.call("POST", &format!("{}/confirm", one("sw-2")))
+            .await
+            .0,
+        200
+    );
     assert_eq!(app.call("DELETE", &one("sw-3")).await.0, 200);
 
     assert_eq!(put(&app, json!({"readOnly": false})).await.0, 200);
@@ -87,7 +123,10 @@ async fn a_switch_set_behind_the_node_is_applied_from_the_ledger() {
         sales_paused: Some(true),
         read_only: None,
     };
-    app.ledger.set_switches(&patch, app.engine.now_ms()).await.unwrap();
+    app.ledger
+        .set_switches(&patch, app.engine.now_ms())
+        .await
+        .unwrap();
     let started = Instant::now();
     let mut n = 0;
     let app = &app;
@@ -99,7 +138,10 @@ async fn a_switch_set_behind_the_node_is_applied_from_the_ledger() {
         }
     })
     .await;
-    eprintln!("a switch set in the ledger was applied after {:?}", started.elapsed());
+    eprintln!(
+        "a switch set in the ledger was applied after {:?}",
+        started.elapsed()
+    );
 }
 
 async fn spawn_app_with_fast_switches() -> TestApp {

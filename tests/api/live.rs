@@ -1,0 +1,49 @@
+//! Live numbers (issue 11): the per-voucher unit gauges move within a second of a sale, and a
+//! voucher that has not started is never exported.
+
+use std::time::Duration;
+
+use serde_json::json;
+
+use crate::helpers::{eventually, metric_sum, metrics_text, spawn_app_with};
+
+#[actix_web::test]
+async fn unit_gauges_follow_the_sale_and_hide_vouchers_not_yet_started() {
+    // The reconciler stays quiet (test settings): only the live numbers can move the gauges.
+    let app = spawn_app_with(|s| s.jobs.live_numbers_interval_ms = 100).await;
+    assert_eq!(app.create_voucher("LIVEV", 5, 1).await.0, 201);
+    let (s, _) = app
+        .create_voucher_with(json!({
+            "code": "SECRETV", "discountAmount": 100, "totalLimit": 5, "perUserLimit": 1,
+            "startsAt": "2098-01-01T00:00:00Z", "endsAt": "2099-01-01T00:00:00Z"
+        }))
+        .await;
+    assert_eq!(s, 201);
+    // Both are hot on this node (a reserve started their actors).
+    assert_eq!(app.reserve("SECRETV", 9, "secret-9").await.0, 422);
+    for c in 1..=3 {
+        assert_eq!(app.reserve("LIVEV", c, format!("live-{c}")).await.0, 201);
+    }
+    let units = |m: &str, code: &str, kind: &str| {
+        metric_sum(
+            m,
+            "vouchers_units",
+            &[&format!("voucher=\"{code}\""), &format!("kind=\"{kind}\"")],
+        )
+    };
+    let (client, base) = (app.client.clone(), app.base.clone());
+    eventually("the gauges show the sale", Duration::from_secs(10), || {
+        let (client, base) = (client.clone(), base.clone());
+        async move {
+            let m = metrics_text(&client, &base).await;
+            units(&m, "LIVEV", "reserved") == 3.0
+                && units(&m, "LIVEV", "free") + units(&m, "LIVEV", "leased_unused") == 2.0
+        }
+    })
+    .await;
+    let m = metrics_text(&app.client, &app.base).await;
+    assert!(
+        !m.contains("SECRETV"),
+        "a voucher that has not started is not in /metrics"
+    );
+}
