@@ -130,6 +130,9 @@ fn hot() -> Option<&'static Hot> {
     HOT.get()
 }
 
+/// How long a gauge stays in /metrics without being set.
+const GAUGE_IDLE_TIMEOUT: Duration = Duration::from_secs(600);
+
 /// How often histogram samples are folded into their buckets when nobody scrapes.
 const UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
 
@@ -153,6 +156,14 @@ pub fn install() -> PrometheusHandle {
     HANDLE
         .get_or_init(|| {
             let builder = PrometheusBuilder::new()
+                // Gauges nobody set for this long leave /metrics: the per-voucher series of a
+                // voucher that ended (the reconciler stops a reservation TTL after its end, the
+                // live numbers when its actor stops). Every other gauge is set at least every
+                // few seconds (switches, actors, Redis: see `live_numbers`).
+                .idle_timeout(
+                    metrics_util::MetricKindMask::GAUGE,
+                    Some(GAUGE_IDLE_TIMEOUT),
+                )
                 .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)
                 .and_then(|b| {
                     b.set_buckets_for_metric(Matcher::Full(BATCH_SIZE.into()), SIZE_BUCKETS)
@@ -256,7 +267,7 @@ fn register_catalogue() {
         counter!(RATE_LIMITED, "limiter" => l).increment(0);
         counter!(RATE_LIMIT_RESETS, "limiter" => l).increment(0);
     }
-    gauge!(ACTIVE_ACTORS).increment(0.0);
+    actors(0);
 }
 
 pub fn reservation(outcome: Outcome) {
@@ -359,8 +370,9 @@ pub fn expired(n: u64) {
     counter!(EXPIRED).increment(n);
 }
 
-pub fn actors(delta: f64) {
-    gauge!(ACTIVE_ACTORS).increment(delta);
+/// Voucher actors on this node (set every second by the live numbers).
+pub fn actors(n: usize) {
+    gauge!(ACTIVE_ACTORS).set(n as f64);
 }
 
 /// Per-voucher unit gauges, set by the reconciler.

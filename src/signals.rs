@@ -87,6 +87,11 @@ impl Publisher {
         Self { tx: None }
     }
 
+    /// Whether the node has Redis signals at all (the embedded default has none).
+    pub fn enabled(&self) -> bool {
+        self.tx.is_some()
+    }
+
     pub fn publish(&self, code: &str, signal: Signal) {
         if let Some(tx) = &self.tx {
             if tx.try_send((code.to_string(), signal)).is_err() {
@@ -221,6 +226,8 @@ pub fn subscribe(
                                 }
                             };
                             if msg.get_channel_name() == HEARTBEAT {
+                                // Keeps the gauge fresh (it leaves /metrics when idle).
+                                m::redis_up(true);
                                 continue;
                             }
                             let Ok(payload) = msg.get_payload::<String>() else {

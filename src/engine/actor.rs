@@ -855,7 +855,6 @@ impl Actor for VoucherActor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
-        m::actors(1.0);
         ctx.set_mailbox_capacity(self.core.settings.mailbox_capacity.max(16));
         let (ledger, code) = (self.core.ledger.clone(), self.code.clone());
         let fut = async move { ledger.voucher(&code).await };
@@ -868,7 +867,6 @@ impl Actor for VoucherActor {
     }
 
     fn stopped(&mut self, _: &mut Context<Self>) {
-        m::actors(-1.0);
         self.fail_all(EngineError::Unavailable);
         self.core.forget(&self.code, self.generation);
         let now = self.now();

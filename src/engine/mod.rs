@@ -833,6 +833,11 @@ impl EngineHandle {
     /// row and leases (no scan of its reservations), into `vouchers_units`. Vouchers not yet
     /// started are never exported: their codes are the secret of an unannounced sale.
     pub async fn live_numbers(&self) -> Result<usize, EngineError> {
+        // The node-wide gauges are set here too, so that none goes idle (see `metrics::install`).
+        m::actors(self.core.registry.len());
+        if !self.core.signals.enabled() {
+            m::redis_up(false);
+        }
         let codes: Vec<String> = self.core.registry.iter().map(|e| e.key().clone()).collect();
         if codes.is_empty() {
             return Ok(0);
