@@ -63,6 +63,8 @@ pub struct Switches {
     /// New reserves get `503 UNAVAILABLE`; retries of stored orders their `201`; confirm and
     /// release work.
     pub read_only: bool,
+    /// Bumped by every change, so that a read that started before a change cannot undo it.
+    pub version: i64,
 }
 
 /// A change of the switches: `None` leaves one as it is.

@@ -3,6 +3,8 @@ CREATE TABLE IF NOT EXISTS switches (
     id           INTEGER PRIMARY KEY CHECK (id = 1),
     sales_paused INTEGER NOT NULL DEFAULT 0 CHECK (sales_paused IN (0, 1)),
     read_only    INTEGER NOT NULL DEFAULT 0 CHECK (read_only IN (0, 1)),
-    updated_at   INTEGER NOT NULL DEFAULT 0
+    updated_at   INTEGER NOT NULL DEFAULT 0,
+    -- Bumped by every change: a node applies a read only if it is not older than what it holds.
+    version      INTEGER NOT NULL DEFAULT 0
 );
 INSERT OR IGNORE INTO switches (id) VALUES (1);

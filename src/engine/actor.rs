@@ -132,6 +132,23 @@ struct Pending {
     since: Millis,
 }
 
+/// Why a reserve waits for a lookup instead of a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Diverted {
+    /// The voucher refuses new orders now (paused, ended).
+    Refused,
+    /// No unit is left to serve it.
+    NoUnits,
+    /// A switch stops new sales: if it is off again before the lookup, the reserve goes back to
+    /// be served from units.
+    BySwitch,
+}
+
+/// Runs the scheduler again (after reserves went back to the queue).
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Pump;
+
 /// A lease as this node serves it.
 #[derive(Debug)]
 struct LocalLease {
@@ -175,7 +192,7 @@ pub(crate) struct VoucherActor {
     pending: VecDeque<Pending>,
     /// Reserves waiting for [`Self::answer_without_units`]: no unit can serve them, but some may
     /// be retries of stored orders.
-    lookups: Vec<Pending>,
+    lookups: Vec<(Pending, Diverted)>,
     warm_waiters: Vec<oneshot::Sender<Result<(), EngineError>>>,
     /// The leases of the batches in flight (at most `engine.batches_in_flight`, 1 by default;
     /// a lease may appear twice). With more than one, a second batch waits in the node's group
@@ -186,6 +203,8 @@ pub(crate) struct VoucherActor {
     /// Warmed (by an operator or pre-heat): if the sale has not started, the lease is kept until
     /// it does.
     warmed: bool,
+    /// Shutting down: no warm-up may take a lease again.
+    draining: bool,
     /// A ledger lookup for reserves that arrived while the ledger had nothing is in flight; the
     /// next waiters go in the next lookup, so a dry spell costs one query at a time, not one per
     /// request.
@@ -232,6 +251,7 @@ impl VoucherActor {
             granting: false,
             renewing: false,
             warmed: false,
+            draining: false,
             looking_up: false,
             free_hint: None,
             hold: None,
@@ -265,7 +285,8 @@ impl VoucherActor {
     /// Answers every waiting reserve and warm-up with `err`.
     fn fail_all(&mut self, err: EngineError) {
         let mut tally = Tally::default();
-        for p in self.pending.drain(..).chain(self.lookups.drain(..)) {
+        let lookups = self.lookups.drain(..).map(|(p, _)| p);
+        for p in self.pending.drain(..).chain(lookups) {
             tally.answer(p, Reply::Failed(err.clone()));
         }
         for w in self.warm_waiters.drain(..) {
@@ -310,7 +331,7 @@ impl VoucherActor {
         match v.check_eligible(now, p.req.order_amount) {
             // The switches stop new sales; a retry of a stored order still gets its 201.
             Ok(()) if self.core.stop() != Stop::No => {
-                self.lookups.push(p);
+                self.lookups.push((p, Diverted::BySwitch));
                 return;
             }
             Ok(()) => {}
@@ -326,7 +347,7 @@ impl VoucherActor {
             // DESIGN §4: it may be a retry of an order stored before the pause or the end, which
             // gets its 201 whatever the voucher's state now: the ledger says.
             Err(_) => {
-                self.lookups.push(p);
+                self.lookups.push((p, Diverted::Refused));
                 return;
             }
         }
@@ -341,6 +362,11 @@ impl VoucherActor {
     fn pump(&mut self, ctx: &mut Context<Self>) {
         if self.voucher.is_none() {
             return;
+        }
+        // A switch turned on while reserves were queued: none of them becomes a batch now.
+        if self.core.stop() != Stop::No && !self.pending.is_empty() {
+            self.lookups
+                .extend(self.pending.drain(..).map(|p| (p, Diverted::BySwitch)));
         }
         let now = self.now();
         self.drop_unservable_leases(now);
@@ -383,7 +409,8 @@ impl VoucherActor {
                     }
                     _ => self.pending.drain(..).collect(),
                 };
-                self.lookups.extend(waiting);
+                self.lookups
+                    .extend(waiting.into_iter().map(|p| (p, Diverted::NoUnits)));
             }
             _ => {}
         }
@@ -600,7 +627,9 @@ impl VoucherActor {
                         // Units sit in other leases (other nodes', or this node's batch in
                         // flight): wait a little for them instead of refusing at once.
                         self.hold_for(Hold::Waiting, RECALL_PROBE_MS);
-                        if now >= self.next_recall {
+                        // Only real demand recalls units (a warm-up asking for a first lease
+                        // does not take other nodes' units away).
+                        if now >= self.next_recall && !self.pending.is_empty() {
                             self.next_recall = now + RECALL_REPEAT_MS;
                             self.core.signals.publish(&self.code, Signal::Recall);
                         }
@@ -672,7 +701,23 @@ impl VoucherActor {
         if self.looking_up || self.lookups.is_empty() {
             return;
         }
-        let waiting = std::mem::take(&mut self.lookups);
+        let stop = self.core.stop();
+        // Sent here only by a switch that is off again: they can be served from units.
+        if stop == Stop::No && self.lookups.iter().any(|(_, d)| *d == Diverted::BySwitch) {
+            let (back, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.lookups)
+                .into_iter()
+                .partition(|(_, d)| *d == Diverted::BySwitch);
+            self.lookups = keep;
+            self.pending.extend(back.into_iter().map(|(p, _)| p));
+            ctx.notify(Pump);
+            if self.lookups.is_empty() {
+                return;
+            }
+        }
+        let waiting: Vec<Pending> = std::mem::take(&mut self.lookups)
+            .into_iter()
+            .map(|(p, _)| p)
+            .collect();
         let reqs: Vec<ReserveRequest> = waiting.iter().map(|p| p.req.clone()).collect();
         let (ledger, code, voucher) = (
             self.core.ledger.clone(),
@@ -681,7 +726,6 @@ impl VoucherActor {
         );
         let now = self.now();
         self.looking_up = true;
-        let stop = self.core.stop();
         let fut = async move {
             settle_without_units(&ledger, &code, voucher.as_ref(), now, &reqs, stop).await
         };
@@ -898,6 +942,14 @@ impl Handler<Reserve> for VoucherActor {
     }
 }
 
+impl Handler<Pump> for VoucherActor {
+    type Result = ();
+
+    fn handle(&mut self, _: Pump, ctx: &mut Context<Self>) {
+        self.pump(ctx);
+    }
+}
+
 impl Handler<Restocked> for VoucherActor {
     type Result = ();
 
@@ -923,6 +975,10 @@ impl Handler<Warm> for VoucherActor {
     type Result = ();
 
     fn handle(&mut self, msg: Warm, ctx: &mut Context<Self>) {
+        if self.draining {
+            let _ = msg.0.send(Err(EngineError::Unavailable));
+            return;
+        }
         self.last_activity = self.now();
         self.warmed = true;
         if self.missing {
@@ -959,6 +1015,7 @@ impl Handler<Drain> for VoucherActor {
 
     fn handle(&mut self, _: Drain, _: &mut Context<Self>) {
         // Nothing more is served from here on; the engine returns the leases in one call.
+        self.draining = true;
         self.hold_for(Hold::Down, i64::MAX / 4);
         let in_flight = &self.committing;
         self.leases.retain(|l| in_flight.contains(&l.id));

@@ -260,6 +260,8 @@ pub(crate) struct Core {
     /// `jobs.switches_interval_ms`, and at once on the `SWITCHES` signal).
     sales_paused: AtomicBool,
     read_only: AtomicBool,
+    /// The version of the switches applied (see [`Core::apply_switches`]).
+    switch_version: std::sync::Mutex<i64>,
     registry: DashMap<String, Entry>,
     shards: Vec<ArbiterHandle>,
     next_generation: AtomicU64,
@@ -277,7 +279,17 @@ impl Core {
         }
     }
 
+    /// Applies switches read from the ledger, unless they are older than what this node holds
+    /// (a read that started before a change must not undo it).
     fn apply_switches(&self, s: Switches) {
+        let mut held = self
+            .switch_version
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if s.version < *held {
+            return;
+        }
+        *held = s.version;
         self.sales_paused.store(s.sales_paused, Ordering::Release);
         self.read_only.store(s.read_only, Ordering::Release);
         m::switches(s.sales_paused, s.read_only);
@@ -368,6 +380,7 @@ impl EngineHandle {
             in_flight: AtomicUsize::new(0),
             sales_paused: AtomicBool::new(false),
             read_only: AtomicBool::new(false),
+            switch_version: std::sync::Mutex::new(i64::MIN),
             limits: RateLimits::new(&limit_settings, clock.clone()),
             ledger,
             clock,
@@ -800,9 +813,15 @@ impl EngineHandle {
 
     /// The emergency switches as this node applies them now.
     pub fn switches(&self) -> Switches {
+        let version = *self
+            .core
+            .switch_version
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         Switches {
             sales_paused: self.core.sales_paused.load(Ordering::Acquire),
             read_only: self.core.read_only.load(Ordering::Acquire),
+            version,
         }
     }
 

@@ -402,13 +402,14 @@ impl Ledger for PostgresLedger {
     }
 
     async fn switches(&self) -> Result<Switches, LedgerError> {
-        let (sales_paused, read_only): (bool, bool) =
-            sqlx::query_as("SELECT sales_paused, read_only FROM switches WHERE id = 1")
+        let (sales_paused, read_only, version): (bool, bool, i64) =
+            sqlx::query_as("SELECT sales_paused, read_only, version FROM switches WHERE id = 1")
                 .fetch_one(&self.pool)
                 .await?;
         Ok(Switches {
             sales_paused,
             read_only,
+            version,
         })
     }
 
@@ -417,10 +418,10 @@ impl Ledger for PostgresLedger {
         patch: &SwitchesPatch,
         now: Millis,
     ) -> Result<Switches, LedgerError> {
-        let (sales_paused, read_only): (bool, bool) = sqlx::query_as(
+        let (sales_paused, read_only, version): (bool, bool, i64) = sqlx::query_as(
             "UPDATE switches SET sales_paused = COALESCE($1, sales_paused), \
-             read_only = COALESCE($2, read_only), updated_at = $3 WHERE id = 1 \
-             RETURNING sales_paused, read_only",
+             read_only = COALESCE($2, read_only), updated_at = $3, version = version + 1 \
+             WHERE id = 1 RETURNING sales_paused, read_only, version",
         )
         .bind(patch.sales_paused)
         .bind(patch.read_only)
@@ -430,6 +431,7 @@ impl Ledger for PostgresLedger {
         Ok(Switches {
             sales_paused,
             read_only,
+            version,
         })
     }
 

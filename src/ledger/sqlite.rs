@@ -343,13 +343,14 @@ impl Ledger for SqliteLedger {
     }
 
     async fn switches(&self) -> Result<Switches, LedgerError> {
-        let (sales_paused, read_only): (bool, bool) =
-            sqlx::query_as("SELECT sales_paused, read_only FROM switches WHERE id = 1")
+        let (sales_paused, read_only, version): (bool, bool, i64) =
+            sqlx::query_as("SELECT sales_paused, read_only, version FROM switches WHERE id = 1")
                 .fetch_one(&self.reader)
                 .await?;
         Ok(Switches {
             sales_paused,
             read_only,
+            version,
         })
     }
 
@@ -358,10 +359,10 @@ impl Ledger for SqliteLedger {
         patch: &SwitchesPatch,
         now: Millis,
     ) -> Result<Switches, LedgerError> {
-        let (sales_paused, read_only): (bool, bool) = sqlx::query_as(
+        let (sales_paused, read_only, version): (bool, bool, i64) = sqlx::query_as(
             "UPDATE switches SET sales_paused = COALESCE(?, sales_paused), \
-             read_only = COALESCE(?, read_only), updated_at = ? WHERE id = 1 \
-             RETURNING sales_paused, read_only",
+             read_only = COALESCE(?, read_only), updated_at = ?, version = version + 1 \
+             WHERE id = 1 RETURNING sales_paused, read_only, version",
         )
         .bind(patch.sales_paused)
         .bind(patch.read_only)
@@ -371,6 +372,7 @@ impl Ledger for SqliteLedger {
         Ok(Switches {
             sales_paused,
             read_only,
+            version,
         })
     }
 
