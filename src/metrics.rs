@@ -376,17 +376,15 @@ pub fn actors(n: usize) {
 }
 
 /// Per-voucher unit gauges, set by the reconciler.
-pub fn voucher_units(code: &str, c: &crate::ledger::Counters) {
-    unit_gauges(
-        code,
-        [
-            c.free,
-            c.leased_unused,
-            c.reserved,
-            c.confirmed,
-            c.total_limit,
-        ],
-    );
+/// The reconciler's verdict on a voucher: the mismatch counter always, the per-voucher series
+/// only once its sale started (the live numbers set the unit gauges).
+pub fn reconciled(code: &str, c: &crate::ledger::Counters, started: bool) {
+    if !started {
+        if !c.balanced {
+            reconcile_mismatch();
+        }
+        return;
+    }
     gauge!(RECONCILE_BALANCED, "voucher" => code.to_string()).set(if c.balanced {
         1.0
     } else {

@@ -8,3 +8,6 @@ CREATE TABLE IF NOT EXISTS switches (
     version      BIGINT  NOT NULL DEFAULT 0
 );
 INSERT INTO switches (id) VALUES (1) ON CONFLICT DO NOTHING;
+
+-- Pre-heat looks for vouchers about to start every second on every node.
+CREATE INDEX IF NOT EXISTS vouchers_by_start ON vouchers (starts_at);

@@ -8,3 +8,6 @@ CREATE TABLE IF NOT EXISTS switches (
     version      INTEGER NOT NULL DEFAULT 0
 );
 INSERT OR IGNORE INTO switches (id) VALUES (1);
+
+-- Pre-heat looks for vouchers about to start every second on every node.
+CREATE INDEX IF NOT EXISTS vouchers_by_start ON vouchers (starts_at);

@@ -712,7 +712,8 @@ impl EngineHandle {
         }
         let now = self.now_ms();
         let codes = self.core.ledger.starting_between(now, now + lead).await?;
-        let warmed = futures_util::future::join_all(codes.iter().map(|c| self.warm(c))).await;
+        // The codes come from the ledger: no existence read per code.
+        let warmed = futures_util::future::join_all(codes.iter().map(|c| self.warm_actor(c))).await;
         for (code, res) in codes.iter().zip(&warmed) {
             if let Err(e) = res {
                 tracing::warn!(code = %code, error = %e, "pre-heat");
@@ -726,6 +727,12 @@ impl EngineHandle {
         if self.core.ledger.voucher(code).await?.is_none() {
             return Err(EngineError::NotFound);
         }
+        self.warm_actor(code).await
+    }
+
+    /// Starts the actor of a voucher known to exist and waits until it holds its first lease.
+    async fn warm_actor(&self, code: &str) -> Result<(), EngineError> {
+        self.core.known.insert(code);
         let entry = self.core.entry(code);
         let (tx, rx) = oneshot::channel();
         entry
@@ -848,28 +855,30 @@ impl EngineHandle {
         Ok(s)
     }
 
-    /// Live numbers: the units of every voucher hot on this node whose sale has started, from its
-    /// row and leases (no scan of its reservations), into `vouchers_units`. Vouchers not yet
-    /// started are never exported: their codes are the secret of an unannounced sale.
+    /// Live numbers: the units of every voucher whose sale has started and that can still change
+    /// (as the reconciler watches), from its row and active leases (no scan of its
+    /// reservations), into `vouchers_units`; every node exports the same numbers. Vouchers not
+    /// yet started are never exported: their codes are the secret of an unannounced sale.
     pub async fn live_numbers(&self) -> Result<usize, EngineError> {
         // The node-wide gauges are set here too, so that none goes idle (see `metrics::install`).
         m::actors(self.core.registry.len());
         if !self.core.signals.enabled() {
             m::redis_up(false);
         }
-        let codes: Vec<String> = self.core.registry.iter().map(|e| e.key().clone()).collect();
-        if codes.is_empty() {
-            return Ok(0);
-        }
         let now = self.now_ms();
-        let mut n = 0;
-        for u in self.core.ledger.live_units(&codes).await? {
-            if u.starts_at <= now {
-                m::live_units(&u);
-                n += 1;
-            }
-        }
-        Ok(n)
+        let units = self
+            .core
+            .ledger
+            .live_units(now, self.watched_after(now))
+            .await?;
+        units.iter().for_each(m::live_units);
+        Ok(units.len())
+    }
+
+    /// Vouchers whose window ended after this can still change by themselves (sales, and expiries
+    /// up to a reservation TTL later): the reconciler and the live numbers watch them.
+    fn watched_after(&self, now: Millis) -> Millis {
+        now - self.core.settings.reservation_ttl_ms - 60_000
     }
 
     /// Rate limiters drop the keys that refilled.
@@ -926,7 +935,7 @@ impl EngineHandle {
     /// more than a reservation TTL and a minute ago) from the rows; returns the codes that do
     /// not balance. Vouchers long over stay as they were last seen.
     pub async fn reconcile(&self) -> Result<Vec<String>, EngineError> {
-        let ending_after = self.now_ms() - self.core.settings.reservation_ttl_ms - 60_000;
+        let ending_after = self.watched_after(self.now_ms());
         let mut unbalanced = Vec::new();
         let now = self.now_ms();
         for code in self.core.ledger.voucher_codes(ending_after).await? {
@@ -938,11 +947,7 @@ impl EngineHandle {
                     .voucher(&code)
                     .await?
                     .is_some_and(|v| v.starts_at <= now);
-                if started {
-                    m::voucher_units(&code, &c);
-                } else if !c.balanced {
-                    m::reconcile_mismatch();
-                }
+                m::reconciled(&code, &c, started);
                 if !c.balanced {
                     tracing::error!(code = %code, counters = ?c, "ledger does not balance");
                     unbalanced.push(code);

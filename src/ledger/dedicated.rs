@@ -152,9 +152,12 @@ impl Ledger for Dedicated {
             .await
     }
 
-    async fn live_units(&self, codes: &[String]) -> Result<Vec<LiveUnits>, LedgerError> {
-        let codes = codes.to_vec();
-        self.run(move |l| async move { l.live_units(&codes).await })
+    async fn live_units(
+        &self,
+        now: Millis,
+        ending_after: Millis,
+    ) -> Result<Vec<LiveUnits>, LedgerError> {
+        self.run(move |l| async move { l.live_units(now, ending_after).await })
             .await
     }
 

@@ -260,8 +260,13 @@ pub trait Ledger: Send + Sync + 'static {
     async fn reap_expired(&self, now: Millis) -> Result<Vec<Restock>, LedgerError>;
     /// Counters of one voucher, with the reconciliation verdict.
     async fn counters(&self, code: &str) -> Result<Option<Counters>, LedgerError>;
-    /// The live numbers of these vouchers (see [`LiveUnits`]).
-    async fn live_units(&self, codes: &[String]) -> Result<Vec<LiveUnits>, LedgerError>;
+    /// The live numbers (see [`LiveUnits`]) of every voucher whose sale started by `now` and
+    /// ends after `ending_after`.
+    async fn live_units(
+        &self,
+        now: Millis,
+        ending_after: Millis,
+    ) -> Result<Vec<LiveUnits>, LedgerError>;
     /// Active vouchers whose sale starts after `from` and no later than `to` (pre-heat).
     async fn starting_between(&self, from: Millis, to: Millis) -> Result<Vec<String>, LedgerError>;
     /// The emergency switches.

@@ -376,18 +376,24 @@ impl Ledger for PostgresLedger {
             .collect::<Result<_, _>>()?)
     }
 
-    async fn live_units(&self, codes: &[String]) -> Result<Vec<LiveUnits>, LedgerError> {
-        // `reserved` is derived from the leases (see the migration): units batches took, less
-        // those confirmed or released since.
+    async fn live_units(
+        &self,
+        now: Millis,
+        ending_after: Millis,
+    ) -> Result<Vec<LiveUnits>, LedgerError> {
+        // Only the active leases are read (a partial index); `reserved`, which this schema
+        // derives from every lease ever granted, follows from the accounting equation instead:
+        // total = free + leased unused + reserved + confirmed (the reconciler checks it).
         let rows: Vec<(String, i64, i64, i64, i64, i64, i64, i64)> = sqlx::query_as(
-            "SELECT v.code, v.starts_at, v.total_limit, v.free, \
-             COALESCE(SUM(l.granted - l.consumed) FILTER (WHERE l.state = 'ACTIVE'), 0)::BIGINT, \
-             (COALESCE(SUM(l.consumed), 0) - v.confirmed - v.released)::BIGINT, \
-             v.confirmed, v.released \
-             FROM vouchers v LEFT JOIN leases l ON l.voucher_code = v.code \
-             WHERE v.code = ANY ($1) GROUP BY v.code",
+            "SELECT v.code, v.starts_at, v.total_limit, v.free, a.unused, \
+             v.total_limit - v.free - a.unused - v.confirmed, v.confirmed, v.released \
+             FROM vouchers v CROSS JOIN LATERAL ( \
+                 SELECT COALESCE(SUM(l.granted - l.consumed), 0)::BIGINT AS unused FROM leases l \
+                 WHERE l.voucher_code = v.code AND l.state = 'ACTIVE') a \
+             WHERE v.starts_at <= $1 AND v.ends_at > $2",
         )
-        .bind(codes)
+        .bind(now)
+        .bind(ending_after)
         .fetch_all(&self.pool)
         .await?;
         Ok(rows.into_iter().map(super::rows::live_units_from).collect())

@@ -320,15 +320,20 @@ impl Ledger for SqliteLedger {
             .collect::<Result<_, _>>()?)
     }
 
-    async fn live_units(&self, codes: &[String]) -> Result<Vec<LiveUnits>, LedgerError> {
+    async fn live_units(
+        &self,
+        now: Millis,
+        ending_after: Millis,
+    ) -> Result<Vec<LiveUnits>, LedgerError> {
         let rows: Vec<(String, i64, i64, i64, i64, i64, i64, i64)> = sqlx::query_as(
             "SELECT v.code, v.starts_at, v.total_limit, v.free, \
              COALESCE((SELECT SUM(l.granted - l.consumed) FROM leases l \
                        WHERE l.voucher_code = v.code AND l.state = 'ACTIVE'), 0), \
              v.reserved, v.confirmed, v.released \
-             FROM vouchers v WHERE v.code IN (SELECT value FROM json_each(?))",
+             FROM vouchers v WHERE v.starts_at <= ? AND v.ends_at > ?",
         )
-        .bind(json_list(codes))
+        .bind(now)
+        .bind(ending_after)
         .fetch_all(&self.reader)
         .await?;
         Ok(rows.into_iter().map(super::rows::live_units_from).collect())
