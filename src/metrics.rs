@@ -400,25 +400,18 @@ pub fn reconcile_mismatch() {
     counter!(RECONCILE_MISMATCHES).increment(1);
 }
 
-/// Per-voucher unit gauges from the live numbers (every second for the vouchers hot on this node).
+/// `vouchers_units{voucher, kind}` from the live numbers (every second, for every voucher on
+/// sale): free, leased_unused, reserved, confirmed, released, total.
 pub fn live_units(u: &crate::ledger::LiveUnits) {
-    unit_gauges(
-        &u.code,
-        [
-            u.free,
-            u.leased_unused,
-            u.reserved,
-            u.confirmed,
-            u.total_limit,
-        ],
-    );
-}
-
-/// `vouchers_units{voucher, kind}`: free, leased_unused, reserved, confirmed, total.
-fn unit_gauges(code: &str, values: [i64; 5]) {
-    let kinds = ["free", "leased_unused", "reserved", "confirmed", "total"];
-    for (kind, v) in kinds.into_iter().zip(values) {
-        gauge!(VOUCHER_UNITS, "voucher" => code.to_string(), "kind" => kind).set(v as f64);
+    for (kind, v) in [
+        ("free", u.free),
+        ("leased_unused", u.leased_unused),
+        ("reserved", u.reserved),
+        ("confirmed", u.confirmed),
+        ("released", u.released),
+        ("total", u.total_limit),
+    ] {
+        gauge!(VOUCHER_UNITS, "voucher" => u.code.clone(), "kind" => kind).set(v as f64);
     }
 }
 

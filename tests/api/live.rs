@@ -24,6 +24,12 @@ async fn unit_gauges_follow_the_sale_and_hide_vouchers_not_yet_started() {
     for c in 1..=3 {
         assert_eq!(app.reserve("LIVEV", c, format!("live-{c}")).await.0, 201);
     }
+    assert_eq!(
+        app.call("DELETE", "/vouchers/LIVEV/reservations/live-3")
+            .await
+            .0,
+        200
+    );
     let units = |m: &str, code: &str, kind: &str| {
         metric_sum(
             m,
@@ -36,8 +42,9 @@ async fn unit_gauges_follow_the_sale_and_hide_vouchers_not_yet_started() {
         let (client, base) = (client.clone(), base.clone());
         async move {
             let m = metrics_text(&client, &base).await;
-            units(&m, "LIVEV", "reserved") == 3.0
-                && units(&m, "LIVEV", "free") + units(&m, "LIVEV", "leased_unused") == 2.0
+            units(&m, "LIVEV", "reserved") == 2.0
+                && units(&m, "LIVEV", "released") == 1.0
+                && units(&m, "LIVEV", "free") + units(&m, "LIVEV", "leased_unused") == 3.0
         }
     })
     .await;
