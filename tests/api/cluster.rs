@@ -1152,3 +1152,112 @@ async fn every_node_is_warm_before_the_start_and_on_a_warm_up() {
         .expect("answered");
     assert_eq!((s, b["reason"].as_str()), (422, Some("NOT_STARTED")));
 }
+
+#[actix_web::test]
+#[cfg_attr(
+    any(no_test_pg, no_test_redis),
+    ignore = "needs TEST_DATABASE_URL and TEST_REDIS_URL; .ci/run sets them"
+)]
+async fn sold_out_and_restock_travel_between_nodes_by_signal() {
+    let (Some(db), Some(redis)) = (fresh_pg_schema("soldsig").await, redis_url()) else {
+        return;
+    };
+    // Probes far apart: only the signals can move node 1's flag within the test.
+    let cluster = Cluster::start(
+        2,
+        &db,
+        &redis,
+        &[("VOUCHERS__ENGINE__SOLDOUT_PROBE_MS", "3600000")],
+    )
+    .await;
+    let code = code("SOLDSIG");
+    cluster.create(&code, 4, 1).await;
+    let (c, b0, b1) = (cluster.client.clone(), cluster.base(0), cluster.base(1));
+    // Node 1 serves the voucher first (its actor exists), then node 0 sells the rest.
+    assert_eq!(
+        try_reserve(&c, &b1, &code, 1, "n1-first")
+            .await
+            .map(|a| a.0),
+        Some(201)
+    );
+    let mut sold = 1;
+    let mut n = 100;
+    while sold < 4 {
+        n += 1;
+        let a = try_reserve(&c, &b0, &code, n, &format!("n0-{n}")).await;
+        match a.map(|a| a.0) {
+            Some(201) => sold += 1,
+            Some(409) | Some(503) => {}
+            other => panic!("unexpected answer {other:?}"),
+        }
+        assert!(n < 10_000, "node 0 could not sell the last units");
+    }
+    let short_circuits = |base: String| {
+        let c = c.clone();
+        async move {
+            let m = metrics_text(&c, &base).await;
+            crate::helpers::metric_sum(&m, "vouchers_sold_out_short_circuits_total", &[])
+        }
+    };
+    // SOLD_OUT reaches node 1, which then answers late traffic from its flag.
+    eventually("node 1 hears SOLD_OUT", Duration::from_secs(10), || {
+        let (c, b1) = (c.clone(), b1.clone());
+        async move {
+            let m = metrics_text(&c, &b1).await;
+            crate::helpers::metric_sum(
+                &m,
+                "vouchers_signals_total",
+                &["event=\"received\"", "kind=\"SOLD_OUT\""],
+            ) > 0.0
+        }
+    })
+    .await;
+    let before = short_circuits(b1.clone()).await;
+    eventually(
+        "node 1 answers from its sold-out flag",
+        Duration::from_secs(10),
+        || {
+            n += 1;
+            let (c, b1, code, sc) = (
+                c.clone(),
+                b1.clone(),
+                code.clone(),
+                short_circuits(b1.clone()),
+            );
+            async move {
+                let a = try_reserve(&c, &b1, &code, n, &format!("late-{n}")).await;
+                a.map(|a| a.0) == Some(409) && sc.await > before
+            }
+        },
+    )
+    .await;
+    // RESTOCK: a release on node 0 lowers node 1's flag (its own probe is an hour away, so only
+    // the signal can); node 1 sells the unit again.
+    let url = format!("{b0}/vouchers/{code}/reservations/n1-first");
+    assert_eq!(send(&c, "DELETE", &url, None, None).await.0, 200);
+    eventually(
+        "node 1 sells the restocked unit",
+        Duration::from_secs(10),
+        || {
+            n += 1;
+            let (c, b1, code) = (c.clone(), b1.clone(), code.clone());
+            async move {
+                try_reserve(&c, &b1, &code, n, &format!("again-{n}"))
+                    .await
+                    .map(|a| a.0)
+                    == Some(201)
+            }
+        },
+    )
+    .await;
+    let v = cluster.admin(0, &code).await;
+    assert_eq!(
+        (
+            v["reserved"].clone(),
+            v["released"].clone(),
+            v["balanced"].clone()
+        ),
+        (json!(4), json!(1), json!(true)),
+        "{v}"
+    );
+}

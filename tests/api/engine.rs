@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use futures_util::future::join_all;
 use vouchers::clock::{Clock, ManualClock};
+use vouchers::config::Settings;
 use vouchers::domain::{ReserveRequest, Voucher, VoucherStatus};
 use vouchers::engine::{EngineError, EngineHandle};
 use vouchers::ledger;
@@ -147,4 +148,43 @@ async fn many_hot_vouchers_at_once_each_sell_exactly_their_units() {
         );
     }
     assert!(engine.reconcile().await.unwrap().is_empty());
+}
+
+#[actix_web::test]
+async fn an_idle_actor_returns_its_units_then_leaves_the_registry() {
+    let (engine, clock) = engine().await;
+    let v = Voucher {
+        code: "IDLE".into(),
+        discount_amount: 10,
+        min_order_amount: 0,
+        total_limit: 100,
+        per_user_limit: 1,
+        starts_at: 0,
+        ends_at: i64::MAX / 2,
+        status: VoucherStatus::Active,
+        limits: Default::default(),
+    };
+    engine.create_voucher(&v).await.unwrap();
+    assert!(engine.reserve("IDLE", req(1, "idle-1"), None).await.is_ok());
+    assert_eq!(engine.actor_count(), 1);
+    // Past the idle timeout its unused units go back to free; past the stop timeout it leaves.
+    clock.advance_ms(Settings::defaults().engine.actor_idle_stop_ms + 1);
+    let e = engine.clone();
+    eventually("the idle actor stops", Duration::from_secs(10), || {
+        let e = e.clone();
+        async move { e.actor_count() == 0 }
+    })
+    .await;
+    // Its unused units went back to free (the return runs on its own, so poll).
+    eventually("the lease went back", Duration::from_secs(10), || {
+        let e = e.clone();
+        async move {
+            let c = e.voucher("IDLE").await.unwrap().counters;
+            (c.free, c.leased_unused, c.reserved, c.balanced) == (99, 0, 1, true)
+        }
+    })
+    .await;
+    // A new reserve starts a fresh actor and is served.
+    assert!(engine.reserve("IDLE", req(2, "idle-2"), None).await.is_ok());
+    assert_eq!(engine.actor_count(), 1);
 }
