@@ -1261,3 +1261,65 @@ async fn sold_out_and_restock_travel_between_nodes_by_signal() {
         "{v}"
     );
 }
+
+#[actix_web::test]
+#[cfg_attr(
+    any(no_test_pg, no_test_redis),
+    ignore = "needs TEST_DATABASE_URL and TEST_REDIS_URL; .ci/run sets them"
+)]
+async fn a_dry_node_recalls_the_units_another_node_holds_idle() {
+    let (Some(db), Some(redis)) = (fresh_pg_schema("recall").await, redis_url()) else {
+        return;
+    };
+    // Idle leases are never returned by time here: only a RECALL can free node 1's units.
+    let cluster = Cluster::start(
+        2,
+        &db,
+        &redis,
+        &[("VOUCHERS__ENGINE__LEASE_IDLE_TIMEOUT_MS", "3600000")],
+    )
+    .await;
+    let code = code("RECALL");
+    cluster.create(&code, 40, 1).await;
+    let (c, b0, b1) = (cluster.client.clone(), cluster.base(0), cluster.base(1));
+    assert_eq!(
+        try_reserve(&c, &b1, &code, 1, "held-1").await.map(|a| a.0),
+        Some(201)
+    );
+    let pg = cluster.pg().await;
+    let held_by_node1: i64 = sqlx::query_scalar(
+        "SELECT COALESCE(SUM(granted - consumed), 0)::BIGINT FROM leases \
+         WHERE voucher_code = $1 AND node_id = 'node-1' AND state = 'ACTIVE'",
+    )
+    .bind(&code)
+    .fetch_one(&pg)
+    .await
+    .expect("node 1's idle units");
+    assert!(held_by_node1 > 0, "node 1 holds idle units");
+    // Node 0 sells everything else, the units node 1 held included.
+    let answers = flood(&c, std::slice::from_ref(&b0), &[1], &code, 2..200, 8).await;
+    let sold_by_node0 = count(&answers, 201);
+    assert_eq!(
+        sold_by_node0,
+        39,
+        "sell-through 100 %: {:?}",
+        crate::helpers::tally(
+            &answers
+                .iter()
+                .filter_map(|(_, _, a)| a.clone())
+                .collect::<Vec<_>>()
+        )
+    );
+    let m = metrics_text(&c, &b1).await;
+    assert!(
+        crate::helpers::metric_sum(&m, "vouchers_lease_events_total", &["event=\"recalled\""])
+            > 0.0,
+        "node 1 gave its units back on a RECALL"
+    );
+    let v = cluster.admin(0, &code).await;
+    assert_eq!(
+        (v["reserved"].clone(), v["balanced"].clone()),
+        (json!(40), json!(true)),
+        "{v}"
+    );
+}
