@@ -51,6 +51,9 @@ wait_http "http://127.0.0.1:$prom_port/-/ready" "Prometheus"
 export BASE_URL="http://127.0.0.1:$port" ADMIN_TOKEN="$token"
 k6 run --quiet -e P99_MS=0 -e PEAK_RATE=400 -e TOTAL=300 -e RAMP=2s -e HOLD=4s load-tests/flash-sale.js
 k6 run --quiet -e P99_MS=0 -e RATE=100 -e DURATION=4s load-tests/lifecycle.js
+# The other two scenarios, short: every scenario runs in CI.
+k6 run --quiet -e P99_MS=0 -e RATE=200 -e DURATION=3s load-tests/campaign.js
+k6 run --quiet -e ORDERS=50 -e COPIES=10 load-tests/retry-storm.js
 sleep 3   # two more scrapes after the last request
 
 # Every metric of the catalogue (src/metrics.rs) is exported after the runs.
