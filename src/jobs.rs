@@ -7,7 +7,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use crate::config::JobSettings;
-use crate::engine::EngineHandle;
+use crate::engine::{EngineError, EngineHandle};
 
 /// How often rate limiters drop the keys that refilled.
 const LIMITS_UPKEEP_MS: u64 = 10_000;
@@ -27,73 +27,69 @@ impl Jobs {
 pub fn start(engine: &EngineHandle, s: &JobSettings) -> Jobs {
     let batch = s.expiry_batch;
     let e = engine.clone();
-    let expiry = every(s.expiry_interval_ms, move || {
-        let e = e.clone();
-        async move {
-            if let Err(err) = e.expire_due(batch).await {
-                crate::metrics::ledger_error("jobs");
-                tracing::warn!(error = %err, "expiry sweep failed");
-            }
-        }
-    });
-    let e = engine.clone();
-    let reaper = every(s.reaper_interval_ms, move || {
-        let e = e.clone();
-        async move {
-            if let Err(err) = e.reap_expired().await {
-                crate::metrics::ledger_error("jobs");
-                tracing::warn!(error = %err, "lease reaper failed");
-            }
-        }
-    });
-    let e = engine.clone();
-    let reconciler = every(s.reconcile_interval_ms, move || {
-        let e = e.clone();
-        async move {
-            if let Err(err) = e.reconcile().await {
-                crate::metrics::ledger_error("jobs");
-                tracing::warn!(error = %err, "reconciliation failed");
-            }
-        }
-    });
-    let e = engine.clone();
-    let switches = every(s.switches_interval_ms, move || {
-        let e = e.clone();
-        async move {
-            if let Err(err) = e.refresh_switches().await {
-                crate::metrics::ledger_error("jobs");
-                tracing::warn!(error = %err, "reading the switches failed");
-            }
-        }
-    });
-    let e = engine.clone();
-    let live = every(s.live_numbers_interval_ms, move || {
-        let e = e.clone();
-        async move {
-            if let Err(err) = e.live_numbers().await {
-                crate::metrics::ledger_error("jobs");
-                tracing::warn!(error = %err, "live numbers failed");
-            }
-        }
-    });
-    let e = engine.clone();
-    let preheat = every(s.preheat_interval_ms, move || {
-        let e = e.clone();
-        async move {
-            if let Err(err) = e.preheat().await {
-                crate::metrics::ledger_error("jobs");
-                tracing::warn!(error = %err, "pre-heat failed");
-            }
-        }
-    });
-    let e = engine.clone();
-    let limits = every(LIMITS_UPKEEP_MS, move || {
-        e.limits_upkeep();
-        async {}
-    });
     Jobs(vec![
-        expiry, reaper, reconciler, switches, live, preheat, limits,
+        job(
+            engine,
+            s.expiry_interval_ms,
+            "expiry sweep",
+            move |e| async move { e.expire_due(batch).await },
+        ),
+        job(
+            engine,
+            s.reaper_interval_ms,
+            "lease reaper",
+            |e| async move { e.reap_expired().await },
+        ),
+        job(
+            engine,
+            s.reconcile_interval_ms,
+            "reconciliation",
+            |e| async move { e.reconcile().await },
+        ),
+        job(
+            engine,
+            s.switches_interval_ms,
+            "reading the switches",
+            |e| async move { e.refresh_switches().await },
+        ),
+        job(
+            engine,
+            s.live_numbers_interval_ms,
+            "live numbers",
+            |e| async move { e.live_numbers().await },
+        ),
+        job(engine, s.preheat_interval_ms, "pre-heat", |e| async move {
+            e.preheat().await
+        }),
+        every(LIMITS_UPKEEP_MS, move || {
+            e.limits_upkeep();
+            async {}
+        }),
     ])
+}
+
+/// Runs one engine call every `ms`; a failure is counted and logged, and the next tick tries
+/// again.
+fn job<F, Fut, T>(
+    engine: &EngineHandle,
+    ms: u64,
+    what: &'static str,
+    run: F,
+) -> tokio::task::JoinHandle<()>
+where
+    F: Fn(EngineHandle) -> Fut + 'static,
+    Fut: Future<Output = Result<T, EngineError>> + 'static,
+{
+    let e = engine.clone();
+    every(ms, move || {
+        let fut = run(e.clone());
+        async move {
+            if let Err(err) = fut.await {
+                crate::metrics::ledger_error("jobs");
+                tracing::warn!(error = %err, "{what} failed");
+            }
+        }
+    })
 }
 
 fn every<F, Fut>(ms: u64, mut run: F) -> tokio::task::JoinHandle<()>

@@ -21,8 +21,9 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{Postgres, Row, Transaction};
 
 use super::rows::{
-    group_restocks, limit_column, reservation_from, voucher_from, LIVE_CODES_SQL,
-    RESERVATION_COLUMNS, STARTING_SQL, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
+    group_restocks, limit_column, reservation_from, switches_from, voucher_from, LIVE_CODES_SQL,
+    RESERVATION_COLUMNS, SET_SWITCHES_SQL, STARTING_SQL, SWITCHES_SQL, VOUCHER_COLUMNS,
+    VOUCHER_STOCK_SQL,
 };
 use super::{
     resolve_plan, Batch, BatchResults, Closing, Counters, Grant, Lease, Ledger, LedgerError,
@@ -408,15 +409,8 @@ impl Ledger for PostgresLedger {
     }
 
     async fn switches(&self) -> Result<Switches, LedgerError> {
-        let (sales_paused, read_only, version): (bool, bool, i64) =
-            sqlx::query_as("SELECT sales_paused, read_only, version FROM switches WHERE id = 1")
-                .fetch_one(&self.pool)
-                .await?;
-        Ok(Switches {
-            sales_paused,
-            read_only,
-            version,
-        })
+        let row = sqlx::query_as(SWITCHES_SQL).fetch_one(&self.pool).await?;
+        Ok(switches_from(row))
     }
 
     async fn set_switches(
@@ -424,21 +418,13 @@ impl Ledger for PostgresLedger {
         patch: &SwitchesPatch,
         now: Millis,
     ) -> Result<Switches, LedgerError> {
-        let (sales_paused, read_only, version): (bool, bool, i64) = sqlx::query_as(
-            "UPDATE switches SET sales_paused = COALESCE($1, sales_paused), \
-             read_only = COALESCE($2, read_only), updated_at = $3, version = version + 1 \
-             WHERE id = 1 RETURNING sales_paused, read_only, version",
-        )
-        .bind(patch.sales_paused)
-        .bind(patch.read_only)
-        .bind(now)
-        .fetch_one(&self.pool)
-        .await?;
-        Ok(Switches {
-            sales_paused,
-            read_only,
-            version,
-        })
+        let row = sqlx::query_as(SET_SWITCHES_SQL)
+            .bind(patch.sales_paused)
+            .bind(patch.read_only)
+            .bind(now)
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(switches_from(row))
     }
 
     async fn won_orders(&self, code: &str) -> Result<Vec<(String, i64)>, LedgerError> {

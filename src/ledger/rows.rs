@@ -19,6 +19,25 @@ pub const LIVE_CODES_SQL: &str = "SELECT code FROM vouchers WHERE ends_at > $1 O
 pub const STARTING_SQL: &str = "SELECT code FROM vouchers WHERE status = 'ACTIVE' \
      AND starts_at > $1 AND starts_at <= $2 ORDER BY starts_at LIMIT 1000";
 
+/// The emergency switches' one row.
+pub const SWITCHES_SQL: &str = "SELECT sales_paused, read_only, version FROM switches WHERE id = 1";
+/// Changes the switches (`NULL` leaves one as it is) and bumps their version.
+pub const SET_SWITCHES_SQL: &str =
+    "UPDATE switches SET sales_paused = COALESCE($1, sales_paused), \
+     read_only = COALESCE($2, read_only), updated_at = $3, version = version + 1 WHERE id = 1 \
+     RETURNING sales_paused, read_only, version";
+
+/// The switches from their row: sales paused, read-only, version.
+pub fn switches_from(
+    (sales_paused, read_only, version): (bool, bool, i64),
+) -> crate::domain::Switches {
+    crate::domain::Switches {
+        sales_paused,
+        read_only,
+        version,
+    }
+}
+
 /// A voucher and the units still to be had: `free` plus the unused part of active leases.
 pub const VOUCHER_STOCK_SQL: &str = "SELECT code, discount_amount, min_order_amount, total_limit, \
      per_user_limit, starts_at, ends_at, status, customer_rate, customer_burst, admission_rate, CAST(free + COALESCE((SELECT SUM(l.granted - \

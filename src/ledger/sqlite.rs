@@ -19,8 +19,9 @@ use sqlx::sqlite::{
 };
 
 use super::rows::{
-    group_restocks, limit_column, per_customer, reservation_from, voucher_from, LIVE_CODES_SQL,
-    RESERVATION_COLUMNS, STARTING_SQL, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
+    group_restocks, limit_column, per_customer, reservation_from, switches_from, voucher_from,
+    LIVE_CODES_SQL, RESERVATION_COLUMNS, SET_SWITCHES_SQL, STARTING_SQL, SWITCHES_SQL,
+    VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
 };
 use super::sqlite_raw as raw;
 use super::{
@@ -348,15 +349,8 @@ impl Ledger for SqliteLedger {
     }
 
     async fn switches(&self) -> Result<Switches, LedgerError> {
-        let (sales_paused, read_only, version): (bool, bool, i64) =
-            sqlx::query_as("SELECT sales_paused, read_only, version FROM switches WHERE id = 1")
-                .fetch_one(&self.reader)
-                .await?;
-        Ok(Switches {
-            sales_paused,
-            read_only,
-            version,
-        })
+        let row = sqlx::query_as(SWITCHES_SQL).fetch_one(&self.reader).await?;
+        Ok(switches_from(row))
     }
 
     async fn set_switches(
@@ -364,21 +358,13 @@ impl Ledger for SqliteLedger {
         patch: &SwitchesPatch,
         now: Millis,
     ) -> Result<Switches, LedgerError> {
-        let (sales_paused, read_only, version): (bool, bool, i64) = sqlx::query_as(
-            "UPDATE switches SET sales_paused = COALESCE(?, sales_paused), \
-             read_only = COALESCE(?, read_only), updated_at = ?, version = version + 1 \
-             WHERE id = 1 RETURNING sales_paused, read_only, version",
-        )
-        .bind(patch.sales_paused)
-        .bind(patch.read_only)
-        .bind(now)
-        .fetch_one(&self.writer)
-        .await?;
-        Ok(Switches {
-            sales_paused,
-            read_only,
-            version,
-        })
+        let row = sqlx::query_as(SET_SWITCHES_SQL)
+            .bind(patch.sales_paused)
+            .bind(patch.read_only)
+            .bind(now)
+            .fetch_one(&self.writer)
+            .await?;
+        Ok(switches_from(row))
     }
 
     async fn won_orders(&self, code: &str) -> Result<Vec<(String, i64)>, LedgerError> {
