@@ -158,8 +158,9 @@ pub fn install() -> PrometheusHandle {
             let builder = PrometheusBuilder::new()
                 // Gauges nobody set for this long leave /metrics: the per-voucher series of a
                 // voucher that ended (the reconciler stops a reservation TTL after its end, the
-                // live numbers when its actor stops). Every other gauge is set at least every
-                // few seconds (switches, actors, Redis: see `live_numbers`).
+                // live numbers once it is over). Every other gauge is set at least every few
+                // seconds (switches and actors by jobs; Redis by the subscriber's heartbeat and
+                // reconnects).
                 .idle_timeout(
                     metrics_util::MetricKindMask::GAUGE,
                     Some(GAUGE_IDLE_TIMEOUT),

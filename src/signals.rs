@@ -87,11 +87,6 @@ impl Publisher {
         Self { tx: None }
     }
 
-    /// Whether the node has Redis signals at all (the embedded default has none).
-    pub fn enabled(&self) -> bool {
-        self.tx.is_some()
-    }
-
     pub fn publish(&self, code: &str, signal: Signal) {
         if let Some(tx) = &self.tx {
             if tx.try_send((code.to_string(), signal)).is_err() {

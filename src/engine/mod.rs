@@ -860,11 +860,8 @@ impl EngineHandle {
     /// reservations), into `vouchers_units`; every node exports the same numbers. Vouchers not
     /// yet started are never exported: their codes are the secret of an unannounced sale.
     pub async fn live_numbers(&self) -> Result<usize, EngineError> {
-        // The node-wide gauges are set here too, so that none goes idle (see `metrics::install`).
+        // The actors gauge is set here, so that it never goes idle (see `metrics::install`).
         m::actors(self.core.registry.len());
-        if !self.core.signals.enabled() {
-            m::redis_up(false);
-        }
         let now = self.now_ms();
         let units = self
             .core

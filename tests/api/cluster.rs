@@ -834,10 +834,12 @@ async fn sold_out_probes_that_find_nothing_new_publish_nothing() {
     let probe_ms = crate::helpers::test_settings("sqlite://unused")
         .engine
         .soldout_probe_ms;
-    assert_eq!(app.create_voucher("PROBE1", 2, 1).await.0, 201);
+    // A code of its own: other runs on the same Redis must not signal this voucher.
+    let code = code("PROBE");
+    assert_eq!(app.create_voucher(&code, 2, 1).await.0, 201);
     let mut won = Vec::new();
     for c in 1..=3 {
-        let (status, body) = app.reserve("PROBE1", c, format!("probe-{c}")).await;
+        let (status, body) = app.reserve(&code, c, format!("probe-{c}")).await;
         if status == 201 {
             won.push((c, body));
         }
@@ -851,8 +853,8 @@ async fn sold_out_probes_that_find_nothing_new_publish_nothing() {
         crate::helpers::metric_sum(m, "vouchers_signals_total", &["published", "SOLD_OUT"])
     };
     eventually("sold out and announced", Duration::from_secs(10), || {
-        let (m, e) = (metrics(), app.engine.clone());
-        async move { e.is_sold_out_locally("PROBE1") && published(&m.await) >= 1.0 }
+        let (m, e, code) = (metrics(), app.engine.clone(), code.clone());
+        async move { e.is_sold_out_locally(&code) && published(&m.await) >= 1.0 }
     })
     .await;
     let announced = published(&metrics().await);
@@ -874,7 +876,7 @@ async fn sold_out_probes_that_find_nothing_new_publish_nothing() {
     );
     let (c, first) = &won[0];
     assert_eq!(
-        app.reserve("PROBE1", *c, format!("probe-{c}")).await,
+        app.reserve(&code, *c, format!("probe-{c}")).await,
         (201, first.clone()),
         "a winner's retry still gets its 201"
     );
