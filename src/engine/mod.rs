@@ -14,7 +14,7 @@ pub mod sizing;
 pub mod soldout;
 
 use std::collections::hash_map::DefaultHasher;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::hash::{Hash, Hasher};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -381,7 +381,7 @@ impl EngineHandle {
             sales_paused: AtomicBool::new(false),
             read_only: AtomicBool::new(false),
             switch_version: std::sync::Mutex::new(i64::MIN),
-            limits: RateLimits::new(&limit_settings, clock.clone()),
+            limits: RateLimits::new(limit_settings, clock.clone()),
             ledger,
             clock,
             sizing: SizingParams::from(&settings),
@@ -459,17 +459,20 @@ impl EngineHandle {
             m::reservation(error_outcome(&e));
             return Err(e);
         }
-        let first = self.core.entry(code);
-        let own = first.shared.own_limits();
+        let mut entry = self.core.entry(code);
+        let own = entry.shared.own_limits();
         let limits = &self.core.limits;
         limits
             .customer(code_hash(code), req.customer_id, own.as_deref())
             .map_err(rate_limited)?;
         limits
-            .admit(first.admission.as_deref(), own.as_deref())
+            .admit(entry.admission.as_deref(), own.as_deref())
             .map_err(rate_limited)?;
-        for _ in 0..3 {
-            let entry = self.core.entry(code);
+        for attempt in 0..3 {
+            if attempt > 0 {
+                // The actor stopped: its successor's row.
+                entry = self.core.entry(code);
+            }
             if entry.shared.is_sold_out() {
                 m::sold_out_short_circuit();
                 entry.shared.count_short_circuit(self.now_ms());
@@ -590,9 +593,10 @@ impl EngineHandle {
             .map_or(0, |e| e.shared.short_circuits())
     }
 
+    /// Confirm and release first read the reservation: made-up order ids get `404` from that read
+    /// and never take the ledger's writer (on SQLite the one connection every commit needs).
     pub async fn confirm(&self, code: &str, order_id: &str) -> Result<Reservation, EngineError> {
-        self.known(code).await?;
-        self.reservation_exists(code, order_id).await?;
+        self.reservation(code, order_id).await?;
         Ok(self
             .core
             .ledger
@@ -601,8 +605,7 @@ impl EngineHandle {
     }
 
     pub async fn release(&self, code: &str, order_id: &str) -> Result<Reservation, EngineError> {
-        self.known(code).await?;
-        self.reservation_exists(code, order_id).await?;
+        self.reservation(code, order_id).await?;
         let (r, restock) = self
             .core
             .ledger
@@ -610,22 +613,6 @@ impl EngineHandle {
             .await?;
         self.after_restocks(restock.into_iter());
         Ok(r)
-    }
-
-    /// `404` unless the order exists for this voucher, from a read: confirm and release of made-up
-    /// order ids never take the ledger's writer (on SQLite the one connection every commit
-    /// needs).
-    async fn reservation_exists(&self, code: &str, order_id: &str) -> Result<(), EngineError> {
-        let found = self
-            .core
-            .ledger
-            .find_orders(&[order_id.to_string()])
-            .await?;
-        if found.iter().any(|r| r.voucher_code == code) {
-            Ok(())
-        } else {
-            Err(EngineError::NotFound)
-        }
     }
 
     pub async fn reservation(
@@ -932,19 +919,22 @@ impl EngineHandle {
     /// more than a reservation TTL and a minute ago) from the rows; returns the codes that do
     /// not balance. Vouchers long over stay as they were last seen.
     pub async fn reconcile(&self) -> Result<Vec<String>, EngineError> {
-        let ending_after = self.watched_after(self.now_ms());
-        let mut unbalanced = Vec::new();
         let now = self.now_ms();
+        let ending_after = self.watched_after(now);
+        // Which of them started, in one read: the others' series are not exported (see
+        // `live_numbers`).
+        let started: HashSet<String> = self
+            .core
+            .ledger
+            .live_units(now, ending_after)
+            .await?
+            .into_iter()
+            .map(|u| u.code)
+            .collect();
+        let mut unbalanced = Vec::new();
         for code in self.core.ledger.voucher_codes(ending_after).await? {
             if let Some(c) = self.core.ledger.counters(&code).await? {
-                // Not exported before the sale starts (see `live_numbers`).
-                let started = self
-                    .core
-                    .ledger
-                    .voucher(&code)
-                    .await?
-                    .is_some_and(|v| v.starts_at <= now);
-                m::reconciled(&code, &c, started);
+                m::reconciled(&code, &c, started.contains(&code));
                 if !c.balanced {
                     tracing::error!(code = %code, counters = ?c, "ledger does not balance");
                     unbalanced.push(code);

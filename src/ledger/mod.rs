@@ -119,7 +119,6 @@ pub struct Counters {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LiveUnits {
     pub code: String,
-    pub starts_at: Millis,
     pub total_limit: i64,
     pub free: i64,
     pub leased_unused: i64,

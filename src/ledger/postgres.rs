@@ -385,8 +385,8 @@ impl Ledger for PostgresLedger {
         // Only the active leases are read (a partial index); `reserved`, which this schema
         // derives from every lease ever granted, follows from the accounting equation instead:
         // total = free + leased unused + reserved + confirmed (the reconciler checks it).
-        let rows: Vec<(String, i64, i64, i64, i64, i64, i64, i64)> = sqlx::query_as(
-            "SELECT v.code, v.starts_at, v.total_limit, v.free, a.unused, \
+        let rows: Vec<(String, i64, i64, i64, i64, i64, i64)> = sqlx::query_as(
+            "SELECT v.code, v.total_limit, v.free, a.unused, \
              v.total_limit - v.free - a.unused - v.confirmed, v.confirmed, v.released \
              FROM vouchers v CROSS JOIN LATERAL ( \
                  SELECT COALESCE(SUM(l.granted - l.consumed), 0)::BIGINT AS unused FROM leases l \

@@ -94,12 +94,11 @@ where
     })
 }
 
-/// A [`LiveUnits`](super::LiveUnits) from its query's row: code, starts_at, total, free,
-/// leased unused, reserved, confirmed, released.
+/// A [`LiveUnits`](super::LiveUnits) from its query's row: code, total, free, leased unused,
+/// reserved, confirmed, released.
 pub fn live_units_from(
-    (code, starts_at, total_limit, free, leased_unused, reserved, confirmed, released): (
+    (code, total_limit, free, leased_unused, reserved, confirmed, released): (
         String,
-        i64,
         i64,
         i64,
         i64,
@@ -110,7 +109,6 @@ pub fn live_units_from(
 ) -> super::LiveUnits {
     super::LiveUnits {
         code,
-        starts_at,
         total_limit,
         free,
         leased_unused,

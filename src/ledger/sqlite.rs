@@ -326,8 +326,8 @@ impl Ledger for SqliteLedger {
         now: Millis,
         ending_after: Millis,
     ) -> Result<Vec<LiveUnits>, LedgerError> {
-        let rows: Vec<(String, i64, i64, i64, i64, i64, i64, i64)> = sqlx::query_as(
-            "SELECT v.code, v.starts_at, v.total_limit, v.free, \
+        let rows: Vec<(String, i64, i64, i64, i64, i64, i64)> = sqlx::query_as(
+            "SELECT v.code, v.total_limit, v.free, \
              COALESCE((SELECT SUM(l.granted - l.consumed) FROM leases l \
                        WHERE l.voucher_code = v.code AND l.state = 'ACTIVE'), 0), \
              v.reserved, v.confirmed, v.released \
