@@ -48,6 +48,12 @@ pub struct RedisSettings {
     /// A subscription that hears nothing (not even this node's own keepalive ping) for this
     /// long is taken as dead and reconnected.
     pub keepalive_ms: u64,
+    /// The Redis Stream the change feed is copied to (see `feed`); empty: no copy.
+    pub events_stream: String,
+    /// Approximate cap on the stream's length.
+    pub events_stream_maxlen: u64,
+    /// How often the relay copies new events.
+    pub events_relay_ms: u64,
 }
 
 #[derive(Debug, Clone, Deserialize)]

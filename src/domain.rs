@@ -175,6 +175,51 @@ impl Reservation {
     }
 }
 
+/// What happened to a reservation, as the change feed tells it (DESIGN §6, `GET /admin/events`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum EventKind {
+    Reserved,
+    Confirmed,
+    /// Released by its customer (`DELETE`).
+    Released,
+    /// Released by the expiry sweep: it was never confirmed.
+    Expired,
+}
+
+impl EventKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Reserved => "RESERVED",
+            Self::Confirmed => "CONFIRMED",
+            Self::Released => "RELEASED",
+            Self::Expired => "EXPIRED",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "RESERVED" => Some(Self::Reserved),
+            "CONFIRMED" => Some(Self::Confirmed),
+            "RELEASED" => Some(Self::Released),
+            "EXPIRED" => Some(Self::Expired),
+            _ => None,
+        }
+    }
+}
+
+/// One entry of the change feed. `seq` is given in the transaction that made the change, from
+/// one counter per ledger: the feed is ordered and has no gaps.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FeedEvent {
+    pub seq: i64,
+    pub kind: EventKind,
+    pub voucher_code: String,
+    pub order_id: String,
+    pub customer_id: i64,
+    pub at: Millis,
+}
+
 /// A validated reserve request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReserveRequest {

@@ -13,6 +13,7 @@
 //!   committer that merges every voucher's batches into shared transactions.
 //! - [`jobs`]: expiry sweeper, lease reaper, reconciler.
 //! - [`signals`]: Redis pub/sub hints between nodes (sold out, restock, recall, updated).
+//! - [`feed`]: the relay that copies the ledger's change feed to a Redis Stream.
 //! - [`metrics`]: every metric name and the helpers that record them.
 //! - [`domain`]: vouchers, reservations, eligibility and input rules.
 //! - [`clock`]: the injected clock that lease and expiry logic read.
@@ -22,6 +23,7 @@ pub mod clock;
 pub mod config;
 pub mod domain;
 pub mod engine;
+pub mod feed;
 pub mod jobs;
 pub mod ledger;
 pub mod metrics;

@@ -418,6 +418,12 @@ pub fn live_units(u: &crate::ledger::LiveUnits) {
 
 pub const SIGNALS: &str = "vouchers_signals_total";
 pub const REDIS_UP: &str = "vouchers_redis_up";
+pub const FEED_RELAYED: &str = "vouchers_feed_relayed_total";
+
+/// Events of the change feed this node copied to the Redis Stream.
+pub fn feed_relayed(n: u64) {
+    counter!(FEED_RELAYED).increment(n);
+}
 
 /// A Redis signal `published`, `received` or `dropped`.
 pub fn signal(event: &'static str, kind: &'static str) {

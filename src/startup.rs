@@ -149,6 +149,21 @@ impl Application {
                     .context("redis url")?,
             );
         }
+        if !settings.redis.url.is_empty() && !settings.redis.events_stream.is_empty() {
+            signal_tasks.push(
+                crate::feed::start(
+                    engine.clone(),
+                    crate::feed::RelaySettings {
+                        url: settings.redis.url.clone(),
+                        stream: settings.redis.events_stream.clone(),
+                        maxlen: settings.redis.events_stream_maxlen.max(1),
+                        interval: Duration::from_millis(settings.redis.events_relay_ms.max(10)),
+                        node_id: node_id.clone(),
+                    },
+                )
+                .context("redis url")?,
+            );
+        }
         let signals = RedisSignals::new(signal_tasks);
         // After subscribing: a code created meanwhile comes by signal or in this read.
         engine.load_known_codes().await;

@@ -9,8 +9,12 @@
 -- Locks, in this order, so that calls of different nodes never wait on each other in a cycle:
 --   1. the batches' leases, in id order (the fence);
 --   2. the customers' usage rows, created if missing, in (voucher, customer) order;
---   3. new reservation rows, in order-id order (a row another transaction stored meanwhile is
---      skipped and reported LOST; the caller reads the stored row after commit).
+--   3. the change feed's head (`feed_head`, migration 7), last, held to commit: it numbers the
+--      new rows without gaps and in commit order;
+--   4. new reservation rows, in order-id order (a row another transaction stored meanwhile is
+--      skipped and reported LOST; the caller reads the stored row after commit). Every writer of
+--      new rows holds the head until it commits, so once this call holds it no such row can
+--      appear, and a LOST row would leave a gap in the feed: the call fails instead.
 -- Voucher rows are only read: batches never queue on them.
 --
 -- Verdicts per row: NOT_FOUND (no such voucher), INSERT (a new reservation), REPLAYED (the
@@ -45,6 +49,10 @@ SET plan_cache_mode = force_generic_plan
 SET enable_seqscan = off
 AS $$
 #variable_conflict use_column
+DECLARE
+    v_base BIGINT;  -- the feed's last number before this call
+    v_n    BIGINT;  -- rows this call inserted
+    v_max  BIGINT;  -- the highest number they took
 BEGIN
     PERFORM 1 FROM leases WHERE id = ANY (p_lease) ORDER BY id FOR UPDATE;
 
@@ -55,6 +63,8 @@ BEGIN
     SELECT DISTINCT p_code[t.b], t.c, 0::BIGINT FROM unnest(p_batch, p_customer) AS t (b, c)
     ORDER BY 1, 2
     ON CONFLICT (voucher_code, customer_id) DO UPDATE SET used = u.used;
+
+    SELECT h.last INTO v_base FROM feed_head h WHERE h.id = 1 FOR UPDATE;
 
     -- A new statement: its snapshot sees everything committed before the locks were granted.
     RETURN QUERY
@@ -126,9 +136,9 @@ BEGIN
     ),
     ins AS (
         INSERT INTO reservations (order_id, voucher_code, customer_id, lease_id, discount_amount,
-                                  status, created_at, expires_at, updated_at)
+                                  status, created_at, expires_at, updated_at, reserved_seq)
         SELECT q.o, q.code, q.c, p_lease[q.b], q.discount, 'RESERVED', p_now[q.b],
-               p_expires[q.b], p_now[q.b]
+               p_expires[q.b], p_now[q.b], v_base + row_number() OVER (ORDER BY q.o)
         FROM q JOIN k ON k.b = q.b
         WHERE q.v1 = 'INSERT' AND NOT k.fenced
         ORDER BY q.o
@@ -162,5 +172,14 @@ BEGIN
     JOIN k ON k.b = q.b
     LEFT JOIN ins ON ins.order_id = q.o AND q.v1 = 'INSERT'
     ORDER BY q.idx;
+
+    SELECT count(*), COALESCE(max(x.reserved_seq), v_base) INTO v_n, v_max
+    FROM reservations x WHERE x.reserved_seq > v_base;
+    IF v_max <> v_base + v_n THEN
+        RAISE EXCEPTION 'change feed numbers % to % hold only % rows', v_base + 1, v_max, v_n;
+    END IF;
+    IF v_n > 0 THEN
+        UPDATE feed_head SET last = v_max WHERE id = 1;
+    END IF;
 END
 $$;

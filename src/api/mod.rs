@@ -149,6 +149,7 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
             .route("/{code}", web::patch().to(admin::patch))
             .route("/{code}/warm", web::post().to(admin::warm)),
     )
+    .route("/admin/events", web::get().to(admin::events))
     .route("/admin/switches", web::get().to(admin::get_switches))
     .route("/admin/switches", web::put().to(admin::put_switches))
     .route("/openapi.json", web::get().to(openapi::openapi_json))

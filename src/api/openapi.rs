@@ -26,6 +26,7 @@ use super::{admin, health, reservations, vouchers};
         admin::get,
         admin::patch,
         admin::warm,
+        admin::events,
         admin::get_switches,
         admin::put_switches,
         health::live,

@@ -99,7 +99,11 @@ impl<K: Hash + Eq + Clone> Bounded<K> {
     }
 
     fn check(&self, key: &K) -> Result<(), Limited> {
-        if self.checks.fetch_add(1, Ordering::Relaxed) .is_multiple_of(SIZE_CHECK_EVERY) {
+        if self
+            .checks
+            .fetch_add(1, Ordering::Relaxed)
+            .is_multiple_of(SIZE_CHECK_EVERY)
+        {
             self.bound();
         }
         let inner = self.inner.read().unwrap_or_else(|e| e.into_inner());

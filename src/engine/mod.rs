@@ -29,7 +29,8 @@ use tokio::sync::oneshot;
 use crate::clock::{Millis, SharedClock};
 use crate::config::{EngineSettings, LimitSettings};
 use crate::domain::{
-    Ineligible, Reservation, ReserveRequest, Switches, SwitchesPatch, Voucher, VoucherPatch,
+    FeedEvent, Ineligible, Reservation, ReserveRequest, Switches, SwitchesPatch, Voucher,
+    VoucherPatch,
 };
 use crate::ledger::{Counters, LedgerError, Restock, SharedLedger};
 use crate::metrics::{self as m, Outcome};
@@ -680,6 +681,11 @@ impl EngineHandle {
         self.core.signals.publish(code, Signal::Updated);
         self.after_restocks(restock.into_iter());
         Ok(voucher)
+    }
+
+    /// The change feed after `after`, at most `limit` events (`GET /admin/events`).
+    pub async fn events(&self, after: i64, limit: i64) -> Result<Vec<FeedEvent>, EngineError> {
+        Ok(self.core.ledger.events(after, limit).await?)
     }
 
     /// Warms the voucher on this node and tells every other node to do the same (`WARM`).

@@ -18,7 +18,7 @@ use super::{
     SharedLedger,
 };
 use crate::clock::Millis;
-use crate::domain::{Reservation, Switches, SwitchesPatch, Voucher, VoucherPatch};
+use crate::domain::{FeedEvent, Reservation, Switches, SwitchesPatch, Voucher, VoucherPatch};
 
 pub struct Dedicated {
     inner: SharedLedger,
@@ -163,6 +163,11 @@ impl Ledger for Dedicated {
 
     async fn starting_between(&self, from: Millis, to: Millis) -> Result<Vec<String>, LedgerError> {
         self.run(move |l| async move { l.starting_between(from, to).await })
+            .await
+    }
+
+    async fn events(&self, after: i64, limit: i64) -> Result<Vec<FeedEvent>, LedgerError> {
+        self.run(move |l| async move { l.events(after, limit).await })
             .await
     }
 

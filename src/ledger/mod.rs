@@ -21,7 +21,8 @@ use async_trait::async_trait;
 
 use crate::clock::Millis;
 use crate::domain::{
-    Ineligible, Reservation, Switches, SwitchesPatch, Voucher, VoucherPatch, VoucherStatus,
+    FeedEvent, Ineligible, Reservation, Switches, SwitchesPatch, Voucher, VoucherPatch,
+    VoucherStatus,
 };
 
 /// What can go wrong at the ledger. Small and concrete: the engine decides on each variant.
@@ -280,6 +281,10 @@ pub trait Ledger: Send + Sync + 'static {
     /// Codes of the vouchers whose window ends after `ending_after`: the ones whose counters can
     /// still change by themselves (sales, expiries), which the reconciler watches.
     async fn voucher_codes(&self, ending_after: Millis) -> Result<Vec<String>, LedgerError>;
+    /// The change feed: at most `limit` events with a sequence number above `after`, in order.
+    /// Numbers are given in the transaction that makes each change and have no gaps, so a
+    /// reader that goes on from the last number it saw misses nothing.
+    async fn events(&self, after: i64, limit: i64) -> Result<Vec<FeedEvent>, LedgerError>;
 }
 
 pub type SharedLedger = Arc<dyn Ledger>;

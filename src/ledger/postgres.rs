@@ -21,9 +21,9 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{Postgres, Row, Transaction};
 
 use super::rows::{
-    group_restocks, limit_column, reservation_from, switches_from, voucher_from, LIVE_CODES_SQL,
-    RESERVATION_COLUMNS, SET_SWITCHES_SQL, STARTING_SQL, SWITCHES_SQL, VOUCHER_COLUMNS,
-    VOUCHER_STOCK_SQL,
+    event_from, group_restocks, limit_column, reservation_from, switches_from, voucher_from,
+    EventRow, EVENTS_SQL, LIVE_CODES_SQL, RESERVATION_COLUMNS, SET_SWITCHES_SQL, STARTING_SQL,
+    SWITCHES_SQL, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
 };
 use super::{
     resolve_plan, Batch, BatchResults, Closing, Counters, Grant, Lease, Ledger, LedgerError,
@@ -31,7 +31,8 @@ use super::{
 };
 use crate::clock::Millis;
 use crate::domain::{
-    Ineligible, Reservation, ReservationStatus, Switches, SwitchesPatch, Voucher, VoucherPatch,
+    FeedEvent, Ineligible, Reservation, ReservationStatus, Switches, SwitchesPatch, Voucher,
+    VoucherPatch,
 };
 
 const MIGRATIONS: &[(i64, &str)] = &[
@@ -52,6 +53,7 @@ const MIGRATIONS: &[(i64, &str)] = &[
         6,
         include_str!("../../migrations/postgres/0006_switches.sql"),
     ),
+    (7, include_str!("../../migrations/postgres/0007_feed.sql")),
 ];
 
 /// Definitions applied on every start after the versioned migrations (each is `CREATE OR
@@ -452,15 +454,17 @@ impl Ledger for PostgresLedger {
         .await?)
     }
 
-    // Confirm, release and expiry are one statement each: the reservation row first (its status
-    // guards "exactly once"), then the voucher's counters and the customer's usage. Batches never
-    // lock the voucher row and these never lock leases, so no lock order can cross.
+    // Confirm, release and expiry are one statement each, then the change feed's numbers: the
+    // reservation row first (its status guards "exactly once"), then the voucher's counters and
+    // the customer's usage, then the feed's head, last (as every transaction takes it). Batches
+    // never lock the voucher row and these never lock leases, so no lock order can cross.
     async fn confirm(
         &self,
         code: &str,
         order_id: &str,
         now: Millis,
     ) -> Result<Reservation, LedgerError> {
+        let mut tx = self.pool.begin().await?;
         let row = sqlx::query(&format!(
             "WITH c AS ( \
                UPDATE reservations SET status = 'CONFIRMED', updated_at = $1 \
@@ -474,11 +478,19 @@ impl Ledger for PostgresLedger {
         .bind(now)
         .bind(order_id)
         .bind(code)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&mut *tx)
         .await?;
         match row {
-            Some(row) => Ok(reservation_from(&row)?),
-            None => super::confirm_unchanged(self.load_reservation(code, order_id).await?),
+            Some(row) => {
+                let r = reservation_from(&row)?;
+                stamp_settled(&mut tx, &[order_id], false).await?;
+                tx.commit().await?;
+                Ok(r)
+            }
+            None => {
+                drop(tx);
+                super::confirm_unchanged(self.load_reservation(code, order_id).await?)
+            }
         }
     }
 
@@ -488,6 +500,7 @@ impl Ledger for PostgresLedger {
         order_id: &str,
         now: Millis,
     ) -> Result<(Reservation, Option<Restock>), LedgerError> {
+        let mut tx = self.pool.begin().await?;
         let row = sqlx::query(&format!(
             "WITH r AS ( \
                UPDATE reservations SET status = 'RELEASED', updated_at = $1 \
@@ -502,32 +515,38 @@ impl Ledger for PostgresLedger {
         .bind(now)
         .bind(order_id)
         .bind(code)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&mut *tx)
         .await?;
         match row {
             Some(row) => {
                 let r = reservation_from(&row)?;
+                stamp_settled(&mut tx, &[order_id], false).await?;
+                tx.commit().await?;
                 let restock = Restock {
                     voucher_code: r.voucher_code.clone(),
                     units: 1,
                 };
                 Ok((r, Some(restock)))
             }
-            None => super::release_unchanged(self.load_reservation(code, order_id).await?),
+            None => {
+                drop(tx);
+                super::release_unchanged(self.load_reservation(code, order_id).await?)
+            }
         }
     }
 
     async fn expire_due(&self, now: Millis, limit: i64) -> Result<Vec<Restock>, LedgerError> {
         // SKIP LOCKED: sweepers on several nodes take disjoint rows; the status guard makes each
         // release happen once even against a concurrent confirm or release.
-        let rows: Vec<(String, i64)> = sqlx::query_as(
+        let mut tx = self.pool.begin().await?;
+        let rows: Vec<(String, String)> = sqlx::query_as(
             "WITH due AS ( \
                SELECT order_id FROM reservations WHERE status = 'RESERVED' AND expires_at <= $1 \
                ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED), \
              r AS ( \
                UPDATE reservations SET status = 'RELEASED', updated_at = $1 \
                WHERE order_id IN (SELECT order_id FROM due) AND status = 'RESERVED' \
-               RETURNING voucher_code, customer_id), \
+               RETURNING voucher_code, customer_id, order_id), \
              per_v AS (SELECT voucher_code, COUNT(*) AS n FROM r GROUP BY voucher_code), \
              v AS (UPDATE vouchers SET free = free + per_v.n, released = released + per_v.n \
                    FROM per_v WHERE vouchers.code = per_v.voucher_code), \
@@ -536,13 +555,18 @@ impl Ledger for PostgresLedger {
              u AS (UPDATE customer_usage SET used = used - per_c.n FROM per_c \
                    WHERE customer_usage.voucher_code = per_c.voucher_code \
                      AND customer_usage.customer_id = per_c.customer_id) \
-             SELECT voucher_code, n::BIGINT FROM per_v",
+             SELECT voucher_code, order_id FROM r",
         )
         .bind(now)
         .bind(limit)
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *tx)
         .await?;
-        Ok(group_restocks(rows))
+        let orders: Vec<&str> = rows.iter().map(|(_, o)| o.as_str()).collect();
+        stamp_settled(&mut tx, &orders, true).await?;
+        tx.commit().await?;
+        Ok(group_restocks(
+            rows.into_iter().map(|(code, _)| (code, 1)).collect(),
+        ))
     }
 
     async fn reap_expired(&self, now: Millis) -> Result<Vec<Restock>, LedgerError> {
@@ -599,6 +623,15 @@ impl Ledger for PostgresLedger {
             consumed,
             usage,
         )))
+    }
+
+    async fn events(&self, after: i64, limit: i64) -> Result<Vec<FeedEvent>, LedgerError> {
+        let rows: Vec<EventRow> = sqlx::query_as(EVENTS_SQL)
+            .bind(after)
+            .bind(limit)
+            .fetch_all(&self.pool)
+            .await?;
+        rows.into_iter().map(event_from).collect()
     }
 
     async fn voucher_codes(&self, ending_after: Millis) -> Result<Vec<String>, LedgerError> {
@@ -698,6 +731,26 @@ impl PostgresLedger {
         tx.commit().await?;
         Ok(restocks)
     }
+}
+
+/// Gives the settled reservations `orders` (already updated in `tx`, so their rows are locked)
+/// their feed numbers, in the order given. The feed's head is the last lock the transaction
+/// takes, and it holds it to commit.
+async fn stamp_settled(tx: &mut Tx, orders: &[&str], expired: bool) -> Result<(), LedgerError> {
+    if orders.is_empty() {
+        return Ok(());
+    }
+    sqlx::query(
+        "WITH h AS (UPDATE feed_head SET last = last + cardinality($1::text[]) WHERE id = 1 \
+                    RETURNING last - cardinality($1::text[]) AS base) \
+         UPDATE reservations x SET settled_seq = h.base + t.i, expired = $2 \
+         FROM h, unnest($1::text[]) WITH ORDINALITY AS t (o, i) WHERE x.order_id = t.o",
+    )
+    .bind(orders)
+    .bind(expired)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
 }
 
 /// Puts the unused units of closed leases back to `free`.

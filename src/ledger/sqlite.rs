@@ -19,9 +19,9 @@ use sqlx::sqlite::{
 };
 
 use super::rows::{
-    group_restocks, limit_column, per_customer, reservation_from, switches_from, voucher_from,
-    LIVE_CODES_SQL, RESERVATION_COLUMNS, SET_SWITCHES_SQL, STARTING_SQL, SWITCHES_SQL,
-    VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
+    event_from, group_restocks, limit_column, per_customer, reservation_from, switches_from,
+    voucher_from, EventRow, EVENTS_SQL, LIVE_CODES_SQL, RESERVATION_COLUMNS, SET_SWITCHES_SQL,
+    STARTING_SQL, SWITCHES_SQL, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
 };
 use super::sqlite_raw as raw;
 use super::{
@@ -30,7 +30,7 @@ use super::{
 };
 use crate::clock::Millis;
 use crate::domain::{
-    Reservation, ReservationStatus, Switches, SwitchesPatch, Voucher, VoucherPatch,
+    FeedEvent, Reservation, ReservationStatus, Switches, SwitchesPatch, Voucher, VoucherPatch,
 };
 
 const MIGRATIONS: &[(i64, &str)] = &[
@@ -40,6 +40,7 @@ const MIGRATIONS: &[(i64, &str)] = &[
         include_str!("../../migrations/sqlite/0002_voucher_limits.sql"),
     ),
     (3, include_str!("../../migrations/sqlite/0003_switches.sql")),
+    (4, include_str!("../../migrations/sqlite/0004_feed.sql")),
 ];
 
 pub struct SqliteLedger {
@@ -417,6 +418,7 @@ impl Ledger for SqliteLedger {
             .bind(code)
             .execute(&mut *tx)
             .await?;
+            stamp_settled(&mut tx, &[order_id], false).await?;
             tx.commit().await?;
             return Ok(reservation_from(&row)?);
         }
@@ -445,6 +447,7 @@ impl Ledger for SqliteLedger {
             let r = reservation_from(&row)?;
             let restocks =
                 release_units(&mut tx, &[(r.voucher_code.clone(), r.customer_id)]).await?;
+            stamp_settled(&mut tx, &[order_id], false).await?;
             tx.commit().await?;
             return Ok((r, restocks.into_iter().next()));
         }
@@ -454,18 +457,23 @@ impl Ledger for SqliteLedger {
 
     async fn expire_due(&self, now: Millis, limit: i64) -> Result<Vec<Restock>, LedgerError> {
         let mut tx = self.writer.begin().await?;
-        let released: Vec<(String, i64)> = sqlx::query_as(
+        let released: Vec<(String, i64, String)> = sqlx::query_as(
             "UPDATE reservations SET status = 'RELEASED', updated_at = ? \
              WHERE order_id IN (SELECT order_id FROM reservations \
                                 WHERE status = 'RESERVED' AND expires_at <= ? LIMIT ?) \
-             AND status = 'RESERVED' RETURNING voucher_code, customer_id",
+             AND status = 'RESERVED' RETURNING voucher_code, customer_id, order_id",
         )
         .bind(now)
         .bind(now)
         .bind(limit)
         .fetch_all(&mut *tx)
         .await?;
-        let restocks = release_units(&mut tx, &released).await?;
+        let (pairs, orders): (Vec<(String, i64)>, Vec<&str>) = released
+            .iter()
+            .map(|(code, customer, order)| ((code.clone(), *customer), order.as_str()))
+            .unzip();
+        let restocks = release_units(&mut tx, &pairs).await?;
+        stamp_settled(&mut tx, &orders, true).await?;
         tx.commit().await?;
         Ok(restocks)
     }
@@ -527,6 +535,44 @@ impl Ledger for SqliteLedger {
             .fetch_all(&self.reader)
             .await?)
     }
+
+    async fn events(&self, after: i64, limit: i64) -> Result<Vec<FeedEvent>, LedgerError> {
+        let rows: Vec<EventRow> = sqlx::query_as(EVENTS_SQL)
+            .bind(after)
+            .bind(limit)
+            .fetch_all(&self.reader)
+            .await?;
+        rows.into_iter().map(event_from).collect()
+    }
+}
+
+/// Gives the settled reservations `orders` (already updated in `tx`) their feed numbers, in the
+/// order given.
+async fn stamp_settled(
+    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    orders: &[&str],
+    expired: bool,
+) -> Result<(), LedgerError> {
+    if orders.is_empty() {
+        return Ok(());
+    }
+    let n = orders.len() as i64;
+    let base: i64 = sqlx::query_scalar(
+        "UPDATE feed_head SET last = last + ?1 WHERE id = 1 RETURNING last - ?1",
+    )
+    .bind(n)
+    .fetch_one(&mut **tx)
+    .await?;
+    sqlx::query(
+        "UPDATE reservations SET settled_seq = ?1 + j.key + 1, expired = ?2 \
+         FROM json_each(?3) AS j WHERE reservations.order_id = j.value",
+    )
+    .bind(base)
+    .bind(expired)
+    .bind(json_list(orders))
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
 }
 
 async fn load_reservation(
@@ -830,15 +876,28 @@ fn write_merged(db: &raw::Db, w: &MergedWrites) -> Result<(), LedgerError> {
             "lease changed under a merged commit".into(),
         )));
     }
-    let inserted = db.run(db.query(
+    // The feed's numbers for the new rows, in the rows' order (the writer is alone: nobody
+    // takes numbers in between).
+    let base = {
+        let mut q =
+            db.prepare("UPDATE feed_head SET last = last + ?1 WHERE id = 1 RETURNING last - ?1")?;
+        q.bind_int(1, w.rows.len() as i64)?;
+        if !q.step()? {
+            return Err(LedgerError::Invalid("feed_head row missing"));
+        }
+        q.int(0)
+    };
+    let mut insert = db.query(
         "INSERT INTO reservations (order_id, voucher_code, customer_id, lease_id, \
-         discount_amount, status, created_at, expires_at, updated_at) \
+         discount_amount, status, created_at, expires_at, updated_at, reserved_seq) \
          SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]'), \
            json_extract(value, '$[2]'), json_extract(value, '$[3]'), json_extract(value, '$[4]'), \
            'RESERVED', json_extract(value, '$[5]'), json_extract(value, '$[6]'), \
-           json_extract(value, '$[5]') FROM json_each(?1)",
+           json_extract(value, '$[5]'), ?2 + key + 1 FROM json_each(?1)",
         &json_list(&w.rows),
-    )?)?;
+    )?;
+    insert.bind_int(2, base)?;
+    let inserted = db.run(insert)?;
     if inserted != w.rows.len() as u64 {
         return Err(LedgerError::Unavailable(sqlx::Error::Protocol(
             "reservation insert count mismatch".into(),

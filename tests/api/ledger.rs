@@ -4,7 +4,8 @@ use std::collections::HashMap;
 
 use futures_util::future::join_all;
 use vouchers::domain::{
-    Ineligible, ReservationStatus, Voucher, VoucherLimits, VoucherPatch, VoucherStatus,
+    EventKind, FeedEvent, Ineligible, ReservationStatus, Voucher, VoucherLimits, VoucherPatch,
+    VoucherStatus,
 };
 use vouchers::ledger::{self, Batch, BatchRow, LedgerError, RowOutcome, SharedLedger};
 
@@ -64,6 +65,8 @@ pub async fn conformance(l: SharedLedger) {
     edits_follow_the_rules(&l).await;
     merged_batches_settle_each_batch_on_its_own(&l).await;
     an_order_id_is_not_taken_by_a_row_that_never_inserts(&l).await;
+    // Last: it checks the feed of every change the checks above made.
+    the_feed_tells_every_change_once_in_order(&l).await;
 }
 
 /// Customers of vouchers whose rows were all refused: none may have a usage row (DESIGN §6: a
@@ -877,4 +880,120 @@ async fn postgres_ledger_conforms() {
         .await
         .unwrap();
     assert_eq!(traces, 0, "refused rows left usage rows");
+}
+
+/// The whole change feed, read `page` events at a time.
+async fn whole_feed(l: &SharedLedger, page: i64) -> Vec<FeedEvent> {
+    let mut all: Vec<FeedEvent> = Vec::new();
+    loop {
+        let after = all.last().map_or(0, |e| e.seq);
+        let got = l.events(after, page).await.unwrap();
+        assert!(got.len() as i64 <= page, "a page longer than its limit");
+        let done = (got.len() as i64) < page;
+        all.extend(got);
+        if done {
+            return all;
+        }
+    }
+}
+
+async fn the_feed_tells_every_change_once_in_order(l: &SharedLedger) {
+    l.create_voucher(&voucher("FEED", 5, 5), NOW).await.unwrap();
+    let head = whole_feed(l, 1000).await.last().map_or(0, |e| e.seq);
+    let lease = l
+        .grant("FEED", "n1", 5, NOW, TTL)
+        .await
+        .unwrap()
+        .lease
+        .unwrap();
+    l.commit_batch(&batch(
+        "FEED",
+        lease.id,
+        rows(&[("f2", 7), ("f1", 7), ("f3", 7)]),
+    ))
+    .await
+    .unwrap();
+    l.confirm("FEED", "f1", NOW).await.unwrap();
+    l.release("FEED", "f2", NOW).await.unwrap();
+    // Refusals and repeats change nothing, so they tell nothing.
+    l.confirm("FEED", "f1", NOW).await.unwrap();
+    assert!(l.confirm("FEED", "f2", NOW).await.is_err());
+    l.release("FEED", "f2", NOW).await.unwrap();
+    l.expire_due(NOW + 900_000, 1000).await.unwrap();
+    let mut tail: Vec<(EventKind, String)> = l
+        .events(head, 1000)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|e| e.voucher_code == "FEED")
+        .map(|e| (e.kind, e.order_id))
+        .collect();
+    // The rows of one transaction come in an order of the ledger's choosing.
+    tail[..3].sort_by(|a, b| a.1.cmp(&b.1));
+    let want: Vec<(EventKind, String)> = [
+        (EventKind::Reserved, "f1"),
+        (EventKind::Reserved, "f2"),
+        (EventKind::Reserved, "f3"),
+        (EventKind::Confirmed, "f1"),
+        (EventKind::Released, "f2"),
+        (EventKind::Expired, "f3"),
+    ]
+    .into_iter()
+    .map(|(k, o)| (k, o.to_string()))
+    .collect();
+    assert_eq!(tail, want);
+
+    // The whole feed, after every check above (concurrent batches, releases, sweeps included):
+    // numbers 1..=N without a gap, whatever the page size.
+    let all = whole_feed(l, 1000).await;
+    assert_eq!(whole_feed(l, 7).await, all, "paging changed the feed");
+    let seqs: Vec<i64> = all.iter().map(|e| e.seq).collect();
+    assert_eq!(seqs, (1..=all.len() as i64).collect::<Vec<_>>());
+    assert!(l.events(all.len() as i64, 10).await.unwrap().is_empty());
+    // Each order is reserved once, and changes at most once more, after that.
+    let mut first: HashMap<&str, EventKind> = HashMap::new();
+    let mut settled: HashMap<&str, EventKind> = HashMap::new();
+    for e in &all {
+        if e.kind == EventKind::Reserved {
+            assert!(
+                first.insert(&e.order_id, e.kind).is_none(),
+                "{} reserved twice",
+                e.order_id
+            );
+        } else {
+            assert!(
+                first.contains_key(e.order_id.as_str()),
+                "{} changed before it was reserved",
+                e.order_id
+            );
+            assert!(
+                settled.insert(&e.order_id, e.kind).is_none(),
+                "{} settled twice",
+                e.order_id
+            );
+        }
+    }
+    // And the feed agrees with each voucher's counters.
+    let mut codes: Vec<&str> = all.iter().map(|e| e.voucher_code.as_str()).collect();
+    codes.sort();
+    codes.dedup();
+    for code in codes {
+        let c = balanced(l, code).await;
+        let count = |k: &[EventKind]| {
+            all.iter()
+                .filter(|e| e.voucher_code == code && k.contains(&e.kind))
+                .count() as i64
+        };
+        assert_eq!(
+            count(&[EventKind::Reserved]),
+            c.reserved + c.confirmed + c.released,
+            "{code}"
+        );
+        assert_eq!(count(&[EventKind::Confirmed]), c.confirmed, "{code}");
+        assert_eq!(
+            count(&[EventKind::Released, EventKind::Expired]),
+            c.released,
+            "{code}"
+        );
+    }
 }

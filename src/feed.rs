@@ -1,0 +1,190 @@
+//! The change feed's relay to a Redis Stream, for consumers that prefer one to polling
+//! `GET /admin/events`.
+//!
+//! The ledger is the feed (every reservation change carries a gap-free sequence number given in
+//! the transaction that made it); the stream is a copy. Entry `N-0` of the stream is event `N`
+//! of the feed, so the stream's last id says where the copy stands. One node at a time relays
+//! (a short-lived Redis key names it; any node takes over when it lapses); a relay appends, in one
+//! script, only events above the stream's last id, so two relayers at once, a relayer that
+//! restarts, or a page read twice never add an event twice or out of order. When Redis loses the
+//! stream (it keeps nothing on disk here), the next relay starts again from event 1: consumers
+//! see every event at least once, in order.
+
+use std::time::Duration;
+
+use redis::aio::MultiplexedConnection;
+
+use crate::domain::FeedEvent;
+use crate::engine::EngineHandle;
+use crate::metrics as m;
+
+/// Events read from the ledger and appended per round trip.
+const PAGE: i64 = 500;
+/// Connect and command timeout.
+const TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Takes or keeps the relayer key: `1` when this node is (still) the relayer.
+const CLAIM: &str = r"
+local holder = redis.call('GET', KEYS[1])
+if not holder then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+if holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+";
+
+/// Appends the events above the stream's last id, in order; returns how many it appended.
+/// ARGV: maxlen, then six fields per event: seq, type, code, orderId, customerId, at.
+const APPEND: &str = r"
+local top = 0
+local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if #last > 0 then top = tonumber(string.match(last[1][1], '^(%d+)')) end
+local n = 0
+for i = 2, #ARGV, 6 do
+  local seq = tonumber(ARGV[i])
+  if seq > top then
+    redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], ARGV[i] .. '-0',
+      'type', ARGV[i + 1], 'code', ARGV[i + 2], 'orderId', ARGV[i + 3],
+      'customerId', ARGV[i + 4], 'at', ARGV[i + 5])
+    top = seq
+    n = n + 1
+  end
+end
+return n
+";
+
+/// Where and how the relay writes.
+#[derive(Debug, Clone)]
+pub struct RelaySettings {
+    pub url: String,
+    pub stream: String,
+    /// Approximate cap on the stream's length (`XADD MAXLEN ~`).
+    pub maxlen: u64,
+    pub interval: Duration,
+    pub node_id: String,
+}
+
+/// Starts the relay loop; it runs until aborted.
+pub fn start(
+    engine: EngineHandle,
+    s: RelaySettings,
+) -> Result<tokio::task::JoinHandle<()>, redis::RedisError> {
+    let client = redis::Client::open(s.url.as_str())?;
+    Ok(tokio::spawn(async move {
+        let mut conn: Option<MultiplexedConnection> = None;
+        let mut tick = tokio::time::interval(s.interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            if conn.is_none() {
+                let config = redis::AsyncConnectionConfig::new()
+                    .set_connection_timeout(TIMEOUT)
+                    .set_response_timeout(TIMEOUT);
+                match client
+                    .get_multiplexed_async_connection_with_config(&config)
+                    .await
+                {
+                    Ok(c) => conn = Some(c),
+                    Err(e) => {
+                        tracing::debug!(error = %e, "feed relay: redis unreachable");
+                        continue;
+                    }
+                }
+            }
+            let Some(c) = conn.as_mut() else { continue };
+            match relay(c, &engine, &s).await {
+                Ok(n) if n > 0 => m::feed_relayed(n),
+                Ok(_) => {}
+                Err(RelayError::Redis(e)) => {
+                    tracing::warn!(error = %e, "feed relay: redis failed");
+                    conn = None;
+                }
+                Err(RelayError::Ledger(e)) => {
+                    tracing::warn!(error = %e, "feed relay: could not read the feed");
+                }
+            }
+        }
+    }))
+}
+
+#[derive(Debug, thiserror::Error)]
+enum RelayError {
+    #[error(transparent)]
+    Redis(#[from] redis::RedisError),
+    #[error(transparent)]
+    Ledger(#[from] crate::engine::EngineError),
+}
+
+/// One round: claims the relayer key, then copies the feed from the stream's last id on, a page
+/// at a time, until it is level. Returns how many events it appended.
+async fn relay(
+    c: &mut MultiplexedConnection,
+    engine: &EngineHandle,
+    s: &RelaySettings,
+) -> Result<u64, RelayError> {
+    let claim_ms = (s.interval.as_millis() as u64).saturating_mul(5).max(1_000);
+    let mine: i64 = redis::cmd("EVAL")
+        .arg(CLAIM)
+        .arg(1)
+        .arg(format!("{}:relayer", s.stream))
+        .arg(&s.node_id)
+        .arg(claim_ms)
+        .query_async(c)
+        .await?;
+    if mine != 1 {
+        return Ok(0);
+    }
+    let mut after = stream_top(c, &s.stream).await?;
+    let mut appended = 0u64;
+    loop {
+        let page = engine.events(after, PAGE).await?;
+        let Some(last) = page.last() else {
+            break;
+        };
+        after = last.seq;
+        let full = page.len() as i64 == PAGE;
+        let n: u64 = append_cmd(&s.stream, s.maxlen, &page)
+            .query_async(c)
+            .await?;
+        appended += n;
+        if !full {
+            break;
+        }
+    }
+    Ok(appended)
+}
+
+/// The sequence number of the stream's last entry; 0 when it is empty or missing.
+pub async fn stream_top(c: &mut MultiplexedConnection, stream: &str) -> redis::RedisResult<i64> {
+    let last: Vec<(String, Vec<(String, String)>)> = redis::cmd("XREVRANGE")
+        .arg(stream)
+        .arg("+")
+        .arg("-")
+        .arg("COUNT")
+        .arg(1)
+        .query_async(c)
+        .await?;
+    Ok(last
+        .first()
+        .and_then(|(id, _)| id.split('-').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0))
+}
+
+fn append_cmd(stream: &str, maxlen: u64, events: &[FeedEvent]) -> redis::Cmd {
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(APPEND).arg(1).arg(stream).arg(maxlen);
+    for e in events {
+        cmd.arg(e.seq)
+            .arg(e.kind.as_str())
+            .arg(&e.voucher_code)
+            .arg(&e.order_id)
+            .arg(e.customer_id)
+            .arg(crate::api::timestamp(e.at));
+    }
+    cmd
+}
