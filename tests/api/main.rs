@@ -8,6 +8,7 @@ mod cluster;
 mod concurrency;
 mod durability;
 mod engine;
+mod feed;
 mod helpers;
 mod hostile;
 mod ledger;

@@ -1,0 +1,115 @@
+//! The change feed over HTTP on the embedded ledger (issue 11): `GET /admin/events` needs the
+//! admin token, refuses bad bounds with `400` and tells each change once, in order, page by page.
+//! The feed through a SIGKILL, with its Redis Stream copy, is in `cluster`.
+
+use serde_json::{json, Value};
+
+use crate::helpers::{send, spawn_app, TOKEN};
+
+#[actix_web::test]
+async fn the_feed_tells_each_change_once_in_order_page_by_page() {
+    let app = spawn_app().await;
+    let get = |path: String, token: Option<&'static str>| {
+        let (c, url) = (app.client.clone(), format!("{}{path}", app.base));
+        async move { send(&c, "GET", &url, token, None).await }
+    };
+    // Empty at first, and `next` stays where the reader asked.
+    assert_eq!(
+        get("/admin/events".into(), Some(TOKEN)).await,
+        (200, json!({"events": [], "next": 0}))
+    );
+    assert_eq!(get("/admin/events".into(), None).await.0, 401);
+    assert_eq!(get("/admin/events".into(), Some("wrong")).await.0, 401);
+    for bad in [
+        "after=-1",
+        "after=x",
+        "limit=0",
+        "limit=1001",
+        "limit=-5",
+        "from=3",
+    ] {
+        let (s, b) = get(format!("/admin/events?{bad}"), Some(TOKEN)).await;
+        assert_eq!(
+            (s, b["error"].clone()),
+            (400, json!("INVALID_REQUEST")),
+            "{bad}: {b}"
+        );
+    }
+
+    assert_eq!(app.create_voucher("FEEDV", 10, 1).await.0, 201);
+    for c in 1..=4 {
+        assert_eq!(app.reserve("FEEDV", c, format!("feed-{c}")).await.0, 201);
+    }
+    // A replay and a refusal change nothing, so they are not in the feed.
+    assert_eq!(app.reserve("FEEDV", 1, "feed-1").await.0, 201);
+    assert_eq!(app.reserve("FEEDV", 1, "feed-other").await.0, 409);
+    assert_eq!(
+        app.call("POST", "/vouchers/FEEDV/reservations/feed-1/confirm")
+            .await
+            .0,
+        200
+    );
+    assert_eq!(
+        app.call("DELETE", "/vouchers/FEEDV/reservations/feed-2")
+            .await
+            .0,
+        200
+    );
+    // feed-3 expires: the sweep runs on the app's clock.
+    app.clock.advance_ms(3_600_000);
+    app.engine.expire_due(100).await.unwrap();
+
+    // Read three at a time: pages join without a gap or a repeat.
+    let mut events: Vec<Value> = Vec::new();
+    let mut after = 0;
+    loop {
+        let (s, b) = get(format!("/admin/events?after={after}&limit=3"), Some(TOKEN)).await;
+        assert_eq!(s, 200, "{b}");
+        let page = b["events"].as_array().unwrap().clone();
+        assert!(page.len() <= 3);
+        after = b["next"].as_i64().unwrap();
+        if page.is_empty() {
+            break;
+        }
+        assert_eq!(page.last().unwrap()["seq"].as_i64(), Some(after));
+        events.extend(page);
+    }
+    let seqs: Vec<i64> = events.iter().map(|e| e["seq"].as_i64().unwrap()).collect();
+    assert_eq!(seqs, (1..=8).collect::<Vec<_>>());
+    let mut told: Vec<(String, String)> = events
+        .iter()
+        .map(|e| {
+            (
+                e["type"].as_str().unwrap().into(),
+                e["orderId"].as_str().unwrap().into(),
+            )
+        })
+        .collect();
+    // The four reserves came in one or more batches: their order among themselves is the
+    // ledger's; every later change comes after all of them here.
+    told[..4].sort();
+    let want: Vec<(String, String)> = [
+        ("RESERVED", "feed-1"),
+        ("RESERVED", "feed-2"),
+        ("RESERVED", "feed-3"),
+        ("RESERVED", "feed-4"),
+        ("CONFIRMED", "feed-1"),
+        ("RELEASED", "feed-2"),
+    ]
+    .into_iter()
+    .map(|(k, o)| (k.into(), o.into()))
+    .collect();
+    assert_eq!(&told[..6], &want[..]);
+    // feed-3 and feed-4 both expired, in one sweep, last.
+    let mut last: Vec<&str> = events[6..]
+        .iter()
+        .filter(|e| e["type"] == json!("EXPIRED"))
+        .map(|e| e["orderId"].as_str().unwrap())
+        .collect();
+    last.sort();
+    assert_eq!(last, ["feed-3", "feed-4"]);
+    let e = &events[0];
+    assert_eq!(e["code"], json!("FEEDV"));
+    assert!(e["customerId"].as_i64().is_some());
+    assert!(e["at"].as_str().unwrap().ends_with('Z'));
+}
