@@ -24,7 +24,8 @@ reports ledger transactions per 1000 reservations: the node's merged group commi
 (`vouchers_batch_size_count`), and on PostgreSQL every transaction the database ran
 (`pg_stat_database`, grants, renewals and reads included).
 
-Usage: scripts/bench.sh [--duration S] [--conns N] [--only NAME,…] [--engine-bin PATH]
+Usage: scripts/bench.sh [--duration S] [--conns N] [--only NAME,…] [--kinds flood,never]
+                       [--engine-bin PATH]
 (--only takes ceiling, pg-sql, redis-lua, sqlite, postgres, hostile)
 Traffic goes to 127.0.0.1 only; every process it starts is stopped at the end.
 """
@@ -250,6 +251,8 @@ def main():
     ap.add_argument("--conns", type=int, default=int(os.environ.get("CONNS", 256)))
     ap.add_argument("--threads", type=int, default=int(os.environ.get("THREADS", 2)))
     ap.add_argument("--only", default="", help="comma-separated: ceiling,pg-sql,redis-lua,sqlite,postgres")
+    ap.add_argument("--kinds", default="flood,never",
+                    help="comma-separated engine scenarios: flood (sold-out flood), never (durable)")
     ap.add_argument("--engine-bin", default=os.path.join(BIN, "vouchers"),
                     help="the engine binary to measure (default: this tree's release build), "
                          "e.g. an earlier commit's build for a before/after in one run")
@@ -306,6 +309,8 @@ def main():
                 env["VOUCHERS__REDIS__URL"] = ""
             p = procs.start(f"engine-{ledger}", argv, env, ready=f"{base}/health/ready")
             for kind, total in (("flood", 1000), ("never", 10 ** 9)):
+                if kind not in args.kinds.split(","):
+                    continue
                 for n in (1, 100):
                     stem = f"{kind.upper()}{tag}{ledger[0].upper()}{n}V"
                     codes = [stem] if n == 1 else [f"{stem}{i}" for i in range(n)]

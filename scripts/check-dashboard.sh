@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Checks the Grafana dashboard against reality: starts a node, a real Prometheus scraping it and
-# short k6 runs, then evaluates every panel query of grafana/dashboards/*.json through
-# Prometheus's HTTP API. Fails if any query returns no series, or if a tool is missing.
+# Checks the Grafana dashboard against reality: starts a node on its default configuration (no
+# interval overrides), a real Prometheus scraping it every second and short k6 runs, then
+# evaluates every panel query of grafana/dashboards/*.json through Prometheus's HTTP API. Fails
+# if any query returns no series, or if a tool is missing. It also sells out one voucher by hand
+# and reports how long after the last 201 every per-voucher panel showed the sell-out (units
+# left 0, sell-through 1, reconciliation 1): it fails only if they never do (30 s).
 # Needs: prometheus, k6, python3, curl, a Redis at TEST_REDIS_URL (for the signal metrics).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -28,8 +31,7 @@ wait_http() { # url, what
 port=$(free_port)
 token="check-$(python3 -c 'import secrets; print(secrets.token_hex(8))')"
 VOUCHERS__HTTP__PORT=$port VOUCHERS__LEDGER__URL="sqlite://$work/ledger.db" \
-VOUCHERS__ADMIN__TOKEN=$token VOUCHERS__REDIS__URL="$redis" \
-VOUCHERS__JOBS__RECONCILE_INTERVAL_MS=1000 RUST_LOG=warn \
+VOUCHERS__ADMIN__TOKEN=$token VOUCHERS__REDIS__URL="$redis" RUST_LOG=warn \
   "$bin" >"$work/node.log" 2>&1 &
 pids+=($!)
 wait_http "http://127.0.0.1:$port/health/ready" "the node"
@@ -54,6 +56,38 @@ k6 run --quiet -e P99_MS=0 -e RATE=100 -e DURATION=4s load-tests/lifecycle.js
 # The other two scenarios, short: every scenario runs in CI.
 k6 run --quiet -e P99_MS=0 -e RATE=200 -e DURATION=3s load-tests/campaign.js
 k6 run --quiet -e ORDERS=50 -e COPIES=10 load-tests/retry-storm.js
+# Sell out a small voucher and time the per-voucher panels.
+sell="PANELS$(python3 -c 'import secrets; print(secrets.token_hex(3))')"
+curl -fsS -o /dev/null -XPOST "$BASE_URL/admin/vouchers" -H "Authorization: Bearer $token" \
+  -H 'Content-Type: application/json' -d "{\"code\":\"$sell\",\"discountAmount\":100,\"totalLimit\":20,\"perUserLimit\":1,\"startsAt\":\"2020-01-01T00:00:00Z\",\"endsAt\":\"2099-01-01T00:00:00Z\"}"
+# 20 units, 21 customers: the last gets 409 OUT_OF_STOCK, as late traffic would.
+for i in $(seq 1 21); do
+  curl -sS -o /dev/null -XPOST "$BASE_URL/vouchers/$sell/reservations" -H 'Content-Type: application/json' \
+    -d "{\"customerId\":$i,\"orderId\":\"$sell-$i\",\"orderAmount\":1000}"
+done
+python3 - "$prom_port" "$sell" <<'PY'
+import json, sys, time, urllib.parse, urllib.request
+port, code = sys.argv[1], sys.argv[2]
+panels = json.load(open("grafana/dashboards/vouchers.json"))["panels"]
+expr = {p["title"]: p["targets"][0]["expr"] for p in panels}
+want = {"Units left per voucher": 0.0, "Sell-through per voucher": 1.0, "Reconciliation": 1.0}
+def value(q):
+    u = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": q})
+    with urllib.request.urlopen(u) as r:
+        for s in json.load(r)["data"]["result"]:
+            if s["metric"].get("voucher") == code:
+                return float(s["value"][1])
+start, seen = time.time(), {}
+while len(seen) < len(want) and time.time() - start < 30:
+    for title, v in want.items():
+        if title not in seen and value(expr[title]) == v:
+            seen[title] = time.time() - start
+    time.sleep(0.05)
+for title in want:
+    print(f"{title}: " + (f"showed the sell-out {seen[title]*1000:.0f} ms after the last 201" if title in seen else "never showed it"))
+if len(seen) < len(want):
+    sys.exit("per-voucher panels did not follow the sell-out")
+PY
 sleep 3   # two more scrapes after the last request
 
 # Every metric of the catalogue (src/metrics.rs) is exported after the runs.

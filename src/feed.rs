@@ -6,9 +6,14 @@
 //! of the feed, so the stream's last id says where the copy stands. One node at a time relays
 //! (a short-lived Redis key names it; any node takes over when it lapses); a relay appends, in one
 //! script, only events above the stream's last id, so two relayers at once, a relayer that
-//! restarts, or a page read twice never add an event twice or out of order. When Redis loses the
-//! stream (it keeps nothing on disk here), the next relay starts again from event 1: consumers
-//! see every event at least once, in order.
+//! restarts, or a page read twice never add an event twice or out of order; the stream's
+//! `last-generated-id` (which trimming and `XDEL` leave alone) says where it stands. When Redis
+//! loses the stream (it keeps nothing on disk here), the next relay starts again from event 1:
+//! consumers see every event at least once, in order.
+//!
+//! Not handled: a ledger restored from a backup (or a failover that lost commits) hands out
+//! numbers again that the stream already holds; the relay takes them as copied. Recreate the
+//! stream (`DEL`) after such a restore.
 
 use std::time::Duration;
 
@@ -37,12 +42,26 @@ end
 return 0
 ";
 
+/// The stream's last id ever added (`last-generated-id`, which trimming and deleting leave
+/// alone), as the event number it stands for; 0 when there is no stream. Shared by [`TOP`] and
+/// [`APPEND`].
+const TOP_LUA: &str = r"
+local function top(key)
+  if redis.call('EXISTS', key) == 0 then return 0 end
+  local info = redis.call('XINFO', 'STREAM', key)
+  for i = 1, #info, 2 do
+    if info[i] == 'last-generated-id' then
+      return tonumber(string.match(info[i + 1], '^(%d+)'))
+    end
+  end
+  return 0
+end
+";
+
 /// Appends the events above the stream's last id, in order; returns how many it appended.
 /// ARGV: maxlen, then six fields per event: seq, type, code, orderId, customerId, at.
 const APPEND: &str = r"
-local top = 0
-local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
-if #last > 0 then top = tonumber(string.match(last[1][1], '^(%d+)')) end
+local top = top(KEYS[1])
 local n = 0
 for i = 2, #ARGV, 6 do
   local seq = tonumber(ARGV[i])
@@ -56,6 +75,9 @@ for i = 2, #ARGV, 6 do
 end
 return n
 ";
+
+/// Where the copy stands: see [`TOP_LUA`].
+const TOP: &str = "return top(KEYS[1])";
 
 /// Where and how the relay writes.
 #[derive(Debug, Clone)]
@@ -74,6 +96,7 @@ pub fn start(
     s: RelaySettings,
 ) -> Result<tokio::task::JoinHandle<()>, redis::RedisError> {
     let client = redis::Client::open(s.url.as_str())?;
+    m::feed_relay_started();
     Ok(tokio::spawn(async move {
         let mut conn: Option<MultiplexedConnection> = None;
         let mut tick = tokio::time::interval(s.interval);
@@ -100,10 +123,12 @@ pub fn start(
                 Ok(n) if n > 0 => m::feed_relayed(n),
                 Ok(_) => {}
                 Err(RelayError::Redis(e)) => {
+                    m::feed_relay_error();
                     tracing::warn!(error = %e, "feed relay: redis failed");
                     conn = None;
                 }
                 Err(RelayError::Ledger(e)) => {
+                    m::feed_relay_error();
                     tracing::warn!(error = %e, "feed relay: could not read the feed");
                 }
             }
@@ -138,46 +163,52 @@ async fn relay(
     if mine != 1 {
         return Ok(0);
     }
-    let mut after = stream_top(c, &s.stream).await?;
+    let mut after: i64 = redis::cmd("EVAL")
+        .arg(format!("{TOP_LUA}{TOP}"))
+        .arg(1)
+        .arg(&s.stream)
+        .query_async(c)
+        .await?;
     let mut appended = 0u64;
     loop {
-        let page = engine.events(after, PAGE).await?;
+        let mut page = engine.events(after, PAGE).await?;
+        let full = page.len() as i64 == PAGE;
+        // The feed has no gaps; were one ever read, the copy stops before it rather than skip
+        // an event for good (the next round reads again from there).
+        let contiguous = page
+            .iter()
+            .zip(after + 1..)
+            .take_while(|(e, want)| e.seq == *want)
+            .count();
+        let gap = contiguous < page.len();
+        if gap {
+            tracing::error!(
+                after,
+                "feed relay: the feed skipped a number; copy stops before it"
+            );
+            page.truncate(contiguous);
+        }
         let Some(last) = page.last() else {
             break;
         };
         after = last.seq;
-        let full = page.len() as i64 == PAGE;
         let n: u64 = append_cmd(&s.stream, s.maxlen, &page)
             .query_async(c)
             .await?;
         appended += n;
-        if !full {
+        if !full || gap {
             break;
         }
     }
     Ok(appended)
 }
 
-/// The sequence number of the stream's last entry; 0 when it is empty or missing.
-pub async fn stream_top(c: &mut MultiplexedConnection, stream: &str) -> redis::RedisResult<i64> {
-    let last: Vec<(String, Vec<(String, String)>)> = redis::cmd("XREVRANGE")
-        .arg(stream)
-        .arg("+")
-        .arg("-")
-        .arg("COUNT")
-        .arg(1)
-        .query_async(c)
-        .await?;
-    Ok(last
-        .first()
-        .and_then(|(id, _)| id.split('-').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0))
-}
-
 fn append_cmd(stream: &str, maxlen: u64, events: &[FeedEvent]) -> redis::Cmd {
     let mut cmd = redis::cmd("EVAL");
-    cmd.arg(APPEND).arg(1).arg(stream).arg(maxlen);
+    cmd.arg(format!("{TOP_LUA}{APPEND}"))
+        .arg(1)
+        .arg(stream)
+        .arg(maxlen);
     for e in events {
         cmd.arg(e.seq)
             .arg(e.kind.as_str())

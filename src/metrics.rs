@@ -9,6 +9,9 @@ use metrics::{counter, gauge, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 pub const RESERVATIONS: &str = "vouchers_reservations_total";
+/// [`RESERVATIONS`] per voucher (on sale) and node, a running count set every second by the
+/// live numbers.
+pub const VOUCHER_RESERVATIONS: &str = "vouchers_voucher_reservations";
 pub const REQUEST_SECONDS: &str = "vouchers_http_request_duration_seconds";
 pub const SOLD_OUT_SHORT_CIRCUITS: &str = "vouchers_sold_out_short_circuits_total";
 pub const LEASE_EVENTS: &str = "vouchers_lease_events_total";
@@ -48,6 +51,15 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    pub const COUNT: usize = 9;
+    /// Every outcome, in [`Outcome::index`] order.
+    pub const ALL: [Outcome; Self::COUNT] = OUTCOMES;
+
+    /// This outcome's place in [`Outcome::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
     pub fn label(self) -> &'static str {
         match self {
             Self::Created => "created",
@@ -201,7 +213,7 @@ pub fn install() -> PrometheusHandle {
         .clone()
 }
 
-const OUTCOMES: [Outcome; 9] = [
+const OUTCOMES: [Outcome; Outcome::COUNT] = [
     Outcome::Created,
     Outcome::Replayed,
     Outcome::OutOfStock,
@@ -269,6 +281,17 @@ fn register_catalogue() {
         counter!(RATE_LIMIT_RESETS, "limiter" => l).increment(0);
     }
     actors(0);
+}
+
+/// Reserves of one voucher answered on this node, by outcome (a voucher whose sale started: see
+/// `live_units`). A gauge holding a running count, set every second: `rate()` reads it like a
+/// counter (a new actor starting from zero is a reset), and unlike a counter it leaves
+/// `/metrics` once nobody sets it (the voucher ended or went idle).
+pub fn voucher_outcomes(code: &str, counts: &[(Outcome, u64)]) {
+    for (o, n) in counts {
+        gauge!(VOUCHER_RESERVATIONS, "voucher" => code.to_string(), "outcome" => o.label())
+            .set(*n as f64);
+    }
 }
 
 pub fn reservation(outcome: Outcome) {
@@ -420,9 +443,22 @@ pub const SIGNALS: &str = "vouchers_signals_total";
 pub const REDIS_UP: &str = "vouchers_redis_up";
 pub const FEED_RELAYED: &str = "vouchers_feed_relayed_total";
 
+pub const FEED_RELAY_ERRORS: &str = "vouchers_feed_relay_errors_total";
+
 /// Events of the change feed this node copied to the Redis Stream.
 pub fn feed_relayed(n: u64) {
     counter!(FEED_RELAYED).increment(n);
+}
+
+/// A relay round that failed (Redis or the ledger); the next round tries again.
+pub fn feed_relay_error() {
+    counter!(FEED_RELAY_ERRORS).increment(1);
+}
+
+/// The relay runs on this node: its counters start at zero, so a panel shows 0, not nothing.
+pub fn feed_relay_started() {
+    counter!(FEED_RELAYED).increment(0);
+    counter!(FEED_RELAY_ERRORS).increment(0);
 }
 
 /// A Redis signal `published`, `received` or `dropped`.
@@ -430,6 +466,26 @@ pub fn signal(event: &'static str, kind: &'static str) {
     counter!(SIGNALS, "event" => event, "kind" => kind).increment(1);
 }
 
+pub const REDIS_CONFIGURED: &str = "vouchers_redis_configured";
+
+/// Whether this node is configured with Redis at all (the dashboard says "no Redis" rather than
+/// nothing on the embedded default).
+pub fn redis_configured(yes: bool) {
+    gauge!(REDIS_CONFIGURED).set(if yes { 1.0 } else { 0.0 });
+}
+
 pub fn redis_up(up: bool) {
     gauge!(REDIS_UP).set(if up { 1.0 } else { 0.0 });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Outcome;
+
+    #[test]
+    fn outcomes_are_indexed_in_their_list_order() {
+        for (i, o) in Outcome::ALL.iter().enumerate() {
+            assert_eq!(o.index(), i, "{o:?}");
+        }
+    }
 }

@@ -87,6 +87,11 @@ impl Publisher {
         Self { tx: None }
     }
 
+    /// Whether signals go anywhere (Redis is configured).
+    pub fn enabled(&self) -> bool {
+        self.tx.is_some()
+    }
+
     pub fn publish(&self, code: &str, signal: Signal) {
         if let Some(tx) = &self.tx {
             if tx.try_send((code.to_string(), signal)).is_err() {

@@ -65,6 +65,9 @@ BEGIN
     ON CONFLICT (voucher_code, customer_id) DO UPDATE SET used = u.used;
 
     SELECT h.last INTO v_base FROM feed_head h WHERE h.id = 1 FOR UPDATE;
+    IF v_base IS NULL THEN
+        RAISE EXCEPTION 'the change feed''s head row is missing';
+    END IF;
 
     -- A new statement: its snapshot sees everything committed before the locks were granted.
     RETURN QUERY

@@ -29,6 +29,11 @@ INSERT INTO feed_head (id, last)
 SELECT 1, COALESCE(GREATEST(max(reserved_seq), max(settled_seq)), 0) FROM reservations
 ON CONFLICT (id) DO NOTHING;
 
+-- From now on every reservation is numbered when it is written: a writer that does not number
+-- it (an older build's commit function) fails loudly instead of leaving it out of the feed.
+-- (Builds from this one on also refuse to start on a schema newer than they know.)
+ALTER TABLE reservations ALTER COLUMN reserved_seq SET NOT NULL;
+
 CREATE UNIQUE INDEX IF NOT EXISTS reservations_by_reserved_seq ON reservations (reserved_seq);
 CREATE UNIQUE INDEX IF NOT EXISTS reservations_by_settled_seq ON reservations (settled_seq)
     WHERE settled_seq IS NOT NULL;

@@ -226,7 +226,13 @@ pub(crate) struct VoucherActor {
     /// How many reservations the voucher ever had when this node last loaded its winners and
     /// raised the sold-out flag: a probe that finds the same number has nothing new to load.
     sold_out_at: Option<i64>,
+    /// When this actor last recounted the voucher's books on a sell-out: an end-game of
+    /// restocks and sell-outs recounts at most once per `SOLD_OUT_RECOUNT_MS`.
+    recounted_at: Option<Millis>,
 }
+
+/// Least time between two recounts of a voucher's books on its sell-outs, per node.
+const SOLD_OUT_RECOUNT_MS: Millis = 10_000;
 
 impl VoucherActor {
     pub(crate) fn new(
@@ -262,6 +268,7 @@ impl VoucherActor {
             recall_pending: false,
             next_recall: now,
             sold_out_at: None,
+            recounted_at: None,
         }
     }
 
@@ -685,6 +692,22 @@ impl VoucherActor {
                     act.sold_out_at = ever_reserved;
                     tracing::info!(code = %act.code, "sold out");
                     act.core.signals.publish(&act.code, Signal::SoldOut);
+                    // The books of a sale are checked the moment it sells out, not at the
+                    // reconciler's next round.
+                    let now = act.now();
+                    if act
+                        .recounted_at
+                        .is_none_or(|t| now - t >= SOLD_OUT_RECOUNT_MS)
+                    {
+                        act.recounted_at = Some(now);
+                        let started = act.voucher.as_ref().is_some_and(|v| v.starts_at <= now);
+                        let (ledger, code) = (act.core.ledger.clone(), act.code.clone());
+                        actix::spawn(async move {
+                            if super::reconcile_one(&ledger, &code, started).await.is_err() {
+                                m::ledger_error("reconcile");
+                            }
+                        });
+                    }
                 }
             }
             Err(e) => {

@@ -461,6 +461,19 @@ impl EngineHandle {
             return Err(e);
         }
         let mut entry = self.core.entry(code);
+        let res = self.reserve_on(code, req, &mut entry).await;
+        entry.shared.count_outcome(outcome_of(&res));
+        res
+    }
+
+    /// [`EngineHandle::reserve`] for a code that exists, from its per-customer and per-voucher
+    /// limits on; `entry` ends as the registry row that answered.
+    async fn reserve_on(
+        &self,
+        code: &str,
+        req: ReserveRequest,
+        entry: &mut Entry,
+    ) -> Result<Reserved, EngineError> {
         let own = entry.shared.own_limits();
         let limits = &self.core.limits;
         limits
@@ -472,7 +485,7 @@ impl EngineHandle {
         for attempt in 0..3 {
             if attempt > 0 {
                 // The actor stopped: its successor's row.
-                entry = self.core.entry(code);
+                *entry = self.core.entry(code);
             }
             if entry.shared.is_sold_out() {
                 m::sold_out_short_circuit();
@@ -853,8 +866,9 @@ impl EngineHandle {
     /// reservations), into `vouchers_units`; every node exports the same numbers. Vouchers not
     /// yet started are never exported: their codes are the secret of an unannounced sale.
     pub async fn live_numbers(&self) -> Result<usize, EngineError> {
-        // The actors gauge is set here, so that it never goes idle (see `metrics::install`).
+        // These gauges are set here, so that they never go idle (see `metrics::install`).
         m::actors(self.core.registry.len());
+        m::redis_configured(self.core.signals.enabled());
         let now = self.now_ms();
         let units = self
             .core
@@ -862,6 +876,13 @@ impl EngineHandle {
             .live_units(now, self.watched_after(now))
             .await?;
         units.iter().for_each(m::live_units);
+        // Outcome rates per voucher, for vouchers on sale only (as the units).
+        let on_sale: HashSet<&str> = units.iter().map(|u| u.code.as_str()).collect();
+        for e in self.core.registry.iter() {
+            if on_sale.contains(e.key().as_str()) {
+                m::voucher_outcomes(e.key(), &e.shared.outcome_counts());
+            }
+        }
         Ok(units.len())
     }
 
@@ -939,14 +960,28 @@ impl EngineHandle {
             .collect();
         let mut unbalanced = Vec::new();
         for code in self.core.ledger.voucher_codes(ending_after).await? {
-            if let Some(c) = self.core.ledger.counters(&code).await? {
-                m::reconciled(&code, &c, started.contains(&code));
-                if !c.balanced {
-                    tracing::error!(code = %code, counters = ?c, "ledger does not balance");
-                    unbalanced.push(code);
-                }
+            if !reconcile_one(&self.core.ledger, &code, started.contains(&code)).await? {
+                unbalanced.push(code);
             }
         }
         Ok(unbalanced)
     }
+}
+
+/// Recounts one voucher and records the verdict (exported only for a voucher whose sale
+/// `started`); `false` when its books do not balance. The reconciler runs it for every watched
+/// voucher, and an actor the moment its voucher sells out.
+pub(crate) async fn reconcile_one(
+    ledger: &SharedLedger,
+    code: &str,
+    started: bool,
+) -> Result<bool, LedgerError> {
+    let Some(c) = ledger.counters(code).await? else {
+        return Ok(true);
+    };
+    m::reconciled(code, &c, started);
+    if !c.balanced {
+        tracing::error!(code = %code, counters = ?c, "ledger does not balance");
+    }
+    Ok(c.balanced)
 }

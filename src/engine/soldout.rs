@@ -12,6 +12,7 @@ use std::sync::{Arc, RwLock};
 use super::limits::OwnLimits;
 use crate::clock::Millis;
 use crate::domain::{Ineligible, ReserveRequest, Voucher, VoucherLimits};
+use crate::metrics::Outcome;
 
 /// Shared between a voucher's actor (writer) and the frontend (reader).
 #[derive(Debug, Default)]
@@ -30,6 +31,9 @@ pub struct VoucherShared {
     last_short_circuit: AtomicI64,
     /// The voucher's own rate limiters, when it sets any (the node's defaults apply otherwise).
     own_limits: RwLock<Option<Arc<OwnLimits>>>,
+    /// Reserves of this voucher answered on this node, by outcome (`Outcome::index`): the
+    /// per-voucher outcome rates of the live numbers, one atomic add per request.
+    outcomes: [AtomicU64; Outcome::COUNT],
 }
 
 /// What a sold-out voucher knows about who won: the orders with their customers (a retry of one
@@ -101,6 +105,20 @@ pub enum SoldOutVerdict {
 }
 
 impl VoucherShared {
+    pub fn count_outcome(&self, outcome: Outcome) {
+        self.outcomes[outcome.index()].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The reserves answered so far by this voucher's registry row, by outcome, as
+    /// `(outcome, n)` with `n > 0`.
+    pub fn outcome_counts(&self) -> Vec<(Outcome, u64)> {
+        Outcome::ALL
+            .iter()
+            .map(|&o| (o, self.outcomes[o.index()].load(Ordering::Relaxed)))
+            .filter(|(_, n)| *n > 0)
+            .collect()
+    }
+
     pub fn is_sold_out(&self) -> bool {
         self.sold_out.load(Ordering::Acquire)
     }

@@ -164,6 +164,19 @@ pub(crate) const LEASE_FILTER: &str = "state = 'ACTIVE' \
      AND ($1 IS NULL OR id = $1) AND ($2 IS NULL OR node_id = $2) \
      AND ($3 IS NULL OR expires_at <= $3)";
 
+/// Fails when the ledger holds a schema version this build does not know: a newer build
+/// migrated it, and this one would write what that schema no longer expects.
+pub(crate) fn refuse_newer_schema(newest: i64, known: &[(i64, &str)]) -> Result<(), sqlx::Error> {
+    let ours = known.iter().map(|(v, _)| *v).max().unwrap_or(0);
+    if newest > ours {
+        return Err(sqlx::Error::Protocol(format!(
+            "the ledger's schema is at version {newest}, newer than this build's {ours}: \
+             run the build that migrated it (or a newer one)"
+        )));
+    }
+    Ok(())
+}
+
 /// Units that went back to `free` for one voucher (release, expiry, return, reap, total raised).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Restock {
@@ -226,7 +239,9 @@ pub trait Ledger: Send + Sync + 'static {
     /// group commit. Each batch passes its own fence and gets its own outcomes, as if the
     /// batches had committed one after the other in slice order; a batch refused as a whole
     /// (`Fenced`, `NotFound`) takes nothing and leaves the others to commit. The outer error
-    /// means the transaction failed and nothing of any batch was committed.
+    /// means the transaction failed and nothing of any batch was committed. A ledger may commit
+    /// batches that share a voucher or an order id in a later transaction of their own; one
+    /// that fails answers its own batches `Unavailable` (nothing of them committed).
     async fn commit_batches(&self, batches: &[Batch]) -> Result<BatchResults, LedgerError>;
     /// The reservations with these order ids (any voucher), for answering repeats without a lease.
     async fn find_orders(&self, order_ids: &[String]) -> Result<Vec<Reservation>, LedgerError>;
@@ -589,6 +604,14 @@ pub fn reconcile(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_build_refuses_a_schema_newer_than_it_knows() {
+        let known = [(1, ""), (4, "")];
+        assert!(refuse_newer_schema(0, &known).is_ok());
+        assert!(refuse_newer_schema(4, &known).is_ok());
+        assert!(refuse_newer_schema(5, &known).is_err());
+    }
     use crate::domain::ReservationStatus;
 
     fn row(o: &str, c: i64) -> BatchRow {

@@ -127,6 +127,12 @@ async fn migrate(pool: &PgPool) -> Result<(), sqlx::Error> {
     sqlx::raw_sql("CREATE TABLE IF NOT EXISTS schema_migrations (version BIGINT PRIMARY KEY)")
         .execute(&mut *tx)
         .await?;
+    // An older build would put back its own commit function (below) and write rows the
+    // feed cannot see: it refuses a ledger a newer build migrated.
+    let newest: i64 = sqlx::query_scalar("SELECT COALESCE(max(version), 0) FROM schema_migrations")
+        .fetch_one(&mut *tx)
+        .await?;
+    super::refuse_newer_schema(newest, MIGRATIONS)?;
     for (version, sql) in MIGRATIONS {
         let done = sqlx::query("SELECT 1 FROM schema_migrations WHERE version = $1")
             .bind(version)
@@ -643,23 +649,27 @@ impl Ledger for PostgresLedger {
 }
 
 impl PostgresLedger {
-    /// One merged transaction: one call of `vouchers_commit_batches` per group of distinct
-    /// vouchers (one group, one round trip, unless a voucher repeats), then, only when another
+    /// One merged transaction: one call of `vouchers_commit_batches` (one round trip, its own
+    /// transaction) for the batches of distinct vouchers and order ids; then, only when another
     /// transaction stored one of the order ids meanwhile, one read of those rows.
+    ///
+    /// Batches that share a voucher or an order id go in later calls, one after the other, each
+    /// its own transaction: a call holds the change feed's head (its last lock) until it
+    /// commits, so a second call in the same transaction would take lease and usage locks after
+    /// the head and could deadlock with every other writer. A later call that fails fails only
+    /// its own batches; the outer error means the first call failed and nothing committed.
     async fn try_commit_batches(&self, batches: &[Batch]) -> Result<BatchResults, LedgerError> {
         let groups = independent_groups(batches);
-        let mut verdicts = Vec::with_capacity(groups.len());
-        if let [group] = groups.as_slice() {
-            verdicts.push(call_merged(&self.pool, batches, group).await?);
-        } else {
-            let mut tx = self.pool.begin().await?;
-            for group in &groups {
-                verdicts.push(call_merged(&mut *tx, batches, group).await?);
+        let mut verdicts: Vec<Result<Vec<Verdict>, LedgerError>> = Vec::with_capacity(groups.len());
+        for (k, group) in groups.iter().enumerate() {
+            match call_merged(&self.pool, batches, group).await {
+                Err(e) if k == 0 => return Err(e),
+                other => verdicts.push(other),
             }
-            tx.commit().await?;
         }
         let lost: Vec<String> = verdicts
             .iter()
+            .flatten()
             .flatten()
             .filter(|v| v.verdict == "LOST")
             .map(|v| v.order_id.clone())
@@ -674,7 +684,18 @@ impl PostgresLedger {
         let mut results: Vec<Option<Result<Vec<RowOutcome>, LedgerError>>> =
             batches.iter().map(|_| None).collect();
         for (group, rows) in groups.iter().zip(verdicts) {
-            let mut rows = rows.into_iter();
+            let mut rows = match rows {
+                Ok(rows) => rows.into_iter(),
+                Err(e) => {
+                    tracing::warn!(error = %e, "a later call of a merged commit failed");
+                    for &i in group {
+                        results[i] = Some(Err(LedgerError::Unavailable(sqlx::Error::Protocol(
+                            format!("merged commit call failed: {e}"),
+                        ))));
+                    }
+                    continue;
+                }
+            };
             for &i in group {
                 let batch = &batches[i];
                 let mine: Vec<Verdict> = rows.by_ref().take(batch.rows.len()).collect();

@@ -142,6 +142,10 @@ async fn migrate(pool: &SqlitePool) -> Result<(), sqlx::Error> {
     sqlx::raw_sql("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY)")
         .execute(pool)
         .await?;
+    let newest: i64 = sqlx::query_scalar("SELECT COALESCE(MAX(version), 0) FROM schema_migrations")
+        .fetch_one(pool)
+        .await?;
+    super::refuse_newer_schema(newest, MIGRATIONS)?;
     for (version, sql) in MIGRATIONS {
         let mut tx = pool.begin().await?;
         let done = sqlx::query("SELECT 1 FROM schema_migrations WHERE version = ?")
@@ -987,4 +991,73 @@ fn grant_on(
         free_after: free - units,
         leased_unused,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A ledger made before the feed existed, with reservations in every state, gets every one
+    /// of them numbered once by migration 4: RESERVED events by time, then the later changes.
+    #[tokio::test]
+    async fn migrating_numbers_the_reservations_made_before_the_feed() {
+        let dir = std::env::temp_dir().join(format!("vouchers-mig-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let url = format!("sqlite://{}/l.db", dir.display());
+        std::fs::create_dir_all(&dir).unwrap();
+        let options = SqliteConnectOptions::from_str(&url)
+            .unwrap()
+            .create_if_missing(true);
+        let pool = SqlitePool::connect_with(options).await.unwrap();
+        sqlx::raw_sql("CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY)")
+            .execute(&pool)
+            .await
+            .unwrap();
+        for (version, sql) in &MIGRATIONS[..3] {
+            sqlx::raw_sql(sql).execute(&pool).await.unwrap();
+            sqlx::query("INSERT INTO schema_migrations (version) VALUES (?)")
+                .bind(version)
+                .execute(&pool)
+                .await
+                .unwrap();
+        }
+        // Created at 1, 2, 3; o2 confirmed at 10, o3 released at 5 (before its expiry at 100),
+        // o1 left reserved.
+        sqlx::raw_sql(
+            "INSERT INTO reservations (order_id, voucher_code, customer_id, lease_id, \
+               discount_amount, status, created_at, expires_at, updated_at) VALUES \
+             ('o1', 'V', 1, 1, 5, 'RESERVED', 1, 100, 1), \
+             ('o2', 'V', 2, 1, 5, 'CONFIRMED', 2, 100, 10), \
+             ('o3', 'V', 3, 1, 5, 'RELEASED', 3, 100, 5)",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        pool.close().await;
+        let l = SqliteLedger::connect(&url, 1).await.unwrap();
+        let events: Vec<(i64, String, String)> = l
+            .events(0, 100)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|e| (e.seq, e.kind.as_str().to_string(), e.order_id))
+            .collect();
+        let want: Vec<(i64, String, String)> = [
+            (1, "RESERVED", "o1"),
+            (2, "RESERVED", "o2"),
+            (3, "RESERVED", "o3"),
+            (4, "RELEASED", "o3"),
+            (5, "CONFIRMED", "o2"),
+        ]
+        .into_iter()
+        .map(|(n, k, o)| (n, k.to_string(), o.to_string()))
+        .collect();
+        assert_eq!(events, want);
+        let head: i64 = sqlx::query_scalar("SELECT last FROM feed_head")
+            .fetch_one(&l.reader)
+            .await
+            .unwrap();
+        assert_eq!(head, 5, "new changes go on after the numbered ones");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

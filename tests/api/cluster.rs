@@ -1379,6 +1379,46 @@ async fn the_feed_holds_every_change_once_in_order_through_a_sigkill() {
         cluster.create(c, 1_000_000, 1_000_000).await;
     }
     let c = cluster.client.clone();
+    // A reader tails the feed on node 0 (never killed) throughout the run: every page it gets
+    // starts right after where it asked and has no gap, so no number is ever visible before a
+    // smaller one.
+    let stop = Rc::new(Cell::new(false));
+    let tail = {
+        let (c, url, stop) = (
+            c.clone(),
+            format!("{}/admin/events", cluster.base(0)),
+            stop.clone(),
+        );
+        actix_rt::spawn(async move {
+            let (mut after, mut pages) = (0i64, 0usize);
+            while !stop.get() {
+                let (s, b) = send(
+                    &c,
+                    "GET",
+                    &format!("{url}?after={after}&limit=1000"),
+                    Some(TOKEN),
+                    None,
+                )
+                .await;
+                assert_eq!(s, 200, "{b}");
+                let seqs: Vec<i64> = b["events"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|e| e["seq"].as_i64().unwrap())
+                    .collect();
+                assert_eq!(
+                    seqs,
+                    (after + 1..after + 1 + seqs.len() as i64).collect::<Vec<_>>()
+                );
+                if let Some(last) = seqs.last() {
+                    after = *last;
+                    pages += 1;
+                }
+            }
+            (after, pages)
+        })
+    };
     let mut seen = Seen::default();
     let started = Instant::now();
     let mut killed = false;
@@ -1449,6 +1489,12 @@ async fn the_feed_holds_every_change_once_in_order_through_a_sigkill() {
         }
     }
     assert!(killed, "the run was too short to kill a node in its middle");
+    stop.set(true);
+    let (tailed, pages) = tail.await.expect("the tailing reader");
+    assert!(
+        pages > 1 && tailed > 0,
+        "the reader saw the feed grow ({pages} pages)"
+    );
     let pool = cluster.pg().await;
     // Every unconfirmed reservation expires (TTL 1.5 s, sweep every 200 ms).
     eventually(

@@ -108,8 +108,14 @@ async fn the_feed_tells_each_change_once_in_order_page_by_page() {
         .collect();
     last.sort();
     assert_eq!(last, ["feed-3", "feed-4"]);
-    let e = &events[0];
-    assert_eq!(e["code"], json!("FEEDV"));
-    assert!(e["customerId"].as_i64().is_some());
-    assert!(e["at"].as_str().unwrap().ends_with('Z'));
+    // Each event names its voucher and the order's customer (feed-N is customer N's).
+    for e in &events {
+        let order = e["orderId"].as_str().unwrap();
+        let customer: i64 = order.trim_start_matches("feed-").parse().unwrap();
+        assert_eq!(
+            (&e["code"], e["customerId"].as_i64()),
+            (&json!("FEEDV"), Some(customer))
+        );
+        assert!(e["at"].as_str().unwrap().ends_with('Z'), "{e}");
+    }
 }

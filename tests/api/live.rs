@@ -37,6 +37,19 @@ async fn unit_gauges_follow_the_sale_and_hide_vouchers_not_yet_started() {
             &[&format!("voucher=\"{code}\""), &format!("kind=\"{kind}\"")],
         )
     };
+    // Per-voucher outcomes: a replay and a clash besides the three 201s.
+    assert_eq!(app.reserve("LIVEV", 1, "live-1").await.0, 201);
+    assert_eq!(app.reserve("LIVEV", 1, "live-other").await.0, 409);
+    let outcomes = |m: &str, code: &str, outcome: &str| {
+        metric_sum(
+            m,
+            "vouchers_voucher_reservations",
+            &[
+                &format!("voucher=\"{code}\""),
+                &format!("outcome=\"{outcome}\""),
+            ],
+        )
+    };
     let (client, base) = (app.client.clone(), app.base.clone());
     eventually("the gauges show the sale", Duration::from_secs(10), || {
         let (client, base) = (client.clone(), base.clone());
@@ -45,10 +58,18 @@ async fn unit_gauges_follow_the_sale_and_hide_vouchers_not_yet_started() {
             units(&m, "LIVEV", "reserved") == 2.0
                 && units(&m, "LIVEV", "released") == 1.0
                 && units(&m, "LIVEV", "free") + units(&m, "LIVEV", "leased_unused") == 3.0
+                && outcomes(&m, "LIVEV", "created") == 3.0
         }
     })
     .await;
     let m = metrics_text(&app.client, &app.base).await;
+    assert_eq!(
+        (
+            outcomes(&m, "LIVEV", "replayed"),
+            outcomes(&m, "LIVEV", "already_used")
+        ),
+        (1.0, 1.0)
+    );
     assert!(
         !m.contains("SECRETV"),
         "a voucher that has not started is not in /metrics"
