@@ -15,8 +15,9 @@ nodes="${2:-3}"
 duration="${DURATION:-10}"
 conns="${CONNS:-256}"
 for tool in wrk curl python3; do command -v "$tool" >/dev/null || { echo "bench: install $tool" >&2; exit 1; }; done
-cargo build --release --bin vouchers >/dev/null 2>&1
-bin="$root/target/release/vouchers"
+# VOUCHERS_BIN: another build to measure (an A/B against an earlier commit); default: this one.
+if [ -z "${VOUCHERS_BIN:-}" ]; then cargo build --release --bin vouchers >/dev/null 2>&1; fi
+bin="${VOUCHERS_BIN:-$root/target/release/vouchers}"
 work=$(mktemp -d)
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$work"; }

@@ -10,7 +10,13 @@
 //!
 //! The node's merged group commit (the batches of many vouchers) is one call of the server-side
 //! function `vouchers_commit_batches` (migration 0002): rows travel as arrays, the call is its
-//! own transaction, and no lock is held across a network round trip.
+//! own transaction, and no lock is held across a network round trip. Confirm, release and
+//! expiry are one call each too (`vouchers_settle`, `vouchers_expire`, migration 0008).
+//!
+//! The change feed (migration 0007): every transaction that changes reservations takes the one
+//! row `feed_head` as its last lock and holds it to commit, which numbers the changes without
+//! gaps and in commit order. The cost: such transactions commit one at a time cluster-wide for
+//! the span of their last statement and their commit.
 
 use std::collections::HashSet;
 use std::str::FromStr;
@@ -54,14 +60,16 @@ const MIGRATIONS: &[(i64, &str)] = &[
         include_str!("../../migrations/postgres/0006_switches.sql"),
     ),
     (7, include_str!("../../migrations/postgres/0007_feed.sql")),
+    (8, include_str!("../../migrations/postgres/0008_settle.sql")),
 ];
 
 /// Definitions applied on every start after the versioned migrations (each is `CREATE OR
 /// REPLACE`): a database made by an earlier build gets the function of this one. Version 2 made
 /// the function first; an edit of it needs no new version.
-const REPEATABLE: &[&str] = &[include_str!(
-    "../../migrations/postgres/0002_merged_commit.sql"
-)];
+const REPEATABLE: &[&str] = &[
+    include_str!("../../migrations/postgres/0002_merged_commit.sql"),
+    include_str!("../../migrations/postgres/0008_settle.sql"),
+];
 
 /// An arbitrary constant that names this schema's migration lock.
 const MIGRATION_LOCK: i64 = 0x766f_7563_6865_7273;
@@ -71,6 +79,29 @@ pub struct PostgresLedger {
 }
 
 impl PostgresLedger {
+    /// RESERVED → CONFIRMED (`confirm`) or RELEASED; `None` when the reservation is not
+    /// RESERVED (or, to confirm, expired) or not there.
+    async fn settle(
+        &self,
+        code: &str,
+        order_id: &str,
+        now: Millis,
+        confirm: bool,
+    ) -> Result<Option<Reservation>, LedgerError> {
+        let row = sqlx::query(
+            "SELECT out_order AS order_id, out_voucher AS voucher_code, \
+             out_customer AS customer_id, out_discount AS discount_amount, out_status AS status, \
+             out_expires AS expires_at FROM vouchers_settle($1, $2, $3, $4)",
+        )
+        .bind(code)
+        .bind(order_id)
+        .bind(now)
+        .bind(confirm)
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(row.as_ref().map(reservation_from).transpose()?)
+    }
+
     async fn load_reservation(
         &self,
         code: &str,
@@ -460,43 +491,18 @@ impl Ledger for PostgresLedger {
         .await?)
     }
 
-    // Confirm, release and expiry are one statement each, then the change feed's numbers: the
-    // reservation row first (its status guards "exactly once"), then the voucher's counters and
-    // the customer's usage, then the feed's head, last (as every transaction takes it). Batches
-    // never lock the voucher row and these never lock leases, so no lock order can cross.
+    // Confirm, release and expiry are one call each of a server-side function (migration 8):
+    // one round trip, its own transaction, locks in a fixed order with the change feed's head
+    // last, and each reservation row written once.
     async fn confirm(
         &self,
         code: &str,
         order_id: &str,
         now: Millis,
     ) -> Result<Reservation, LedgerError> {
-        let mut tx = self.pool.begin().await?;
-        let row = sqlx::query(&format!(
-            "WITH c AS ( \
-               UPDATE reservations SET status = 'CONFIRMED', updated_at = $1 \
-               WHERE order_id = $2 AND voucher_code = $3 AND status = 'RESERVED' \
-                 AND expires_at > $1 \
-               RETURNING {RESERVATION_COLUMNS}), \
-             v AS (UPDATE vouchers SET confirmed = confirmed + 1 \
-                   WHERE code = $3 AND EXISTS (SELECT 1 FROM c)) \
-             SELECT {RESERVATION_COLUMNS} FROM c"
-        ))
-        .bind(now)
-        .bind(order_id)
-        .bind(code)
-        .fetch_optional(&mut *tx)
-        .await?;
-        match row {
-            Some(row) => {
-                let r = reservation_from(&row)?;
-                stamp_settled(&mut tx, &[order_id], false).await?;
-                tx.commit().await?;
-                Ok(r)
-            }
-            None => {
-                drop(tx);
-                super::confirm_unchanged(self.load_reservation(code, order_id).await?)
-            }
+        match self.settle(code, order_id, now, true).await? {
+            Some(r) => Ok(r),
+            None => super::confirm_unchanged(self.load_reservation(code, order_id).await?),
         }
     }
 
@@ -506,73 +512,26 @@ impl Ledger for PostgresLedger {
         order_id: &str,
         now: Millis,
     ) -> Result<(Reservation, Option<Restock>), LedgerError> {
-        let mut tx = self.pool.begin().await?;
-        let row = sqlx::query(&format!(
-            "WITH r AS ( \
-               UPDATE reservations SET status = 'RELEASED', updated_at = $1 \
-               WHERE order_id = $2 AND voucher_code = $3 AND status = 'RESERVED' \
-               RETURNING {RESERVATION_COLUMNS}), \
-             v AS (UPDATE vouchers SET free = free + 1, released = released + 1 \
-                   WHERE code = $3 AND EXISTS (SELECT 1 FROM r)), \
-             u AS (UPDATE customer_usage SET used = used - 1 \
-                   WHERE voucher_code = $3 AND customer_id = (SELECT customer_id FROM r)) \
-             SELECT {RESERVATION_COLUMNS} FROM r"
-        ))
-        .bind(now)
-        .bind(order_id)
-        .bind(code)
-        .fetch_optional(&mut *tx)
-        .await?;
-        match row {
-            Some(row) => {
-                let r = reservation_from(&row)?;
-                stamp_settled(&mut tx, &[order_id], false).await?;
-                tx.commit().await?;
+        match self.settle(code, order_id, now, false).await? {
+            Some(r) => {
                 let restock = Restock {
                     voucher_code: r.voucher_code.clone(),
                     units: 1,
                 };
                 Ok((r, Some(restock)))
             }
-            None => {
-                drop(tx);
-                super::release_unchanged(self.load_reservation(code, order_id).await?)
-            }
+            None => super::release_unchanged(self.load_reservation(code, order_id).await?),
         }
     }
 
     async fn expire_due(&self, now: Millis, limit: i64) -> Result<Vec<Restock>, LedgerError> {
-        // SKIP LOCKED: sweepers on several nodes take disjoint rows; the status guard makes each
-        // release happen once even against a concurrent confirm or release.
-        let mut tx = self.pool.begin().await?;
-        let rows: Vec<(String, String)> = sqlx::query_as(
-            "WITH due AS ( \
-               SELECT order_id FROM reservations WHERE status = 'RESERVED' AND expires_at <= $1 \
-               ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED), \
-             r AS ( \
-               UPDATE reservations SET status = 'RELEASED', updated_at = $1 \
-               WHERE order_id IN (SELECT order_id FROM due) AND status = 'RESERVED' \
-               RETURNING voucher_code, customer_id, order_id), \
-             per_v AS (SELECT voucher_code, COUNT(*) AS n FROM r GROUP BY voucher_code), \
-             v AS (UPDATE vouchers SET free = free + per_v.n, released = released + per_v.n \
-                   FROM per_v WHERE vouchers.code = per_v.voucher_code), \
-             per_c AS (SELECT voucher_code, customer_id, COUNT(*) AS n FROM r \
-                       GROUP BY voucher_code, customer_id), \
-             u AS (UPDATE customer_usage SET used = used - per_c.n FROM per_c \
-                   WHERE customer_usage.voucher_code = per_c.voucher_code \
-                     AND customer_usage.customer_id = per_c.customer_id) \
-             SELECT voucher_code, order_id FROM r",
-        )
-        .bind(now)
-        .bind(limit)
-        .fetch_all(&mut *tx)
-        .await?;
-        let orders: Vec<&str> = rows.iter().map(|(_, o)| o.as_str()).collect();
-        stamp_settled(&mut tx, &orders, true).await?;
-        tx.commit().await?;
-        Ok(group_restocks(
-            rows.into_iter().map(|(code, _)| (code, 1)).collect(),
-        ))
+        let rows: Vec<(String, i64)> =
+            sqlx::query_as("SELECT out_voucher, out_units FROM vouchers_expire($1, $2)")
+                .bind(now)
+                .bind(limit)
+                .fetch_all(&self.pool)
+                .await?;
+        Ok(group_restocks(rows))
     }
 
     async fn reap_expired(&self, now: Millis) -> Result<Vec<Restock>, LedgerError> {
@@ -752,26 +711,6 @@ impl PostgresLedger {
         tx.commit().await?;
         Ok(restocks)
     }
-}
-
-/// Gives the settled reservations `orders` (already updated in `tx`, so their rows are locked)
-/// their feed numbers, in the order given. The feed's head is the last lock the transaction
-/// takes, and it holds it to commit.
-async fn stamp_settled(tx: &mut Tx, orders: &[&str], expired: bool) -> Result<(), LedgerError> {
-    if orders.is_empty() {
-        return Ok(());
-    }
-    sqlx::query(
-        "WITH h AS (UPDATE feed_head SET last = last + cardinality($1::text[]) WHERE id = 1 \
-                    RETURNING last - cardinality($1::text[]) AS base) \
-         UPDATE reservations x SET settled_seq = h.base + t.i, expired = $2 \
-         FROM h, unnest($1::text[]) WITH ORDINALITY AS t (o, i) WHERE x.order_id = t.o",
-    )
-    .bind(orders)
-    .bind(expired)
-    .execute(&mut **tx)
-    .await?;
-    Ok(())
 }
 
 /// Puts the unused units of closed leases back to `free`.

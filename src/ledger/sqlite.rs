@@ -404,8 +404,10 @@ impl Ledger for SqliteLedger {
         now: Millis,
     ) -> Result<Reservation, LedgerError> {
         let mut tx = self.writer.begin().await?;
+        // The writer is alone: the head's next number is this change's.
         let row = sqlx::query(&format!(
-            "UPDATE reservations SET status = 'CONFIRMED', updated_at = ? \
+            "UPDATE reservations SET status = 'CONFIRMED', updated_at = ?, \
+               settled_seq = (SELECT last + 1 FROM feed_head WHERE id = 1) \
              WHERE order_id = ? AND voucher_code = ? AND status = 'RESERVED' AND expires_at > ? \
              RETURNING {RESERVATION_COLUMNS}"
         ))
@@ -422,7 +424,7 @@ impl Ledger for SqliteLedger {
             .bind(code)
             .execute(&mut *tx)
             .await?;
-            stamp_settled(&mut tx, &[order_id], false).await?;
+            bump_feed_head(&mut tx).await?;
             tx.commit().await?;
             return Ok(reservation_from(&row)?);
         }
@@ -438,7 +440,8 @@ impl Ledger for SqliteLedger {
     ) -> Result<(Reservation, Option<Restock>), LedgerError> {
         let mut tx = self.writer.begin().await?;
         let row = sqlx::query(&format!(
-            "UPDATE reservations SET status = 'RELEASED', updated_at = ? \
+            "UPDATE reservations SET status = 'RELEASED', updated_at = ?, \
+               settled_seq = (SELECT last + 1 FROM feed_head WHERE id = 1) \
              WHERE order_id = ? AND voucher_code = ? AND status = 'RESERVED' \
              RETURNING {RESERVATION_COLUMNS}"
         ))
@@ -451,7 +454,7 @@ impl Ledger for SqliteLedger {
             let r = reservation_from(&row)?;
             let restocks =
                 release_units(&mut tx, &[(r.voucher_code.clone(), r.customer_id)]).await?;
-            stamp_settled(&mut tx, &[order_id], false).await?;
+            bump_feed_head(&mut tx).await?;
             tx.commit().await?;
             return Ok((r, restocks.into_iter().next()));
         }
@@ -477,7 +480,7 @@ impl Ledger for SqliteLedger {
             .map(|(code, customer, order)| ((code.clone(), *customer), order.as_str()))
             .unzip();
         let restocks = release_units(&mut tx, &pairs).await?;
-        stamp_settled(&mut tx, &orders, true).await?;
+        stamp_expired(&mut tx, &orders).await?;
         tx.commit().await?;
         Ok(restocks)
     }
@@ -550,12 +553,23 @@ impl Ledger for SqliteLedger {
     }
 }
 
-/// Gives the settled reservations `orders` (already updated in `tx`) their feed numbers, in the
-/// order given.
-async fn stamp_settled(
+/// Hands out the feed's next number, which the one change of `tx` already took.
+async fn bump_feed_head(tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>) -> Result<(), LedgerError> {
+    let bumped = sqlx::query("UPDATE feed_head SET last = last + 1 WHERE id = 1")
+        .execute(&mut **tx)
+        .await?
+        .rows_affected();
+    if bumped != 1 {
+        return Err(LedgerError::Invalid("feed_head row missing"));
+    }
+    Ok(())
+}
+
+/// Gives the expired reservations `orders` (already released in `tx`) their feed numbers, in
+/// the order given.
+async fn stamp_expired(
     tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
     orders: &[&str],
-    expired: bool,
 ) -> Result<(), LedgerError> {
     if orders.is_empty() {
         return Ok(());
@@ -568,11 +582,10 @@ async fn stamp_settled(
     .fetch_one(&mut **tx)
     .await?;
     sqlx::query(
-        "UPDATE reservations SET settled_seq = ?1 + j.key + 1, expired = ?2 \
-         FROM json_each(?3) AS j WHERE reservations.order_id = j.value",
+        "UPDATE reservations SET settled_seq = ?1 + j.key + 1, expired = 1 \
+         FROM json_each(?2) AS j WHERE reservations.order_id = j.value",
     )
     .bind(base)
-    .bind(expired)
     .bind(json_list(orders))
     .execute(&mut **tx)
     .await?;

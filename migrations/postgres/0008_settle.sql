@@ -1,0 +1,103 @@
+-- Confirm and release of one reservation, and the expiry of due ones (DESIGN §3), each one call
+-- and its own transaction, so no lock is held across a network round trip.
+--
+-- Locks, in this order (the merged commit's order, and the change feed's head last, as every
+-- transaction takes it): the reservation rows (their status guards "exactly once"), the voucher
+-- rows in code order, the customers' usage rows in (voucher, customer) order, the feed's head.
+-- Each reservation row is written once, with its new status and its feed number. Re-applied on
+-- every start (CREATE OR REPLACE).
+
+CREATE OR REPLACE FUNCTION vouchers_settle(
+    p_code    TEXT,
+    p_order   TEXT,
+    p_now     BIGINT,
+    p_confirm BOOLEAN  -- true: RESERVED -> CONFIRMED (before expiry); false: -> RELEASED
+) RETURNS TABLE (
+    out_order    TEXT,
+    out_voucher  TEXT,
+    out_customer BIGINT,
+    out_discount BIGINT,
+    out_status   TEXT,
+    out_expires  BIGINT
+)
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    v_customer BIGINT;
+    v_seq      BIGINT;
+BEGIN
+    SELECT r.customer_id INTO v_customer FROM reservations r
+    WHERE r.order_id = p_order AND r.voucher_code = p_code AND r.status = 'RESERVED'
+      AND (NOT p_confirm OR r.expires_at > p_now)
+    FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    IF p_confirm THEN
+        UPDATE vouchers SET confirmed = confirmed + 1 WHERE code = p_code;
+    ELSE
+        UPDATE vouchers SET free = free + 1, released = released + 1 WHERE code = p_code;
+        UPDATE customer_usage SET used = used - 1
+        WHERE customer_usage.voucher_code = p_code AND customer_usage.customer_id = v_customer;
+    END IF;
+    UPDATE feed_head SET last = last + 1 WHERE id = 1 RETURNING last INTO v_seq;
+    IF v_seq IS NULL THEN
+        RAISE EXCEPTION 'the change feed''s head row is missing';
+    END IF;
+    RETURN QUERY
+    UPDATE reservations r
+    SET status = CASE WHEN p_confirm THEN 'CONFIRMED' ELSE 'RELEASED' END,
+        updated_at = p_now, settled_seq = v_seq
+    WHERE r.order_id = p_order
+    RETURNING r.order_id, r.voucher_code, r.customer_id, r.discount_amount, r.status, r.expires_at;
+END
+$$;
+
+-- Releases up to p_limit unconfirmed reservations whose expiry passed; returns the units given
+-- back per voucher. SKIP LOCKED: sweepers on several nodes take disjoint rows.
+CREATE OR REPLACE FUNCTION vouchers_expire(p_now BIGINT, p_limit BIGINT)
+RETURNS TABLE (out_voucher TEXT, out_units BIGINT)
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    v_orders TEXT[];
+    v_base   BIGINT;
+BEGIN
+    SELECT array_agg(d.order_id ORDER BY d.order_id) INTO v_orders FROM (
+        SELECT r.order_id FROM reservations r
+        WHERE r.status = 'RESERVED' AND r.expires_at <= p_now
+        ORDER BY r.expires_at LIMIT p_limit
+        FOR UPDATE SKIP LOCKED) d;
+    IF v_orders IS NULL THEN
+        RETURN;
+    END IF;
+    PERFORM 1 FROM vouchers v
+    WHERE v.code IN (SELECT r.voucher_code FROM reservations r WHERE r.order_id = ANY (v_orders))
+    ORDER BY v.code FOR UPDATE;
+    UPDATE vouchers v SET free = v.free + c.n, released = v.released + c.n
+    FROM (SELECT r.voucher_code AS code, count(*) AS n FROM reservations r
+          WHERE r.order_id = ANY (v_orders) GROUP BY r.voucher_code) c
+    WHERE v.code = c.code;
+    PERFORM 1 FROM customer_usage u
+    WHERE (u.voucher_code, u.customer_id) IN
+          (SELECT r.voucher_code, r.customer_id FROM reservations r WHERE r.order_id = ANY (v_orders))
+    ORDER BY u.voucher_code, u.customer_id FOR UPDATE;
+    UPDATE customer_usage u SET used = u.used - c.n
+    FROM (SELECT r.voucher_code AS code, r.customer_id AS customer, count(*) AS n
+          FROM reservations r WHERE r.order_id = ANY (v_orders)
+          GROUP BY r.voucher_code, r.customer_id) c
+    WHERE u.voucher_code = c.code AND u.customer_id = c.customer;
+    UPDATE feed_head SET last = last + cardinality(v_orders) WHERE id = 1
+    RETURNING last - cardinality(v_orders) INTO v_base;
+    IF v_base IS NULL THEN
+        RAISE EXCEPTION 'the change feed''s head row is missing';
+    END IF;
+    UPDATE reservations r
+    SET status = 'RELEASED', updated_at = p_now, settled_seq = v_base + t.i, expired = true
+    FROM unnest(v_orders) WITH ORDINALITY AS t (o, i)
+    WHERE r.order_id = t.o;
+    RETURN QUERY
+    SELECT r.voucher_code, count(*) FROM reservations r
+    WHERE r.order_id = ANY (v_orders) GROUP BY r.voucher_code;
+END
+$$;
