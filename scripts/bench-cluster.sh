@@ -94,7 +94,7 @@ if sold:
     print(f"  batches {batches:.0f} ({sold / max(batches, 1):.1f} reservations each), lease grants {grants:.0f}; "
           f"per 1000 reservations: {1000 * batches / sold:.1f} actor batches in {1000 * commits / sold:.1f} merged commits")
 if after > before and sold:
-    # A merged commit on PostgreSQL is one round trip (one call of vouchers_commit_batches).
+    # A merged commit on PostgreSQL is one round trip (one call of vouchers_commit_batches_v2).
     print(f"  PostgreSQL transactions: {after - before} for {sold} reservations = {1000 * (after - before) / sold:.1f} per 1000")
 PY
 }

@@ -2,20 +2,23 @@
 --
 -- One call commits the batches of many vouchers at once. Each batch draws on its own lease and
 -- passes its own fence; every row gets its own verdict. The vouchers of one call are distinct
--- and so are the order ids of different batches (the caller splits repeats into another call
--- of the same transaction): per-customer limits never span two batches of a call, and an order
--- id is never decided by another batch's row that does not insert.
+-- and so are the order ids of different batches (the caller splits repeats into another call,
+-- its own transaction): per-customer limits never span two batches of a call, and an order id
+-- is never decided by another batch's row that does not insert.
 --
 -- Locks, in this order, so that calls of different nodes never wait on each other in a cycle:
 --   1. the batches' leases, in id order (the fence);
 --   2. the customers' usage rows, created if missing, in (voucher, customer) order;
---   3. the change feed's head (`feed_head`, migration 7), last, held to commit: it numbers the
---      new rows without gaps and in commit order;
---   4. new reservation rows, in order-id order (a row another transaction stored meanwhile is
---      skipped and reported LOST; the caller reads the stored row after commit). Every writer of
---      new rows holds the head until it commits, so once this call holds it no such row can
---      appear, and a LOST row would leave a gap in the feed: the call fails instead.
+--   3. new reservation rows, in order-id order (a row another transaction stored meanwhile is
+--      skipped and reported LOST; the caller reads the stored row after commit);
+--   4. the change feed's head (`feed_head`, migration 7), last, held to commit: the call's new
+--      reservations take the next numbers, in order-id order, as one `feed_batches` row. Only
+--      this short step and the commit run one call at a time cluster-wide; the work above runs
+--      side by side.
 -- Voucher rows are only read: batches never queue on them.
+--
+-- Named `_v2`: an older build re-creates `vouchers_commit_batches` at its start, which must not
+-- replace this one (it would leave new reservations out of the change feed).
 --
 -- Verdicts per row: NOT_FOUND (no such voucher), INSERT (a new reservation), REPLAYED (the
 -- stored order of the same voucher and customer answers it), SAME (a repeat of an earlier row of the batch: it gets that row's
@@ -23,7 +26,7 @@
 -- new reservations), LOST (see 3), FENCED (the batch's lease is no longer ACTIVE or too small:
 -- nothing of the batch is written; only a batch that would take units is fenced).
 
-CREATE OR REPLACE FUNCTION vouchers_commit_batches(
+CREATE OR REPLACE FUNCTION vouchers_commit_batches_v2(
     p_lease    BIGINT[],  -- per batch: the lease it draws on
     p_code     TEXT[],    -- per batch: its voucher
     p_now      BIGINT[],  -- per batch: the node's time when the batch formed
@@ -50,9 +53,16 @@ SET enable_seqscan = off
 AS $$
 #variable_conflict use_column
 DECLARE
-    v_base BIGINT;  -- the feed's last number before this call
-    v_n    BIGINT;  -- rows this call inserted
-    v_max  BIGINT;  -- the highest number they took
+    -- The answer, one array per output column, in row order.
+    a_idx      INT[];
+    a_verdict  TEXT[];
+    a_discount BIGINT[];
+    a_voucher  TEXT[];
+    a_customer BIGINT[];
+    a_status   TEXT[];
+    a_expires  BIGINT[];
+    v_inserted TEXT[];  -- the order ids this call inserted, in order-id order
+    v_last     BIGINT;  -- the feed number of the last of them
 BEGIN
     PERFORM 1 FROM leases WHERE id = ANY (p_lease) ORDER BY id FOR UPDATE;
 
@@ -64,13 +74,7 @@ BEGIN
     ORDER BY 1, 2
     ON CONFLICT (voucher_code, customer_id) DO UPDATE SET used = u.used;
 
-    SELECT h.last INTO v_base FROM feed_head h WHERE h.id = 1 FOR UPDATE;
-    IF v_base IS NULL THEN
-        RAISE EXCEPTION 'the change feed''s head row is missing';
-    END IF;
-
     -- A new statement: its snapshot sees everything committed before the locks were granted.
-    RETURN QUERY
     WITH r AS (
         SELECT t.i::int AS idx, t.b, t.o, t.c, p_code[t.b] AS code
         FROM unnest(p_batch, p_order, p_customer) WITH ORDINALITY AS t (b, o, c, i)
@@ -139,9 +143,9 @@ BEGIN
     ),
     ins AS (
         INSERT INTO reservations (order_id, voucher_code, customer_id, lease_id, discount_amount,
-                                  status, created_at, expires_at, updated_at, reserved_seq)
+                                  status, created_at, expires_at, updated_at, fed)
         SELECT q.o, q.code, q.c, p_lease[q.b], q.discount, 'RESERVED', p_now[q.b],
-               p_expires[q.b], p_now[q.b], v_base + row_number() OVER (ORDER BY q.o)
+               p_expires[q.b], p_now[q.b], true
         FROM q JOIN k ON k.b = q.b
         WHERE q.v1 = 'INSERT' AND NOT k.fenced
         ORDER BY q.o
@@ -166,23 +170,35 @@ BEGIN
           AND NOT EXISTS (SELECT 1 FROM ins
                           WHERE ins.voucher_code = d.code AND ins.customer_id = d.c)
     )
-    SELECT q.idx,
-           CASE WHEN k.fenced THEN 'FENCED'
-                WHEN q.v1 = 'INSERT' AND ins.order_id IS NULL THEN 'LOST'
-                ELSE q.v1 END,
-           q.discount, q.s_voucher, q.s_customer, q.s_status, q.s_expires
-    FROM q
-    JOIN k ON k.b = q.b
-    LEFT JOIN ins ON ins.order_id = q.o AND q.v1 = 'INSERT'
-    ORDER BY q.idx;
+    SELECT array_agg(o.idx ORDER BY o.idx), array_agg(o.verdict ORDER BY o.idx),
+           array_agg(o.discount ORDER BY o.idx), array_agg(o.s_voucher ORDER BY o.idx),
+           array_agg(o.s_customer ORDER BY o.idx), array_agg(o.s_status ORDER BY o.idx),
+           array_agg(o.s_expires ORDER BY o.idx),
+           array_agg(o.o ORDER BY o.o) FILTER (WHERE o.inserted)
+    INTO a_idx, a_verdict, a_discount, a_voucher, a_customer, a_status, a_expires, v_inserted
+    FROM (
+        SELECT q.idx,
+               CASE WHEN k.fenced THEN 'FENCED'
+                    WHEN q.v1 = 'INSERT' AND ins.order_id IS NULL THEN 'LOST'
+                    ELSE q.v1 END AS verdict,
+               q.discount, q.s_voucher, q.s_customer, q.s_status, q.s_expires, q.o,
+               ins.order_id IS NOT NULL AS inserted
+        FROM q
+        JOIN k ON k.b = q.b
+        LEFT JOIN ins ON ins.order_id = q.o AND q.v1 = 'INSERT'
+    ) o;
 
-    SELECT count(*), COALESCE(max(x.reserved_seq), v_base) INTO v_n, v_max
-    FROM reservations x WHERE x.reserved_seq > v_base;
-    IF v_max <> v_base + v_n THEN
-        RAISE EXCEPTION 'change feed numbers % to % hold only % rows', v_base + 1, v_max, v_n;
+    -- The change feed, last: the new reservations' numbers, held to commit.
+    IF cardinality(v_inserted) > 0 THEN
+        UPDATE feed_head SET last = last + cardinality(v_inserted) WHERE id = 1
+        RETURNING last INTO v_last;
+        IF v_last IS NULL THEN
+            RAISE EXCEPTION 'the change feed''s head row is missing';
+        END IF;
+        INSERT INTO feed_batches (last_seq, orders) VALUES (v_last, v_inserted);
     END IF;
-    IF v_n > 0 THEN
-        UPDATE feed_head SET last = v_max WHERE id = 1;
-    END IF;
+
+    RETURN QUERY
+    SELECT * FROM unnest(a_idx, a_verdict, a_discount, a_voucher, a_customer, a_status, a_expires);
 END
 $$;

@@ -9,7 +9,7 @@
 //! row: `reserved` is derived from the leases (see the migration).
 //!
 //! The node's merged group commit (the batches of many vouchers) is one call of the server-side
-//! function `vouchers_commit_batches` (migration 0002): rows travel as arrays, the call is its
+//! function `vouchers_commit_batches_v2` (migration 0002): rows travel as arrays, the call is its
 //! own transaction, and no lock is held across a network round trip. Confirm, release and
 //! expiry are one call each too (`vouchers_settle`, `vouchers_expire`, migration 0008).
 //!
@@ -26,10 +26,11 @@ use async_trait::async_trait;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{Postgres, Row, Transaction};
 
+use super::rows::settled_events;
 use super::rows::{
     event_from, group_restocks, limit_column, reservation_from, switches_from, voucher_from,
-    EventRow, EVENTS_SQL, LIVE_CODES_SQL, RESERVATION_COLUMNS, SET_SWITCHES_SQL, STARTING_SQL,
-    SWITCHES_SQL, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
+    EventRow, LIVE_CODES_SQL, RESERVATION_COLUMNS, SET_SWITCHES_SQL, STARTING_SQL, SWITCHES_SQL,
+    VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
 };
 use super::{
     resolve_plan, Batch, BatchResults, Closing, Counters, Grant, Lease, Ledger, LedgerError,
@@ -40,6 +41,22 @@ use crate::domain::{
     FeedEvent, Ineligible, Reservation, ReservationStatus, Switches, SwitchesPatch, Voucher,
     VoucherPatch,
 };
+
+/// The change feed after `$1`, at most `$2` events, in order: the RESERVED events from the
+/// merged commits' `feed_batches` rows (at most `$2` of them, each one event or more), then the
+/// settled ones.
+const EVENTS_SQL: &str = concat!(
+    "SELECT seq, kind, voucher_code, order_id, customer_id, at FROM ( \
+     SELECT * FROM (SELECT f.last_seq - cardinality(f.orders) + t.i AS seq, \
+       'RESERVED'::text AS kind, r.voucher_code, r.order_id, r.customer_id, r.created_at AS at \
+       FROM (SELECT * FROM feed_batches WHERE last_seq > $1 ORDER BY last_seq LIMIT $2) AS f \
+       CROSS JOIN LATERAL unnest(f.orders) WITH ORDINALITY AS t (o, i) \
+       JOIN reservations r ON r.order_id = t.o \
+       WHERE f.last_seq - cardinality(f.orders) + t.i > $1 ORDER BY 1 LIMIT $2) AS r \
+     UNION ALL ",
+    settled_events!(),
+    ") AS e ORDER BY seq LIMIT $2"
+);
 
 const MIGRATIONS: &[(i64, &str)] = &[
     (1, include_str!("../../migrations/postgres/0001_init.sql")),
@@ -608,7 +625,7 @@ impl Ledger for PostgresLedger {
 }
 
 impl PostgresLedger {
-    /// One merged transaction: one call of `vouchers_commit_batches` (one round trip, its own
+    /// One merged transaction: one call of `vouchers_commit_batches_v2` (one round trip, its own
     /// transaction) for the batches of distinct vouchers and order ids; then, only when another
     /// transaction stored one of the order ids meanwhile, one read of those rows.
     ///
@@ -734,7 +751,7 @@ async fn give_back(tx: &mut Tx, rows: Vec<(String, i64)>) -> Result<Vec<Restock>
 }
 
 /// Batch indexes split into groups in which no voucher and no order id appears in two batches
-/// (the precondition of `vouchers_commit_batches`). The node's committer sends each voucher
+/// (the precondition of `vouchers_commit_batches_v2`). The node's committer sends each voucher
 /// once per transaction, so this is one group in slice order unless two vouchers' batches
 /// share an order id.
 fn independent_groups(batches: &[Batch]) -> Vec<Vec<usize>> {
@@ -782,7 +799,7 @@ struct Verdict {
     stored: Option<(String, i64, String, i64)>,
 }
 
-/// Calls `vouchers_commit_batches` for the batches `group` names, in one round trip.
+/// Calls `vouchers_commit_batches_v2` for the batches `group` names, in one round trip.
 async fn call_merged<'e, E>(
     ex: E,
     batches: &[Batch],
@@ -826,7 +843,7 @@ where
     );
     let out: Vec<Out> = sqlx::query_as(
         "SELECT out_idx, out_verdict, out_discount, out_voucher, out_customer, out_status, \
-         out_expires FROM vouchers_commit_batches($1, $2, $3, $4, $5, $6, $7)",
+         out_expires FROM vouchers_commit_batches_v2($1, $2, $3, $4, $5, $6, $7)",
     )
     .bind(&leases)
     .bind(&codes)

@@ -19,21 +19,19 @@ pub const LIVE_CODES_SQL: &str = "SELECT code FROM vouchers WHERE ends_at > $1 O
 pub const STARTING_SQL: &str = "SELECT code FROM vouchers WHERE status = 'ACTIVE' \
      AND starts_at > $1 AND starts_at <= $2 ORDER BY starts_at LIMIT 1000";
 
-/// The change feed after sequence `$1`, at most `$2` events, in order. Each reservation row holds
-/// up to two events (its RESERVED and its settling change); each half is read through its own
-/// unique index.
-pub const EVENTS_SQL: &str = "SELECT seq, kind, voucher_code, order_id, customer_id, at FROM ( \
-     SELECT * FROM (SELECT reserved_seq AS seq, 'RESERVED' AS kind, voucher_code, order_id, \
-       customer_id, created_at AS at FROM reservations WHERE reserved_seq > $1 \
-       ORDER BY reserved_seq LIMIT $2) AS r \
-     UNION ALL \
-     SELECT * FROM (SELECT settled_seq AS seq, CASE WHEN status = 'CONFIRMED' THEN 'CONFIRMED' \
-       WHEN expired THEN 'EXPIRED' ELSE 'RELEASED' END AS kind, voucher_code, order_id, \
-       customer_id, updated_at AS at FROM reservations WHERE settled_seq > $1 \
-       ORDER BY settled_seq LIMIT $2) AS s \
-     ) AS e ORDER BY seq LIMIT $2";
+/// The settled half of the change feed after `$1` (at most `$2` events): each reservation's
+/// second event, whose number lives on its row. Both ledgers' feed queries end with it.
+macro_rules! settled_events {
+    () => {
+        "SELECT * FROM (SELECT settled_seq AS seq, CASE WHEN status = 'CONFIRMED' THEN 'CONFIRMED' \
+         WHEN expired THEN 'EXPIRED' ELSE 'RELEASED' END AS kind, voucher_code, order_id, \
+         customer_id, updated_at AS at FROM reservations WHERE settled_seq > $1 \
+         ORDER BY settled_seq LIMIT $2) AS s"
+    };
+}
+pub(crate) use settled_events;
 
-/// One row of [`EVENTS_SQL`]: seq, kind, voucher, order, customer, at.
+/// One row of a ledger's feed query: seq, kind, voucher, order, customer, at.
 pub type EventRow = (i64, String, String, String, i64, i64);
 
 pub fn event_from(

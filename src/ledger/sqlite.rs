@@ -18,10 +18,11 @@ use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
 
+use super::rows::settled_events;
 use super::rows::{
     event_from, group_restocks, limit_column, per_customer, reservation_from, switches_from,
-    voucher_from, EventRow, EVENTS_SQL, LIVE_CODES_SQL, RESERVATION_COLUMNS, SET_SWITCHES_SQL,
-    STARTING_SQL, SWITCHES_SQL, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
+    voucher_from, EventRow, LIVE_CODES_SQL, RESERVATION_COLUMNS, SET_SWITCHES_SQL, STARTING_SQL,
+    SWITCHES_SQL, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
 };
 use super::sqlite_raw as raw;
 use super::{
@@ -32,6 +33,18 @@ use crate::clock::Millis;
 use crate::domain::{
     FeedEvent, Reservation, ReservationStatus, Switches, SwitchesPatch, Voucher, VoucherPatch,
 };
+
+/// The change feed after `$1`, at most `$2` events, in order: each reservation's RESERVED
+/// event numbered on its row (`reserved_seq`, written with it), then its settled one.
+const EVENTS_SQL: &str = concat!(
+    "SELECT seq, kind, voucher_code, order_id, customer_id, at FROM ( \
+     SELECT * FROM (SELECT reserved_seq AS seq, 'RESERVED' AS kind, voucher_code, order_id, \
+       customer_id, created_at AS at FROM reservations WHERE reserved_seq > $1 \
+       ORDER BY reserved_seq LIMIT $2) AS r \
+     UNION ALL ",
+    settled_events!(),
+    ") AS e ORDER BY seq LIMIT $2"
+);
 
 const MIGRATIONS: &[(i64, &str)] = &[
     (1, include_str!("../../migrations/sqlite/0001_init.sql")),
