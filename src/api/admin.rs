@@ -422,7 +422,7 @@ pub const MAX_EVENTS: i64 = 1_000;
 #[into_params(parameter_in = Query)]
 pub struct EventsQuery {
     /// Events with a higher sequence number than this; 0 (the default) reads from the start.
-    #[param(minimum = 0)]
+    #[param(minimum = 0, maximum = 9.0e18)]
     after: Option<i64>,
     /// How many events at most (default 100).
     #[param(minimum = 1, maximum = 1000)]
@@ -469,8 +469,11 @@ pub async fn events(
         .into_inner();
     let after = q.after.unwrap_or(0);
     let limit = q.limit.unwrap_or(100);
-    if after < 0 {
-        return Err(ApiError::invalid("after must be 0 or more".to_string()));
+    if !(0..=i64::MAX - MAX_EVENTS).contains(&after) {
+        return Err(ApiError::invalid(format!(
+            "after must be between 0 and {}",
+            i64::MAX - MAX_EVENTS
+        )));
     }
     if !(1..=MAX_EVENTS).contains(&limit) {
         return Err(ApiError::InvalidRequest(format!(

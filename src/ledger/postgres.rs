@@ -43,16 +43,19 @@ use crate::domain::{
 };
 
 /// The change feed after `$1`, at most `$2` events, in order: the RESERVED events from the
-/// merged commits' `feed_batches` rows (at most `$2` of them, each one event or more), then the
-/// settled ones.
+/// merged commits' `feed_batches` rows, then the settled ones. Numbers have no gaps, so the
+/// page is exactly the numbers in `($1, $1 + $2]`: only the batches that overlap it are
+/// unnested, however far behind the reader is.
 const EVENTS_SQL: &str = concat!(
     "SELECT seq, kind, voucher_code, order_id, customer_id, at FROM ( \
-     SELECT * FROM (SELECT f.last_seq - cardinality(f.orders) + t.i AS seq, \
-       'RESERVED'::text AS kind, r.voucher_code, r.order_id, r.customer_id, r.created_at AS at \
-       FROM (SELECT * FROM feed_batches WHERE last_seq > $1 ORDER BY last_seq LIMIT $2) AS f \
-       CROSS JOIN LATERAL unnest(f.orders) WITH ORDINALITY AS t (o, i) \
-       JOIN reservations r ON r.order_id = t.o \
-       WHERE f.last_seq - cardinality(f.orders) + t.i > $1 ORDER BY 1 LIMIT $2) AS r \
+     SELECT * FROM (SELECT u.seq, 'RESERVED'::text AS kind, r.voucher_code, r.order_id, r.customer_id, r.created_at AS at \
+       FROM (SELECT f.last_seq - cardinality(f.orders) + t.i AS seq, t.o \
+             FROM (SELECT * FROM feed_batches WHERE last_seq > $1 \
+                     AND last_seq - cardinality(orders) < $1 + $2 \
+                   ORDER BY last_seq LIMIT $2) AS f \
+             CROSS JOIN LATERAL unnest(f.orders) WITH ORDINALITY AS t (o, i)) AS u \
+       JOIN reservations r ON r.order_id = u.o \
+       WHERE u.seq > $1 AND u.seq <= $1 + $2 ORDER BY 1 LIMIT $2) AS r \
      UNION ALL ",
     settled_events!(),
     ") AS e ORDER BY seq LIMIT $2"
@@ -368,9 +371,12 @@ impl Ledger for PostgresLedger {
         now: Millis,
         ttl_ms: i64,
     ) -> Result<Vec<i64>, LedgerError> {
+        // Lease rows are locked in id order, as a merged commit locks them (no deadlock).
         Ok(sqlx::query_scalar(
-            "UPDATE leases SET expires_at = $1 \
-             WHERE id = ANY($2) AND node_id = $3 AND state = 'ACTIVE' RETURNING id",
+            "WITH l AS (SELECT id FROM leases \
+                        WHERE id = ANY($2) AND node_id = $3 AND state = 'ACTIVE' \
+                        ORDER BY id FOR UPDATE) \
+             UPDATE leases SET expires_at = $1 FROM l WHERE leases.id = l.id RETURNING leases.id",
         )
         .bind(now + ttl_ms)
         .bind(lease_ids)
@@ -405,9 +411,7 @@ impl Ledger for PostgresLedger {
         let mut attempt = 0;
         loop {
             match self.try_commit_batches(batches).await {
-                Err(LedgerError::Unavailable(sqlx::Error::Database(e)))
-                    if e.code().as_deref() == Some("40P01") && attempt < 2 =>
-                {
+                Err(e) if is_deadlock(&e) && attempt < 2 => {
                     attempt += 1;
                     tracing::warn!(
                         attempt,
@@ -638,7 +642,13 @@ impl PostgresLedger {
         let groups = independent_groups(batches);
         let mut verdicts: Vec<Result<Vec<Verdict>, LedgerError>> = Vec::with_capacity(groups.len());
         for (k, group) in groups.iter().enumerate() {
-            match call_merged(&self.pool, batches, group).await {
+            let mut res = call_merged(&self.pool, batches, group).await;
+            if k > 0 && matches!(&res, Err(e) if is_deadlock(e)) {
+                // A deadlock victim ran nothing: once more (the first call's is retried by
+                // `commit_batches`).
+                res = call_merged(&self.pool, batches, group).await;
+            }
+            match res {
                 Err(e) if k == 0 => return Err(e),
                 other => verdicts.push(other),
             }
@@ -711,6 +721,17 @@ impl PostgresLedger {
             return Ok(Vec::new());
         }
         lock_vouchers(&mut tx, &codes).await?;
+        // Then the leases, in id order, as a merged commit locks them (no deadlock).
+        sqlx::query(&format!(
+            "SELECT id FROM leases WHERE {LEASE_FILTER} AND voucher_code = ANY($4) \
+             ORDER BY id FOR UPDATE"
+        ))
+        .bind(id)
+        .bind(&node)
+        .bind(expired_by)
+        .bind(&codes)
+        .execute(&mut *tx)
+        .await?;
         let rows: Vec<(String, i64)> = sqlx::query_as(&format!(
             "UPDATE leases SET state = $4, closed_at = $5 \
              WHERE {LEASE_FILTER} AND voucher_code = ANY($6) \
@@ -728,6 +749,11 @@ impl PostgresLedger {
         tx.commit().await?;
         Ok(restocks)
     }
+}
+
+/// PostgreSQL chose this call as a deadlock's victim (it ran nothing).
+fn is_deadlock(e: &LedgerError) -> bool {
+    matches!(e, LedgerError::Unavailable(sqlx::Error::Database(d)) if d.code().as_deref() == Some("40P01"))
 }
 
 /// Puts the unused units of closed leases back to `free`.

@@ -25,8 +25,8 @@ macro_rules! settled_events {
     () => {
         "SELECT * FROM (SELECT settled_seq AS seq, CASE WHEN status = 'CONFIRMED' THEN 'CONFIRMED' \
          WHEN expired THEN 'EXPIRED' ELSE 'RELEASED' END AS kind, voucher_code, order_id, \
-         customer_id, updated_at AS at FROM reservations WHERE settled_seq > $1 \
-         ORDER BY settled_seq LIMIT $2) AS s"
+         customer_id, updated_at AS at FROM reservations \
+         WHERE settled_seq > $1 AND settled_seq <= $1 + $2 ORDER BY settled_seq LIMIT $2) AS s"
     };
 }
 pub(crate) use settled_events;

@@ -39,8 +39,8 @@ use crate::domain::{
 const EVENTS_SQL: &str = concat!(
     "SELECT seq, kind, voucher_code, order_id, customer_id, at FROM ( \
      SELECT * FROM (SELECT reserved_seq AS seq, 'RESERVED' AS kind, voucher_code, order_id, \
-       customer_id, created_at AS at FROM reservations WHERE reserved_seq > $1 \
-       ORDER BY reserved_seq LIMIT $2) AS r \
+       customer_id, created_at AS at FROM reservations \
+       WHERE reserved_seq > $1 AND reserved_seq <= $1 + $2 ORDER BY reserved_seq LIMIT $2) AS r \
      UNION ALL ",
     settled_events!(),
     ") AS e ORDER BY seq LIMIT $2"

@@ -22,6 +22,7 @@ async fn the_feed_tells_each_change_once_in_order_page_by_page() {
     assert_eq!(get("/admin/events".into(), Some("wrong")).await.0, 401);
     for bad in [
         "after=-1",
+        "after=9223372036854775000",
         "after=x",
         "limit=0",
         "limit=1001",
