@@ -20,9 +20,14 @@ if [ -z "${VOUCHERS_BIN:-}" ]; then cargo build --release --bin vouchers >/dev/n
 bin="${VOUCHERS_BIN:-$root/target/release/vouchers}"
 work=$(mktemp -d)
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$work"; }
-trap cleanup EXIT
 token="bench-$RANDOM$RANDOM"
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$work"
+  if command -v redis-cli >/dev/null; then
+    redis-cli -u "$redis" DEL "bench:events:$token" "bench:events:$token:origin" "bench:events:$token:relayer" >/dev/null || true
+  fi
+}
+trap cleanup EXIT
 pg_admin="${BENCH_PG_ADMIN:-postgres://postgres@127.0.0.1:5432/test}"
 redis="${TEST_REDIS_URL:-redis://127.0.0.1:6379}"
 
@@ -43,7 +48,8 @@ for i in $(seq 1 "$nodes"); do
   ports+=("$port")
   VOUCHERS__HTTP__HOST=127.0.0.1 VOUCHERS__HTTP__PORT=$port VOUCHERS__LEDGER__URL="$ledger" \
   VOUCHERS__ADMIN__TOKEN=$token VOUCHERS__REDIS__URL="$([ "$mode" = cluster ] && echo "$redis")" \
-  VOUCHERS__NODE__ID="bench-$i" RUST_LOG=warn "$bin" "${args[@]}" >"$work/node$i.log" 2>&1 &
+  VOUCHERS__NODE__ID="bench-$i" VOUCHERS__REDIS__EVENTS_STREAM="bench:events:$token" \
+  RUST_LOG=warn "$bin" "${args[@]}" >"$work/node$i.log" 2>&1 &
   pids+=($!)
   for _ in $(seq 1 100); do curl -fsS -o /dev/null "http://127.0.0.1:$port/health/ready" 2>/dev/null && break; sleep 0.1; done
 done

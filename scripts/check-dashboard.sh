@@ -19,7 +19,13 @@ redis="${TEST_REDIS_URL:-redis://127.0.0.1:6379}"
 
 work=$(mktemp -d)
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$work"; }
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$work"
+  # The node's copy of the change feed (a stream of its own, see below).
+  if [ -n "${token:-}" ] && command -v redis-cli >/dev/null; then
+    redis-cli -u "$redis" DEL "check:events:$token" "check:events:$token:origin" "check:events:$token:relayer" >/dev/null || true
+  fi
+}
 trap cleanup EXIT
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
@@ -32,6 +38,7 @@ port=$(free_port)
 token="check-$(python3 -c 'import secrets; print(secrets.token_hex(8))')"
 VOUCHERS__HTTP__PORT=$port VOUCHERS__LEDGER__URL="sqlite://$work/ledger.db" \
 VOUCHERS__ADMIN__TOKEN=$token VOUCHERS__REDIS__URL="$redis" RUST_LOG=warn \
+VOUCHERS__REDIS__EVENTS_STREAM="check:events:$token" \
   "$bin" >"$work/node.log" 2>&1 &
 pids+=($!)
 wait_http "http://127.0.0.1:$port/health/ready" "the node"

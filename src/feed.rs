@@ -11,9 +11,13 @@
 //! loses the stream (it keeps nothing on disk here), the next relay starts again from event 1:
 //! consumers see every event at least once, in order.
 //!
+//! The stream is tied to the ledger it copies (`<stream>:origin`, the ledger's random feed
+//! origin): a relay of another ledger (a second deployment on the same Redis, a test run)
+//! refuses to touch it, and says so, rather than take that ledger's numbers for its own.
+//!
 //! Not handled: a ledger restored from a backup (or a failover that lost commits) hands out
 //! numbers again that the stream already holds; the relay takes them as copied. Recreate the
-//! stream (`DEL`) after such a restore.
+//! stream (`DEL` it and its `:origin` key) after such a restore.
 
 use std::time::Duration;
 
@@ -28,8 +32,13 @@ const PAGE: i64 = 500;
 /// Connect and command timeout.
 const TIMEOUT: Duration = Duration::from_secs(2);
 
-/// Takes or keeps the relayer key: `1` when this node is (still) the relayer.
+/// Takes or keeps the relayer key (KEYS[1]): `1` when this node is (still) the relayer, `0`
+/// when another node is, `-1` when the stream was copied from another ledger (KEYS[2] holds
+/// the origin of the ledger it copies; ARGV: node, claim ms, this ledger's origin).
 const CLAIM: &str = r"
+local origin = redis.call('GET', KEYS[2])
+if origin and origin ~= ARGV[3] then return -1 end
+if not origin then redis.call('SET', KEYS[2], ARGV[3]) end
 local holder = redis.call('GET', KEYS[1])
 if not holder then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
@@ -99,6 +108,8 @@ pub fn start(
     m::feed_relay_started();
     Ok(tokio::spawn(async move {
         let mut conn: Option<MultiplexedConnection> = None;
+        // The ledger's feed origin, read once (it never changes).
+        let mut origin: Option<String> = None;
         let mut tick = tokio::time::interval(s.interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -119,7 +130,7 @@ pub fn start(
                 }
             }
             let Some(c) = conn.as_mut() else { continue };
-            match relay(c, &engine, &s).await {
+            match relay(c, &engine, &s, &mut origin).await {
                 Ok(n) if n > 0 => m::feed_relayed(n),
                 Ok(_) => {}
                 Err(RelayError::Redis(e)) => {
@@ -131,6 +142,10 @@ pub fn start(
                     m::feed_relay_error();
                     tracing::warn!(error = %e, "feed relay: could not read the feed");
                 }
+                Err(e @ RelayError::Foreign) => {
+                    m::feed_relay_error();
+                    tracing::error!(stream = %s.stream, "feed relay: {e}");
+                }
             }
         }
     }))
@@ -138,6 +153,11 @@ pub fn start(
 
 #[derive(Debug, thiserror::Error)]
 enum RelayError {
+    #[error(
+        "the stream holds another ledger's feed: delete it and its `:origin` key, or set \
+         redis.events_stream"
+    )]
+    Foreign,
     #[error(transparent)]
     Redis(#[from] redis::RedisError),
     #[error(transparent)]
@@ -150,16 +170,26 @@ async fn relay(
     c: &mut MultiplexedConnection,
     engine: &EngineHandle,
     s: &RelaySettings,
+    origin: &mut Option<String>,
 ) -> Result<u64, RelayError> {
     let claim_ms = (s.interval.as_millis() as u64).saturating_mul(5).max(1_000);
+    let origin = match origin {
+        Some(o) => o.clone(),
+        None => origin.insert(engine.feed_origin().await?).clone(),
+    };
     let mine: i64 = redis::cmd("EVAL")
         .arg(CLAIM)
-        .arg(1)
+        .arg(2)
         .arg(format!("{}:relayer", s.stream))
+        .arg(format!("{}:origin", s.stream))
         .arg(&s.node_id)
         .arg(claim_ms)
+        .arg(&origin)
         .query_async(c)
         .await?;
+    if mine == -1 {
+        return Err(RelayError::Foreign);
+    }
     if mine != 1 {
         return Ok(0);
     }

@@ -9,8 +9,11 @@
 --   - a reservation changes state at most once more (CONFIRMED, RELEASED or EXPIRED), and that
 --     event's number lives on its own row (`settled_seq`), written with its new status.
 CREATE TABLE IF NOT EXISTS feed_head (
-    id   INT PRIMARY KEY CHECK (id = 1),
-    last BIGINT NOT NULL CHECK (last >= 0)
+    id     INT PRIMARY KEY CHECK (id = 1),
+    last   BIGINT NOT NULL CHECK (last >= 0),
+    -- This ledger's feed, among others: a copy of the feed (the Redis Stream) made from another
+    -- ledger is never taken for this one's.
+    origin TEXT   NOT NULL
 );
 CREATE TABLE IF NOT EXISTS feed_batches (
     last_seq BIGINT PRIMARY KEY,
@@ -32,8 +35,8 @@ UPDATE reservations x SET
 FROM (SELECT order_id, row_number() OVER (ORDER BY updated_at, order_id) AS n
       FROM reservations WHERE status <> 'RESERVED') r
 WHERE x.order_id = r.order_id;
-INSERT INTO feed_head (id, last)
-SELECT 1, GREATEST((SELECT count(*) FROM reservations),
+INSERT INTO feed_head (id, origin, last)
+SELECT 1, substr(md5(random()::text || clock_timestamp()::text), 1, 16), GREATEST((SELECT count(*) FROM reservations),
                    (SELECT COALESCE(max(settled_seq), 0) FROM reservations))
 ON CONFLICT (id) DO NOTHING;
 CREATE UNIQUE INDEX IF NOT EXISTS reservations_by_settled_seq ON reservations (settled_seq)

@@ -9,8 +9,11 @@ ALTER TABLE reservations ADD COLUMN settled_seq INTEGER;
 ALTER TABLE reservations ADD COLUMN expired INTEGER NOT NULL DEFAULT 0 CHECK (expired IN (0, 1));
 
 CREATE TABLE IF NOT EXISTS feed_head (
-    id   INTEGER PRIMARY KEY CHECK (id = 1),
-    last INTEGER NOT NULL CHECK (last >= 0)
+    id     INTEGER PRIMARY KEY CHECK (id = 1),
+    last   INTEGER NOT NULL CHECK (last >= 0),
+    -- This ledger's feed, among others: a copy of the feed (the Redis Stream) made from another
+    -- ledger is never taken for this one's.
+    origin TEXT    NOT NULL
 );
 
 -- Reservations made before the feed existed are numbered once, by time: every RESERVED first,
@@ -25,8 +28,8 @@ UPDATE reservations SET
 FROM (SELECT order_id, ROW_NUMBER() OVER (ORDER BY updated_at, order_id) AS n
       FROM reservations WHERE status <> 'RESERVED') AS r
 WHERE reservations.order_id = r.order_id;
-INSERT OR IGNORE INTO feed_head (id, last)
-SELECT 1, COALESCE(MAX(MAX(COALESCE(reserved_seq, 0)), MAX(COALESCE(settled_seq, 0))), 0) FROM reservations;
+INSERT OR IGNORE INTO feed_head (id, origin, last)
+SELECT 1, lower(hex(randomblob(8))), COALESCE(MAX(MAX(COALESCE(reserved_seq, 0)), MAX(COALESCE(settled_seq, 0))), 0) FROM reservations;
 
 CREATE UNIQUE INDEX IF NOT EXISTS reservations_by_reserved_seq ON reservations (reserved_seq);
 CREATE UNIQUE INDEX IF NOT EXISTS reservations_by_settled_seq ON reservations (settled_seq)

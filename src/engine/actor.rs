@@ -348,6 +348,13 @@ impl VoucherActor {
             // sale. Below the minimum amount is never a retry (a stored order passed it; see
             // `Voucher::refuses_amount`).
             Err(reason @ (Ineligible::NotStarted | Ineligible::MinOrderAmount)) => {
+                // Pre-heat: requests for a warmed voucher that has not started yet are the
+                // demand it will meet when it opens; counted, they size the lease it holds at
+                // the start (taken now, kept until then), so the first second is served from
+                // memory like the tenth.
+                if reason == Ineligible::NotStarted && self.warmed {
+                    self.rate.record(now, 1);
+                }
                 Tally::one(p, Reply::Failed(EngineError::NotEligible(reason)));
                 return;
             }

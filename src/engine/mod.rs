@@ -696,6 +696,11 @@ impl EngineHandle {
         Ok(voucher)
     }
 
+    /// The ledger's feed origin (see [`crate::ledger::Ledger::feed_origin`]).
+    pub async fn feed_origin(&self) -> Result<String, EngineError> {
+        Ok(self.core.ledger.feed_origin().await?)
+    }
+
     /// The change feed after `after`, at most `limit` events (`GET /admin/events`).
     pub async fn events(&self, after: i64, limit: i64) -> Result<Vec<FeedEvent>, EngineError> {
         Ok(self.core.ledger.events(after, limit).await?)

@@ -166,6 +166,11 @@ impl Ledger for Dedicated {
             .await
     }
 
+    async fn feed_origin(&self) -> Result<String, LedgerError> {
+        self.run(move |l| async move { l.feed_origin().await })
+            .await
+    }
+
     async fn events(&self, after: i64, limit: i64) -> Result<Vec<FeedEvent>, LedgerError> {
         self.run(move |l| async move { l.events(after, limit).await })
             .await

@@ -300,6 +300,9 @@ pub trait Ledger: Send + Sync + 'static {
     /// Numbers are given in the transaction that makes each change and have no gaps, so a
     /// reader that goes on from the last number it saw misses nothing.
     async fn events(&self, after: i64, limit: i64) -> Result<Vec<FeedEvent>, LedgerError>;
+    /// This ledger's feed among others (random, made with the feed): copies of the feed are
+    /// checked against it.
+    async fn feed_origin(&self) -> Result<String, LedgerError>;
 }
 
 pub type SharedLedger = Arc<dyn Ledger>;

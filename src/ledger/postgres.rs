@@ -611,6 +611,14 @@ impl Ledger for PostgresLedger {
         )))
     }
 
+    async fn feed_origin(&self) -> Result<String, LedgerError> {
+        Ok(
+            sqlx::query_scalar("SELECT origin FROM feed_head WHERE id = 1")
+                .fetch_one(&self.pool)
+                .await?,
+        )
+    }
+
     async fn events(&self, after: i64, limit: i64) -> Result<Vec<FeedEvent>, LedgerError> {
         let rows: Vec<EventRow> = sqlx::query_as(EVENTS_SQL)
             .bind(after)

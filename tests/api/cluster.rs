@@ -61,6 +61,8 @@ impl Cluster {
             ("VOUCHERS__NODE__ID", &id),
             ("VOUCHERS__HTTP__HOST", "127.0.0.1"),
             ("VOUCHERS__LEDGER__MAX_CONNECTIONS", "4"),
+            // No copy of the change feed unless a test asks for one (on a stream of its own).
+            ("VOUCHERS__REDIS__EVENTS_STREAM", ""),
         ];
         all.extend_from_slice(env);
         Node::start_with_args(db_url, &all, &["--config", CLUSTER_TOML]).await
@@ -1633,6 +1635,8 @@ async fn the_feed_holds_every_change_once_in_order_through_a_sigkill() {
     }
     let _: () = redis::cmd("DEL")
         .arg(&stream)
+        .arg(format!("{stream}:origin"))
+        .arg(format!("{stream}:relayer"))
         .query_async(&mut conn)
         .await
         .unwrap();

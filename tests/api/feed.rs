@@ -120,3 +120,109 @@ async fn the_feed_tells_each_change_once_in_order_page_by_page() {
         assert!(e["at"].as_str().unwrap().ends_with('Z'), "{e}");
     }
 }
+
+/// The relay copies the feed to the Redis Stream, and refuses a stream another ledger's relay
+/// made (its `:origin` names that ledger) until the operator clears it.
+#[actix_web::test]
+#[cfg_attr(no_test_redis, ignore = "needs TEST_REDIS_URL; .ci/run sets it")]
+async fn the_relay_copies_the_feed_only_to_a_stream_of_its_own_ledger() {
+    let Some(redis_url) = crate::helpers::service_url("TEST_REDIS_URL") else {
+        return;
+    };
+    let stream = format!("test:events:{}", vouchers::startup::random_hex(4));
+    let client = redis::Client::open(redis_url.as_str()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let _: () = redis::cmd("SET")
+        .arg(format!("{stream}:origin"))
+        .arg("another-ledger")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    // A process of its own: an in-process app with Redis would set the process-wide
+    // `vouchers_redis_up` under other tests' feet.
+    let dir = crate::helpers::temp_dir("relay");
+    let node = crate::helpers::Node::start(
+        &format!("sqlite://{}/ledger.db", dir.display()),
+        &[
+            ("VOUCHERS__REDIS__URL", redis_url.as_str()),
+            ("VOUCHERS__REDIS__EVENTS_STREAM", stream.as_str()),
+            ("VOUCHERS__REDIS__EVENTS_RELAY_MS", "20"),
+        ],
+    )
+    .await;
+    let c = crate::helpers::client();
+    let body =
+        json!({"code": "RELAYV", "discountAmount": 100, "totalLimit": 10, "perUserLimit": 1});
+    assert_eq!(
+        crate::helpers::create_voucher(&c, &node.base, &body)
+            .await
+            .0,
+        201
+    );
+    assert_eq!(
+        crate::helpers::reserve(&c, &node.base, "RELAYV", 1, "relay-1")
+            .await
+            .0,
+        201
+    );
+    let base = node.base.clone();
+    crate::helpers::eventually(
+        "the relay refuses the foreign stream",
+        std::time::Duration::from_secs(10),
+        || {
+            let (c, base) = (c.clone(), base.clone());
+            async move {
+                let m = crate::helpers::metrics_text(&c, &base).await;
+                crate::helpers::metric_sum(&m, "vouchers_feed_relay_errors_total", &[]) > 0.0
+            }
+        },
+    )
+    .await;
+    let len: usize = redis::cmd("XLEN")
+        .arg(&stream)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(len, 0, "nothing was written to another ledger's stream");
+    // Cleared by the operator: the relay takes the stream and copies the feed.
+    let _: () = redis::cmd("DEL")
+        .arg(format!("{stream}:origin"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let c2 = conn.clone();
+    crate::helpers::eventually(
+        "the relay copies the feed",
+        std::time::Duration::from_secs(10),
+        || {
+            let (mut conn, stream) = (c2.clone(), stream.clone());
+            async move {
+                let len: usize = redis::cmd("XLEN")
+                    .arg(&stream)
+                    .query_async(&mut conn)
+                    .await
+                    .unwrap();
+                len == 1
+            }
+        },
+    )
+    .await;
+    let entries: Vec<(String, Vec<(String, String)>)> = redis::cmd("XRANGE")
+        .arg(&stream)
+        .arg("-")
+        .arg("+")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(entries[0].0, "1-0");
+    assert!(entries[0]
+        .1
+        .contains(&("orderId".to_string(), "relay-1".to_string())));
+    let _: () = redis::cmd("DEL")
+        .arg(&stream)
+        .arg(format!("{stream}:origin"))
+        .arg(format!("{stream}:relayer"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+}
