@@ -699,21 +699,15 @@ impl VoucherActor {
                     act.sold_out_at = ever_reserved;
                     tracing::info!(code = %act.code, "sold out");
                     act.core.signals.publish(&act.code, Signal::SoldOut);
-                    // The books of a sale are checked the moment it sells out, not at the
-                    // reconciler's next round.
+                    // The books of a sale are checked soon after it sells out (the live
+                    // numbers recount it), not at the reconciler's next round.
                     let now = act.now();
                     if act
                         .recounted_at
                         .is_none_or(|t| now - t >= SOLD_OUT_RECOUNT_MS)
                     {
                         act.recounted_at = Some(now);
-                        let started = act.voucher.as_ref().is_some_and(|v| v.starts_at <= now);
-                        let (ledger, code) = (act.core.ledger.clone(), act.code.clone());
-                        actix::spawn(async move {
-                            if super::reconcile_one(&ledger, &code, started).await.is_err() {
-                                m::ledger_error("reconcile");
-                            }
-                        });
+                        act.core.recount_soon(&act.code);
                     }
                 }
             }

@@ -266,6 +266,9 @@ pub(crate) struct Core {
     registry: DashMap<String, Entry>,
     shards: Vec<ArbiterHandle>,
     next_generation: AtomicU64,
+    /// Vouchers that sold out here since the live numbers last ran: their books are recounted
+    /// then, one after the other (not at once by every actor, competing with the sale's reads).
+    recount: std::sync::Mutex<HashSet<String>>,
 }
 
 impl Core {
@@ -294,6 +297,14 @@ impl Core {
         self.sales_paused.store(s.sales_paused, Ordering::Release);
         self.read_only.store(s.read_only, Ordering::Release);
         m::switches(s.sales_paused, s.read_only);
+    }
+
+    /// `code` sold out here: its books are recounted at the next live numbers.
+    pub(crate) fn recount_soon(&self, code: &str) {
+        self.recount
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(code.to_string());
     }
 
     /// Units went back to `free` for `code` on this node: act on it and tell the cluster.
@@ -391,6 +402,7 @@ impl EngineHandle {
             request_timeout,
             signals,
             registry: DashMap::new(),
+            recount: std::sync::Mutex::new(HashSet::new()),
             shards: arbiters.iter().map(Arbiter::handle).collect(),
             next_generation: AtomicU64::new(0),
         };
@@ -887,6 +899,15 @@ impl EngineHandle {
             if on_sale.contains(e.key().as_str()) {
                 m::voucher_outcomes(e.key(), &e.shared.outcome_counts());
             }
+        }
+        // The books of a voucher that just sold out, recounted now rather than at the
+        // reconciler's next round (one after the other; only vouchers on sale are exported).
+        let sold_out: Vec<String> =
+            std::mem::take(&mut *self.core.recount.lock().unwrap_or_else(|e| e.into_inner()))
+                .into_iter()
+                .collect();
+        for code in sold_out {
+            reconcile_one(&self.core.ledger, &code, on_sale.contains(code.as_str())).await?;
         }
         Ok(units.len())
     }

@@ -39,6 +39,9 @@ pub fn test_settings(db_url: &str) -> Settings {
     s.jobs.expiry_interval_ms = 3_600_000;
     s.jobs.reaper_interval_ms = 3_600_000;
     s.jobs.reconcile_interval_ms = 3_600_000;
+    // The switches gauge is process-wide: other apps' periodic reads must not overwrite what a
+    // test set (a test that needs the periodic read sets its own interval).
+    s.jobs.switches_interval_ms = 3_600_000;
     s
 }
 

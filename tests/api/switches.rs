@@ -77,11 +77,18 @@ async fn sales_paused_and_read_only_stop_new_sales_but_not_retries_confirm_or_re
     );
     let (_, ready) = app.call("GET", "/health/ready").await;
     assert_eq!(ready["salesPaused"], json!(true));
-    let m = metrics_text(&app.client, &app.base).await;
-    assert_eq!(
-        metric_sum(&m, "vouchers_switch", &["switch=\"sales_paused\""]),
-        1.0
-    );
+    // The gauge is process-wide and other tests' apps set theirs when they start: ask again
+    // (the PUT is idempotent) until this app's value is the one read.
+    eventually(
+        "the gauge shows the switch",
+        Duration::from_secs(10),
+        || async {
+            assert_eq!(put(&app, json!({"salesPaused": true})).await.0, 200);
+            let m = metrics_text(&app.client, &app.base).await;
+            metric_sum(&m, "vouchers_switch", &["switch=\"sales_paused\""]) == 1.0
+        },
+    )
+    .await;
 
     // Read-only (one key changes, the other stays): new reserves 503, lifecycle goes on.
     let (s, b) = put(&app, json!({"readOnly": true})).await;
