@@ -94,6 +94,8 @@ impl Application {
         ledger_handle: tokio::runtime::Handle,
         ledger_rt: &mut Option<tokio::runtime::Runtime>,
     ) -> anyhow::Result<Self> {
+        // First: metrics recorded from here on (jobs, relay, actors) must reach the exporter.
+        let metrics = crate::metrics::install();
         let ledger =
             ledger::connect_on(ledger_handle, &settings.ledger).context("connect ledger")?;
         let node_id = if settings.node.id.is_empty() {
@@ -177,7 +179,7 @@ impl Application {
         let state = AppState {
             engine: engine.clone(),
             admin_token: admin_token.clone(),
-            metrics: crate::metrics::install(),
+            metrics,
             body_limit: settings.http.body_limit_bytes,
             client_address: api::ClientAddress::from_settings(&settings.limits)?,
             checkout_tokens: settings.http.checkout_tokens.clone(),
