@@ -115,13 +115,7 @@ pub fn start(
         loop {
             tick.tick().await;
             if conn.is_none() {
-                let config = redis::AsyncConnectionConfig::new()
-                    .set_connection_timeout(TIMEOUT)
-                    .set_response_timeout(TIMEOUT);
-                match client
-                    .get_multiplexed_async_connection_with_config(&config)
-                    .await
-                {
+                match crate::signals::connect(&client, TIMEOUT).await {
                     Ok(c) => conn = Some(c),
                     Err(e) => {
                         tracing::debug!(error = %e, "feed relay: redis unreachable");

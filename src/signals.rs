@@ -149,13 +149,7 @@ async fn run_publisher(
             _ = ping.tick() => None,
         };
         if conn.is_none() && tokio::time::Instant::now() >= retry_at {
-            let config = redis::AsyncConnectionConfig::new()
-                .set_connection_timeout(TIMEOUT)
-                .set_response_timeout(TIMEOUT);
-            match client
-                .get_multiplexed_async_connection_with_config(&config)
-                .await
-            {
+            match connect(&client, TIMEOUT).await {
                 Ok(c) => conn = Some(c),
                 Err(e) => {
                     m::redis_up(false);
@@ -196,6 +190,19 @@ async fn run_publisher(
             }
         }
     }
+}
+
+/// A multiplexed connection whose connect and every command give up after `timeout`.
+pub(crate) async fn connect(
+    client: &redis::Client,
+    timeout: Duration,
+) -> redis::RedisResult<redis::aio::MultiplexedConnection> {
+    let config = redis::AsyncConnectionConfig::new()
+        .set_connection_timeout(timeout)
+        .set_response_timeout(timeout);
+    client
+        .get_multiplexed_async_connection_with_config(&config)
+        .await
 }
 
 /// Subscribes to every voucher's channel and hands other nodes' signals to `handler`,

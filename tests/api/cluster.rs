@@ -1633,13 +1633,7 @@ async fn the_feed_holds_every_change_once_in_order_through_a_sigkill() {
         }
         copied.extend(page);
     }
-    let _: () = redis::cmd("DEL")
-        .arg(&stream)
-        .arg(format!("{stream}:origin"))
-        .arg(format!("{stream}:relayer"))
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    crate::helpers::delete_stream(&mut conn, &stream).await;
     assert_eq!(copied.len(), total, "the stream holds each event once");
     for ((id, fields), e) in copied.iter().zip(&feed) {
         assert_eq!(id, &format!("{}-0", e["seq"]));

@@ -218,11 +218,5 @@ async fn the_relay_copies_the_feed_only_to_a_stream_of_its_own_ledger() {
     assert!(entries[0]
         .1
         .contains(&("orderId".to_string(), "relay-1".to_string())));
-    let _: () = redis::cmd("DEL")
-        .arg(&stream)
-        .arg(format!("{stream}:origin"))
-        .arg(format!("{stream}:relayer"))
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    crate::helpers::delete_stream(&mut conn, &stream).await;
 }

@@ -365,3 +365,14 @@ pub fn service_url(var: &str) -> Option<String> {
         }
     }
 }
+
+/// Deletes a change-feed stream a test made and the relay's keys beside it.
+pub async fn delete_stream(conn: &mut redis::aio::MultiplexedConnection, stream: &str) {
+    let _: () = redis::cmd("DEL")
+        .arg(stream)
+        .arg(format!("{stream}:origin"))
+        .arg(format!("{stream}:relayer"))
+        .query_async(conn)
+        .await
+        .expect("delete the test stream");
+}
