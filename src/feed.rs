@@ -33,12 +33,16 @@ const PAGE: i64 = 500;
 const TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Takes or keeps the relayer key (KEYS[1]): `1` when this node is (still) the relayer, `0`
-/// when another node is, `-1` when the stream was copied from another ledger (KEYS[2] holds
-/// the origin of the ledger it copies; ARGV: node, claim ms, this ledger's origin).
+/// when another node is, `-1` when the stream (KEYS[3]) is not this ledger's copy (KEYS[2]
+/// holds the origin of the ledger it copies; ARGV: node, claim ms, this ledger's origin).
 const CLAIM: &str = r"
 local origin = redis.call('GET', KEYS[2])
 if origin and origin ~= ARGV[3] then return -1 end
-if not origin then redis.call('SET', KEYS[2], ARGV[3]) end
+if not origin then
+  -- A stream without an origin was not made by a relay of this build: not ours to take.
+  if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
+  redis.call('SET', KEYS[2], ARGV[3])
+end
 local holder = redis.call('GET', KEYS[1])
 if not holder then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
@@ -67,13 +71,16 @@ local function top(key)
 end
 ";
 
-/// Appends the events above the stream's last id, in order; returns how many it appended.
+/// Appends the events above the stream's last id, in order; returns how many it appended, or
+/// -1 without appending when the page does not go on from the stream's last id (the stream
+/// went away or moved since the relay read where it stood).
 /// ARGV: maxlen, then six fields per event: seq, type, code, orderId, customerId, at.
 const APPEND: &str = r"
 local top = top(KEYS[1])
 local n = 0
 for i = 2, #ARGV, 6 do
   local seq = tonumber(ARGV[i])
+  if seq > top + 1 then return -1 end
   if seq > top then
     redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], ARGV[i] .. '-0',
       'type', ARGV[i + 1], 'code', ARGV[i + 2], 'orderId', ARGV[i + 3],
@@ -110,6 +117,8 @@ pub fn start(
         let mut conn: Option<MultiplexedConnection> = None;
         // The ledger's feed origin, read once (it never changes).
         let mut origin: Option<String> = None;
+        // The stream is another ledger's (said once until that changes).
+        let mut foreign = false;
         let mut tick = tokio::time::interval(s.interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -124,7 +133,11 @@ pub fn start(
                 }
             }
             let Some(c) = conn.as_mut() else { continue };
-            match relay(c, &engine, &s, &mut origin).await {
+            let res = relay(c, &engine, &s, &mut origin).await;
+            if res.is_ok() {
+                foreign = false;
+            }
+            match res {
                 Ok(n) if n > 0 => m::feed_relayed(n),
                 Ok(_) => {}
                 Err(RelayError::Redis(e)) => {
@@ -138,7 +151,12 @@ pub fn start(
                 }
                 Err(e @ RelayError::Foreign) => {
                     m::feed_relay_error();
-                    tracing::error!(stream = %s.stream, "feed relay: {e}");
+                    // Said once, not every round.
+                    if !foreign {
+                        tracing::error!(stream = %s.stream, "feed relay: {e}");
+                    }
+                    foreign = true;
+                    continue;
                 }
             }
         }
@@ -173,9 +191,10 @@ async fn relay(
     };
     let mine: i64 = redis::cmd("EVAL")
         .arg(CLAIM)
-        .arg(2)
+        .arg(3)
         .arg(format!("{}:relayer", s.stream))
         .arg(format!("{}:origin", s.stream))
+        .arg(&s.stream)
         .arg(&s.node_id)
         .arg(claim_ms)
         .arg(&origin)
@@ -216,10 +235,15 @@ async fn relay(
             break;
         };
         after = last.seq;
-        let n: u64 = append_cmd(&s.stream, s.maxlen, &page)
+        let n: i64 = append_cmd(&s.stream, s.maxlen, &page)
             .query_async(c)
             .await?;
-        appended += n;
+        if n < 0 {
+            // The next round reads where the stream stands again.
+            tracing::info!("feed relay: the stream moved under the relay; starting over");
+            break;
+        }
+        appended += n as u64;
         if !full || gap {
             break;
         }

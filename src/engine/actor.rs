@@ -226,6 +226,10 @@ pub(crate) struct VoucherActor {
     /// How many reservations the voucher ever had when this node last loaded its winners and
     /// raised the sold-out flag: a probe that finds the same number has nothing new to load.
     sold_out_at: Option<i64>,
+    /// Before the sale starts, the most units this node may hold: the free units it saw at its
+    /// first grant over `endgame_divisor`. Pre-start traffic sizes the lease (pre-heat), but a
+    /// bot hammering one node before the start cannot pull the voucher into it.
+    prestart_cap: Option<i64>,
     /// When this actor last recounted the voucher's books on a sell-out: an end-game of
     /// restocks and sell-outs recounts at most once per `SOLD_OUT_RECOUNT_MS`.
     recounted_at: Option<Millis>,
@@ -269,11 +273,17 @@ impl VoucherActor {
             next_recall: now,
             sold_out_at: None,
             recounted_at: None,
+            prestart_cap: None,
         }
     }
 
     fn now(&self) -> Millis {
         self.core.clock.now_ms()
+    }
+
+    /// The voucher's sale has not started at `now` (as this node's copy says).
+    fn before_start(&self, now: Millis) -> bool {
+        self.voucher.as_ref().is_some_and(|v| now < v.starts_at)
     }
 
     /// Takes a (new) definition of the voucher; the frontend's copy follows.
@@ -352,7 +362,7 @@ impl VoucherActor {
                 // demand it will meet when it opens; counted, they size the lease it holds at
                 // the start (taken now, kept until then), so the first second is served from
                 // memory like the tenth.
-                if reason == Ineligible::NotStarted && self.warmed {
+                if reason == Ineligible::NotStarted && self.warmed && self.core.stop() == Stop::No {
                     self.rate.record(now, 1);
                 }
                 Tally::one(p, Reply::Failed(EngineError::NotEligible(reason)));
@@ -397,8 +407,9 @@ impl VoucherActor {
         }
         let rate = self.rate.per_sec(now);
         let room = self.room();
+        let capped = self.before_start(now) && self.prestart_cap.is_some_and(|cap| room >= cap);
         let short = (self.pending.len() as i64) > room
-            || (room < low_water(&self.core.sizing, rate) && rate > 0.0)
+            || (room < low_water(&self.core.sizing, rate) && rate > 0.0 && !capped)
             || !self.warm_waiters.is_empty();
         match self.hold {
             None if short && !self.granting => self.start_grant(ctx),
@@ -599,7 +610,10 @@ impl VoucherActor {
         let now = self.now();
         let rate = self.rate.per_sec(now);
         let waiting = (self.pending.len() as i64 - self.room()).max(0) as usize;
-        let want = block_size(&self.core.sizing, rate, waiting, self.free_hint);
+        let mut want = block_size(&self.core.sizing, rate, waiting, self.free_hint);
+        if let (true, Some(cap)) = (self.before_start(now), self.prestart_cap) {
+            want = want.min((cap - self.room()).max(1));
+        }
         self.granting = true;
         let epoch = self.shared.restock_epoch();
         let (ledger, code, node, ttl) = (
@@ -620,6 +634,12 @@ impl VoucherActor {
         match res {
             Ok(grant) => {
                 self.free_hint = Some(grant.free_after);
+                if self.prestart_cap.is_none() && self.before_start(self.now()) {
+                    let seen = grant.free_after + grant.lease.as_ref().map_or(0, |l| l.granted);
+                    let p = &self.core.sizing;
+                    self.prestart_cap =
+                        Some((seen / p.endgame_divisor).max(p.min_block).min(p.max_block));
+                }
                 if let Some(lease) = grant.lease {
                     m::lease(LeaseEvent::Granted);
                     m::lease_granted_units(lease.granted);

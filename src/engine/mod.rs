@@ -907,7 +907,12 @@ impl EngineHandle {
                 .into_iter()
                 .collect();
         for code in sold_out {
-            reconcile_one(&self.core.ledger, &code, on_sale.contains(code.as_str())).await?;
+            let started = on_sale.contains(code.as_str());
+            if let Err(e) = reconcile_one(&self.core.ledger, &code, started).await {
+                // Tried again at the next run.
+                tracing::warn!(code = %code, error = %e, "recount after a sell-out failed");
+                self.core.recount_soon(&code);
+            }
         }
         Ok(units.len())
     }

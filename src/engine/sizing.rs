@@ -52,7 +52,7 @@ pub fn block_size(
 /// Ask for the next block when fewer units than this remain: half a target interval of demand,
 /// so the grant arrives before the current lease runs out.
 pub fn low_water(p: &SizingParams, rate_per_sec: f64) -> i64 {
-    (demand(p, rate_per_sec) / 2).max(1)
+    (demand(p, rate_per_sec) / 2).clamp(1, p.max_block.max(1))
 }
 
 /// Reserves per second over a sliding one-second window.

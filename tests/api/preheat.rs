@@ -21,7 +21,7 @@ async fn a_voucher_starting_soon_is_warm_before_it_starts() {
     let starts = app.engine.now_ms() + 10_000;
     let (s, b) = app
         .create_voucher_with(json!({
-            "code": "SOONER", "discountAmount": 100, "totalLimit": 100, "perUserLimit": 1,
+            "code": "SOONER", "discountAmount": 100, "totalLimit": 1000, "perUserLimit": 1,
             "startsAt": rfc3339(starts), "endsAt": rfc3339(starts + 3_600_000)
         }))
         .await;
@@ -54,6 +54,14 @@ async fn a_voucher_starting_soon_is_warm_before_it_starts() {
         },
     )
     .await;
+    // A bot hammering this node before the start cannot pull the voucher into it: the node
+    // holds at most a quarter of what was free at its first grant (`endgame_divisor`).
+    for c in 101..=1100 {
+        let (s, _) = app.reserve("SOONER", c, format!("soon-{c}")).await;
+        assert_eq!(s, 422);
+    }
+    let held = audit::books(&app.db_url, "SOONER").await.leased_unused;
+    assert!((50..=250).contains(&held), "held before the start: {held}");
     app.clock.advance_ms(10_000);
     assert_eq!(app.reserve("SOONER", 1, "soon-1").await.0, 201);
     let books = audit::books(&app.db_url, "SOONER").await;

@@ -124,11 +124,13 @@ async fn sales_paused_and_read_only_stop_new_sales_but_not_retries_confirm_or_re
 #[actix_web::test]
 async fn a_switch_set_behind_the_node_is_applied_from_the_ledger() {
     // Another node set it and no signal came (no Redis here): the periodic read picks it up.
+    // (Read-only, not sales paused: this app's reads set the process-wide gauges every 100 ms,
+    // and the sales-paused gauge is what another test checks.)
     let app = spawn_app_with_fast_switches().await;
     assert_eq!(app.create_voucher("SWL", 10, 1).await.0, 201);
     let patch = vouchers::domain::SwitchesPatch {
-        sales_paused: Some(true),
-        read_only: None,
+        sales_paused: None,
+        read_only: Some(true),
     };
     app.ledger
         .set_switches(&patch, app.engine.now_ms())
@@ -141,7 +143,7 @@ async fn a_switch_set_behind_the_node_is_applied_from_the_ledger() {
         n += 1;
         async move {
             let a = app.reserve("SWL", n, format!("swl-{n}")).await;
-            error(&a) == (422, Some("NOT_ELIGIBLE"), Some("PAUSED"))
+            error(&a) == (503, Some("UNAVAILABLE"), None)
         }
     })
     .await;
