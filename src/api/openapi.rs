@@ -61,7 +61,8 @@ impl Modify for BearerSchemes {
 
 /// The error answers that follow from how a route is built rather than from what it does, added
 /// to every operation they apply to (so each handler documents only its own): a `{code}` in the
-/// path is checked (`400`) and looked up (`404`); a body is parsed (`400`) and capped (`413`);
+/// path is checked (`400`) and looked up (`404`); a query is parsed (`400`); a body is parsed
+/// (`400`) and capped (`413`);
 /// admin routes check their token (`401`), and so do checkout routes when tokens are configured;
 /// anything that reaches the ledger may find it unavailable (`503` with `Retry-After`).
 struct CommonErrors;
@@ -98,6 +99,19 @@ impl Modify for CommonErrors {
                         false,
                     );
                     add("413", "PAYLOAD_TOO_LARGE", false);
+                }
+                let query = op.parameters.as_ref().is_some_and(|ps| {
+                    ps.iter().any(|p| {
+                        matches!(p, utoipa::openapi::RefOr::T(p)
+                            if matches!(p.parameter_in, utoipa::openapi::path::ParameterIn::Query))
+                    })
+                });
+                if query {
+                    add(
+                        "400",
+                        "INVALID_REQUEST: a malformed or unknown query parameter",
+                        false,
+                    );
                 }
                 if path.starts_with("/admin/") {
                     add("401", "UNAUTHORIZED: missing or wrong admin token", false);
