@@ -28,6 +28,8 @@ pub struct Application {
     ledger_rt: tokio::runtime::Runtime,
     /// The admin token in force (configured or generated).
     pub admin_token: String,
+    /// The embedded ledger's process lock (see [`lock_embedded_ledger`]), held while this lives.
+    _data_lock: Option<std::fs::File>,
 }
 
 /// A random hex string from the OS generator.
@@ -36,6 +38,58 @@ pub fn random_hex(bytes: usize) -> String {
     // Start-up only: without an OS random source the process cannot make a safe token anyway.
     getrandom::getrandom(&mut buf).expect("OS random source");
     buf.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The embedded ledger's file belongs to one process. A second process on the same data
+/// directory refuses to start before it touches anything (it would take the running node's
+/// leases back as an earlier run's). The lock is a POSIX record lock on `<ledger file>.lock`,
+/// held for the life of the process; the OS drops it when the process exits, crash included.
+/// Record locks belong to the process, so an embedding that opens the ledger twice in one
+/// process (the tests' two apps on one file) is not refused.
+#[cfg(unix)]
+fn lock_embedded_ledger(url: &str) -> anyhow::Result<Option<std::fs::File>> {
+    use std::os::fd::AsRawFd;
+    use std::str::FromStr;
+    if !url.starts_with("sqlite:") {
+        return Ok(None);
+    }
+    let options = sqlx::sqlite::SqliteConnectOptions::from_str(url).context("ledger url")?;
+    let path = options.get_filename();
+    if path.as_os_str().is_empty() || path.to_string_lossy().contains(":memory:") {
+        return Ok(None);
+    }
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
+    }
+    let lock_path = path.with_extension("lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .with_context(|| format!("open {}", lock_path.display()))?;
+    let lock = libc::flock {
+        l_type: libc::F_WRLCK as libc::c_short,
+        l_whence: libc::SEEK_SET as libc::c_short,
+        l_start: 0,
+        l_len: 0,
+        l_pid: 0,
+    };
+    // SAFETY: a valid open descriptor and a fully initialised lock description.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_SETLK, &lock) } == -1 {
+        anyhow::bail!(
+            "another process runs on this ledger ({}): it holds {}; stop it first (two embedded \
+             nodes on one data directory would take each other's leases)",
+            path.display(),
+            lock_path.display()
+        );
+    }
+    Ok(Some(file))
+}
+
+#[cfg(not(unix))]
+fn lock_embedded_ledger(_url: &str) -> anyhow::Result<Option<std::fs::File>> {
+    Ok(None)
 }
 
 /// Units a previous run of this node left in leases (it crashed, so it could not return them)
@@ -94,6 +148,8 @@ impl Application {
         ledger_handle: tokio::runtime::Handle,
         ledger_rt: &mut Option<tokio::runtime::Runtime>,
     ) -> anyhow::Result<Self> {
+        // Before anything touches the ledger: one process per embedded ledger.
+        let data_lock = lock_embedded_ledger(&settings.ledger.url)?;
         // First: metrics recorded from here on (jobs, relay, actors) must reach the exporter.
         let metrics = crate::metrics::install();
         let ledger =
@@ -203,6 +259,7 @@ impl Application {
             signals,
             ledger_rt: ledger_rt.take().context("ledger runtime")?,
             admin_token,
+            _data_lock: data_lock,
         })
     }
 
@@ -223,6 +280,7 @@ impl Application {
             jobs,
             signals,
             ledger_rt,
+            _data_lock: held,
             ..
         } = self;
         let result = server.await;
@@ -231,6 +289,8 @@ impl Application {
         signals.stop();
         shards.stop();
         ledger_rt.shutdown_background();
+        // Released only now: the leases went back first.
+        drop(held);
         result.context("http server")
     }
 }

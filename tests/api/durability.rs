@@ -185,3 +185,71 @@ async fn a_graceful_stop_returns_every_unused_unit() {
         (0, 499, 1, true)
     );
 }
+
+/// Issue 9: a second embedded process on the same data directory refuses to start, says why,
+/// and touches nothing: the running node keeps its lease and goes on selling from it.
+#[actix_web::test]
+async fn a_second_embedded_process_on_the_same_ledger_refuses_to_start() {
+    let dir = temp_dir("twice");
+    let db = format!("sqlite://{}/ledger.db", dir.display());
+    let first = Node::start(&db, &[]).await;
+    let c = client();
+    let body =
+        json!({"code": "TWICE", "discountAmount": 100, "totalLimit": 100, "perUserLimit": 1});
+    assert_eq!(create_voucher(&c, &first.base, &body).await.0, 201);
+    assert_eq!(
+        crate::helpers::reserve(&c, &first.base, "TWICE", 1, "twice-1")
+            .await
+            .0,
+        201
+    );
+    let before = crate::audit::books(&db, "TWICE").await;
+    assert!(before.leased_unused > 0, "the first node holds a lease");
+
+    let mut second = std::process::Command::new(env!("CARGO_BIN_EXE_vouchers"))
+        .env(
+            "VOUCHERS__HTTP__PORT",
+            crate::helpers::free_port().to_string(),
+        )
+        .env("VOUCHERS__LEDGER__URL", &db)
+        .env("VOUCHERS__ADMIN__TOKEN", TOKEN)
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run a second node");
+    // It must exit by itself; one still running after the deadline started, which is the bug.
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = second.try_wait().expect("poll the second node") {
+            break status;
+        }
+        if started.elapsed() > Duration::from_secs(30) {
+            let _ = second.kill();
+            let _ = second.wait();
+            panic!("a second node started on the same ledger");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(!status.success(), "the second node must not start");
+    let mut said = String::new();
+    std::io::Read::read_to_string(&mut second.stderr.take().expect("stderr"), &mut said)
+        .expect("read its stderr");
+    assert!(
+        said.contains("another process runs on this ledger"),
+        "{said}"
+    );
+
+    // Nothing changed: the first node's lease is still there and it still sells from it.
+    let after = crate::audit::books(&db, "TWICE").await;
+    assert_eq!(
+        (after.leased_unused, after.free, after.reserved),
+        (before.leased_unused, before.free, before.reserved)
+    );
+    assert_eq!(
+        crate::helpers::reserve(&c, &first.base, "TWICE", 2, "twice-2")
+            .await
+            .0,
+        201
+    );
+}
