@@ -112,7 +112,6 @@ pub fn start(
     s: RelaySettings,
 ) -> Result<tokio::task::JoinHandle<()>, redis::RedisError> {
     let client = redis::Client::open(s.url.as_str())?;
-    m::feed_relay_started();
     Ok(tokio::spawn(async move {
         let mut conn: Option<MultiplexedConnection> = None;
         // The ledger's feed origin, read once (it never changes).
