@@ -476,7 +476,7 @@ pub async fn events(
         )));
     }
     if !(1..=MAX_EVENTS).contains(&limit) {
-        return Err(ApiError::InvalidRequest(format!(
+        return Err(ApiError::invalid(format!(
             "limit must be between 1 and {MAX_EVENTS}"
         )));
     }

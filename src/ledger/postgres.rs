@@ -29,8 +29,8 @@ use sqlx::{Postgres, Row, Transaction};
 use super::rows::settled_events;
 use super::rows::{
     event_from, group_restocks, limit_column, reservation_from, switches_from, voucher_from,
-    EventRow, LIVE_CODES_SQL, RESERVATION_COLUMNS, SET_SWITCHES_SQL, STARTING_SQL, SWITCHES_SQL,
-    VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
+    EventRow, FEED_ORIGIN_SQL, LIVE_CODES_SQL, RESERVATION_COLUMNS, SET_SWITCHES_SQL, STARTING_SQL,
+    SWITCHES_SQL, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
 };
 use super::{
     resolve_plan, Batch, BatchResults, Closing, Counters, Grant, Lease, Ledger, LedgerError,
@@ -612,11 +612,9 @@ impl Ledger for PostgresLedger {
     }
 
     async fn feed_origin(&self) -> Result<String, LedgerError> {
-        Ok(
-            sqlx::query_scalar("SELECT origin FROM feed_head WHERE id = 1")
-                .fetch_one(&self.pool)
-                .await?,
-        )
+        Ok(sqlx::query_scalar(FEED_ORIGIN_SQL)
+            .fetch_one(&self.pool)
+            .await?)
     }
 
     async fn events(&self, after: i64, limit: i64) -> Result<Vec<FeedEvent>, LedgerError> {

@@ -48,6 +48,9 @@ pub fn event_from(
     })
 }
 
+/// This ledger's feed origin (see `Ledger::feed_origin`).
+pub const FEED_ORIGIN_SQL: &str = "SELECT origin FROM feed_head WHERE id = 1";
+
 /// The emergency switches' one row.
 pub const SWITCHES_SQL: &str = "SELECT sales_paused, read_only, version FROM switches WHERE id = 1";
 /// Changes the switches (`NULL` leaves one as it is) and bumps their version.

@@ -21,8 +21,8 @@ use sqlx::sqlite::{
 use super::rows::settled_events;
 use super::rows::{
     event_from, group_restocks, limit_column, per_customer, reservation_from, switches_from,
-    voucher_from, EventRow, LIVE_CODES_SQL, RESERVATION_COLUMNS, SET_SWITCHES_SQL, STARTING_SQL,
-    SWITCHES_SQL, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
+    voucher_from, EventRow, FEED_ORIGIN_SQL, LIVE_CODES_SQL, RESERVATION_COLUMNS, SET_SWITCHES_SQL,
+    STARTING_SQL, SWITCHES_SQL, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
 };
 use super::sqlite_raw as raw;
 use super::{
@@ -557,11 +557,9 @@ impl Ledger for SqliteLedger {
     }
 
     async fn feed_origin(&self) -> Result<String, LedgerError> {
-        Ok(
-            sqlx::query_scalar("SELECT origin FROM feed_head WHERE id = 1")
-                .fetch_one(&self.reader)
-                .await?,
-        )
+        Ok(sqlx::query_scalar(FEED_ORIGIN_SQL)
+            .fetch_one(&self.reader)
+            .await?)
     }
 
     async fn events(&self, after: i64, limit: i64) -> Result<Vec<FeedEvent>, LedgerError> {

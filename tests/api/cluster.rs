@@ -1605,11 +1605,7 @@ async fn the_feed_holds_every_change_once_in_order_through_a_sigkill() {
         let mut conn = conn.clone();
         let stream = stream.clone();
         async move {
-            let len: usize = redis::cmd("XLEN")
-                .arg(&stream)
-                .query_async(&mut conn)
-                .await
-                .unwrap();
+            let len = crate::helpers::stream_len(&mut conn, &stream).await;
             len >= total
         }
     })

@@ -178,11 +178,7 @@ async fn the_relay_copies_the_feed_only_to_a_stream_of_its_own_ledger() {
         },
     )
     .await;
-    let len: usize = redis::cmd("XLEN")
-        .arg(&stream)
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    let len = crate::helpers::stream_len(&mut conn, &stream).await;
     assert_eq!(len, 0, "nothing was written to another ledger's stream");
     // Cleared by the operator: the relay takes the stream and copies the feed.
     let _: () = redis::cmd("DEL")
@@ -197,11 +193,7 @@ async fn the_relay_copies_the_feed_only_to_a_stream_of_its_own_ledger() {
         || {
             let (mut conn, stream) = (c2.clone(), stream.clone());
             async move {
-                let len: usize = redis::cmd("XLEN")
-                    .arg(&stream)
-                    .query_async(&mut conn)
-                    .await
-                    .unwrap();
+                let len = crate::helpers::stream_len(&mut conn, &stream).await;
                 len == 1
             }
         },

@@ -376,3 +376,12 @@ pub async fn delete_stream(conn: &mut redis::aio::MultiplexedConnection, stream:
         .await
         .expect("delete the test stream");
 }
+
+/// How many entries a stream holds (0 when it does not exist).
+pub async fn stream_len(conn: &mut redis::aio::MultiplexedConnection, stream: &str) -> usize {
+    redis::cmd("XLEN")
+        .arg(stream)
+        .query_async(conn)
+        .await
+        .expect("XLEN")
+}
