@@ -75,6 +75,11 @@ pub struct AdminSettings {
 #[derive(Debug, Clone, Deserialize)]
 pub struct NodeSettings {
     pub id: String,
+    /// How often this process beats in the ledger (and reaps holders that stopped beating).
+    pub heartbeat_ms: u64,
+    /// A holder whose last beat is older than this (on the ledger's clock) is dead: its leases
+    /// are reaped at once, and nobody waits for it to answer a recall.
+    pub dead_after_ms: i64,
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -1,12 +1,13 @@
-//! Background jobs: expiry of unconfirmed reservations, the lease reaper, the reconciler, the
-//! emergency switches' refresh, the live numbers, pre-heat, and the rate limiters' upkeep.
+//! Background jobs: this process's heartbeat (which also reaps the leases of holders that stopped
+//! beating), expiry of unconfirmed reservations, the lease reaper, the reconciler, the emergency
+//! switches' refresh, the live numbers, pre-heat, and the rate limiters' upkeep.
 //! Each is a loop around one [`EngineHandle`] call whose ledger statement is safe to run on every
 //! node at once (status-guarded updates), so no leader is needed.
 
 use std::future::Future;
 use std::time::Duration;
 
-use crate::config::JobSettings;
+use crate::config::{JobSettings, NodeSettings};
 use crate::engine::{EngineError, EngineHandle};
 
 /// How often rate limiters drop the keys that refilled.
@@ -24,10 +25,14 @@ impl Jobs {
 }
 
 /// Starts every job on the current runtime.
-pub fn start(engine: &EngineHandle, s: &JobSettings) -> Jobs {
+pub fn start(engine: &EngineHandle, s: &JobSettings, node: &NodeSettings) -> Jobs {
     let batch = s.expiry_batch;
     let e = engine.clone();
+    let dead_after = node.dead_after_ms;
     Jobs(vec![
+        job(engine, node.heartbeat_ms, "heartbeat", move |e| async move {
+            e.heartbeat(dead_after).await
+        }),
         job(
             engine,
             s.expiry_interval_ms,

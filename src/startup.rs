@@ -92,21 +92,22 @@ fn lock_embedded_ledger(_url: &str) -> anyhow::Result<Option<std::fs::File>> {
     Ok(None)
 }
 
-/// Units a previous run of this node left in leases (it crashed, so it could not return them)
-/// come back at once instead of after the lease TTL. The embedded ledger has one node, so every
-/// ACTIVE lease is an earlier run's; in a cluster only a configured, stable node id identifies
-/// its own. Either way the fence keeps this safe: a lease closed under a live process only
-/// makes its next batch fail with 503.
+/// Units a previous run left in leases (it crashed, so it could not return them) come back at
+/// once instead of after the lease TTL. The embedded ledger has one process (the data lock sees
+/// to it), so every ACTIVE lease is an earlier run's. In a cluster, earlier incarnations of this
+/// node are reaped by the heartbeat once they stop beating (a live one is a rolling restart's old
+/// process, and keeps its leases); only leases held under the bare name, by a build from before
+/// incarnations, are returned here. Either way the fence keeps this safe: a lease closed under a
+/// live process only makes its next batch fail with 503.
 async fn reclaim_leases_of_earlier_runs(
     ledger: &ledger::SharedLedger,
     settings: &Settings,
-    node_id: &str,
     now: i64,
 ) -> anyhow::Result<()> {
     let restocks = if settings.ledger.url.starts_with("sqlite:") {
         ledger.reap_expired(i64::MAX).await
     } else if !settings.node.id.is_empty() {
-        ledger.return_node_leases(node_id, now).await
+        ledger.return_node_leases(&settings.node.id, now).await
     } else {
         return Ok(());
     };
@@ -119,6 +120,43 @@ async fn reclaim_leases_of_earlier_runs(
         tracing::info!(units, "reclaimed units left in leases by an earlier run");
     }
     Ok(())
+}
+
+/// Numbers this process in the ledger (its incarnation) and returns the holder name its leases
+/// carry. Another live process under the same `node.id` is said in the log: a rolling restart
+/// is expected to overlap like this, two processes configured alike for good are not.
+async fn register_incarnation(
+    ledger: &ledger::SharedLedger,
+    settings: &Settings,
+    now: i64,
+) -> anyhow::Result<String> {
+    let node = &settings.node;
+    if node.dead_after_ms < 3 * node.heartbeat_ms.max(1) as i64 {
+        anyhow::bail!(
+            "node.dead_after_ms ({}) must be at least three node.heartbeat_ms ({}): a live \
+             node that misses one beat would be taken for dead",
+            node.dead_after_ms,
+            node.heartbeat_ms
+        );
+    }
+    let name = if node.id.is_empty() {
+        format!("node-{}", random_hex(4))
+    } else {
+        node.id.clone()
+    };
+    let me = ledger
+        .register_node(&name, now, node.dead_after_ms)
+        .await
+        .context("register this process with the ledger")?;
+    if !me.live_siblings.is_empty() {
+        tracing::warn!(
+            node = %name,
+            incarnation = me.number,
+            live = ?me.live_siblings,
+            "other processes run as this node.id; each keeps its own leases"
+        );
+    }
+    Ok(me.holder)
 }
 
 impl Application {
@@ -154,11 +192,6 @@ impl Application {
         let metrics = crate::metrics::install();
         let ledger =
             ledger::connect_on(ledger_handle, &settings.ledger).context("connect ledger")?;
-        let node_id = if settings.node.id.is_empty() {
-            format!("node-{}", random_hex(4))
-        } else {
-            settings.node.id.clone()
-        };
         if settings.admin.token.is_empty() && !settings.ledger.url.starts_with("sqlite:") {
             anyhow::bail!(
                 "a shared ledger needs one admin token for every node: set VOUCHERS__ADMIN__TOKEN"
@@ -179,6 +212,8 @@ impl Application {
         } else {
             settings.admin.token.clone()
         };
+        reclaim_leases_of_earlier_runs(&ledger, &settings, clock.now_ms()).await?;
+        let node_id = register_incarnation(&ledger, &settings, clock.now_ms()).await?;
         let mut signal_tasks = Vec::new();
         let keepalive = Duration::from_millis(settings.redis.keepalive_ms.max(30));
         let publisher = if settings.redis.url.is_empty() {
@@ -189,7 +224,6 @@ impl Application {
             signal_tasks.push(task);
             p
         };
-        reclaim_leases_of_earlier_runs(&ledger, &settings, &node_id, clock.now_ms()).await?;
         let (engine, shards) = EngineHandle::start(
             ledger,
             clock,
@@ -228,7 +262,7 @@ impl Application {
         if let Err(e) = engine.refresh_switches().await {
             tracing::warn!(error = %e, "could not read the switches yet");
         }
-        let jobs = jobs::start(&engine, &settings.jobs);
+        let jobs = jobs::start(&engine, &settings.jobs, &settings.node);
         let listener = TcpListener::bind((settings.http.host.as_str(), settings.http.port))
             .with_context(|| format!("bind {}:{}", settings.http.host, settings.http.port))?;
         let port = listener.local_addr().context("local address")?.port();

@@ -839,6 +839,10 @@ impl EngineHandle {
             }
             Err(e) => tracing::warn!(error = %e, "could not return leases; the reaper will"),
         }
+        // Gone from the living: nobody waits for this process, and its row does not linger.
+        if let Err(e) = self.core.ledger.retire_node(&self.core.node_id).await {
+            tracing::warn!(error = %e, "could not retire this node's heartbeat");
+        }
     }
 
     /// The emergency switches as this node applies them now.
@@ -965,12 +969,27 @@ impl EngineHandle {
     /// Reaps leases whose node stopped renewing them. Returns the units given back.
     pub async fn reap_expired(&self) -> Result<i64, EngineError> {
         let restocks = self.core.ledger.reap_expired(self.now_ms()).await?;
+        Ok(self.after_reap(restocks))
+    }
+
+    /// Beats in the ledger, and reaps at once the leases of every holder whose last beat is
+    /// older than `dead_after_ms`; returns the units reaped (announced as restocks).
+    pub async fn heartbeat(&self, dead_after_ms: i64) -> Result<i64, EngineError> {
+        let restocks = self
+            .core
+            .ledger
+            .heartbeat(&self.core.node_id, self.now_ms(), dead_after_ms)
+            .await?;
+        Ok(self.after_reap(restocks))
+    }
+
+    fn after_reap(&self, restocks: Vec<Restock>) -> i64 {
         let units = restocks.iter().map(|r| r.units).sum();
         for _ in &restocks {
             m::lease(m::LeaseEvent::Reaped);
         }
         self.after_restocks(restocks.into_iter());
-        Ok(units)
+        units
     }
 
     /// Recomputes the counters of every voucher that can still change (its window has not ended

@@ -14,7 +14,7 @@ use tokio::runtime::Handle;
 
 use super::committer::Committer;
 use super::{
-    Batch, BatchResults, Counters, Grant, Ledger, LedgerError, LiveUnits, Restock, RowOutcome,
+    Batch, BatchResults, Counters, Grant, Incarnation, Ledger, LedgerError, LiveUnits, Restock, RowOutcome,
     SharedLedger,
 };
 use crate::clock::Millis;
@@ -133,6 +133,34 @@ impl Ledger for Dedicated {
     ) -> Result<Vec<Restock>, LedgerError> {
         let node = node.to_string();
         self.run(move |l| async move { l.return_node_leases(&node, now).await })
+            .await
+    }
+
+    async fn register_node(
+        &self,
+        name: &str,
+        now: Millis,
+        dead_after_ms: i64,
+    ) -> Result<Incarnation, LedgerError> {
+        let name = name.to_string();
+        self.run(move |l| async move { l.register_node(&name, now, dead_after_ms).await })
+            .await
+    }
+
+    async fn heartbeat(
+        &self,
+        holder: &str,
+        now: Millis,
+        dead_after_ms: i64,
+    ) -> Result<Vec<Restock>, LedgerError> {
+        let holder = holder.to_string();
+        self.run(move |l| async move { l.heartbeat(&holder, now, dead_after_ms).await })
+            .await
+    }
+
+    async fn retire_node(&self, holder: &str) -> Result<(), LedgerError> {
+        let holder = holder.to_string();
+        self.run(move |l| async move { l.retire_node(&holder).await })
             .await
     }
 

@@ -70,6 +70,31 @@ pub struct Grant {
     pub ever_reserved: Option<i64>,
 }
 
+/// This process among the holders of leases (DESIGN §3, "Reap"): the ledger numbers every
+/// process that starts under a node name, and its leases name `name#number` as their holder.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Incarnation {
+    /// `name#number`, as `leases.node_id` names this process.
+    pub holder: String,
+    pub number: i64,
+    /// Other incarnations of the same name that still beat: the old process of a rolling
+    /// restart, or a second process given the same `node.id`. Neither touches the other's leases.
+    pub live_siblings: Vec<i64>,
+}
+
+/// The holder name of incarnation `number` of node `name`.
+pub fn holder_name(name: &str, number: i64) -> String {
+    format!("{name}#{number}")
+}
+
+/// `name#number` split back (a holder without a number is a build's from before incarnations).
+pub(crate) fn split_holder(holder: &str) -> (&str, i64) {
+    match holder.rsplit_once('#') {
+        Some((name, n)) => (name, n.parse().unwrap_or(0)),
+        None => (holder, 0),
+    }
+}
+
 /// One reserve inside a batch.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BatchRow {
@@ -135,6 +160,8 @@ pub(crate) enum Closing<'a> {
     Lease(i64),
     /// Every lease of a node, returned at graceful shutdown.
     Node(&'a str),
+    /// Every lease of a holder that stopped beating, reaped.
+    Dead(&'a str),
     /// Every lease whose expiry is at or before this time, reaped.
     ExpiredBy(Millis),
 }
@@ -143,7 +170,7 @@ impl Closing<'_> {
     /// The state the closed leases end in.
     pub(crate) fn state(self) -> &'static str {
         match self {
-            Self::ExpiredBy(_) => "REAPED",
+            Self::ExpiredBy(_) | Self::Dead(_) => "REAPED",
             _ => "RETURNED",
         }
     }
@@ -152,7 +179,7 @@ impl Closing<'_> {
     pub(crate) fn params(self) -> (Option<i64>, Option<String>, Option<i64>) {
         match self {
             Self::Lease(id) => (Some(id), None, None),
-            Self::Node(node) => (None, Some(node.to_string()), None),
+            Self::Node(node) | Self::Dead(node) => (None, Some(node.to_string()), None),
             Self::ExpiredBy(t) => (None, None, Some(t)),
         }
     }
@@ -227,6 +254,26 @@ pub trait Ledger: Send + Sync + 'static {
         node: &str,
         now: Millis,
     ) -> Result<Vec<Restock>, LedgerError>;
+    /// Numbers a new process under node `name` and records its first beat; `dead_after_ms` says
+    /// which other incarnations of the name still count as live.
+    async fn register_node(
+        &self,
+        name: &str,
+        now: Millis,
+        dead_after_ms: i64,
+    ) -> Result<Incarnation, LedgerError>;
+    /// Records `holder`'s beat (on the ledger's clock) and reaps, at once, the leases of every
+    /// holder whose last beat is older than `dead_after_ms`; their units are returned. A holder
+    /// that had not beaten for that long itself (it was cut off or paused) judges nobody this
+    /// time. A holder whose row was forgotten (it was taken for dead) is recorded again.
+    async fn heartbeat(
+        &self,
+        holder: &str,
+        now: Millis,
+        dead_after_ms: i64,
+    ) -> Result<Vec<Restock>, LedgerError>;
+    /// Forgets `holder` (graceful stop, after its leases went back).
+    async fn retire_node(&self, holder: &str) -> Result<(), LedgerError>;
     /// Commits a batch in one transaction, behind the fence. Outcomes are in row order. The
     /// one-batch case of [`Ledger::commit_batches`].
     async fn commit_batch(&self, batch: &Batch) -> Result<Vec<RowOutcome>, LedgerError> {

@@ -33,8 +33,8 @@ use super::rows::{
     SWITCHES_SQL, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
 };
 use super::{
-    resolve_plan, Batch, BatchResults, Closing, Counters, Grant, Lease, Ledger, LedgerError,
-    LiveUnits, Planned, Restock, RowOutcome, LEASE_FILTER,
+    holder_name, resolve_plan, split_holder, Batch, BatchResults, Closing, Counters, Grant,
+    Incarnation, Lease, Ledger, LedgerError, LiveUnits, Planned, Restock, RowOutcome, LEASE_FILTER,
 };
 use crate::clock::Millis;
 use crate::domain::{
@@ -81,6 +81,7 @@ const MIGRATIONS: &[(i64, &str)] = &[
     ),
     (7, include_str!("../../migrations/postgres/0007_feed.sql")),
     (8, include_str!("../../migrations/postgres/0008_settle.sql")),
+    (9, include_str!("../../migrations/postgres/0009_nodes.sql")),
 ];
 
 /// Definitions applied on every start after the versioned migrations (each is `CREATE OR
@@ -405,6 +406,93 @@ impl Ledger for PostgresLedger {
         self.close_leases(Closing::Node(node), now).await
     }
 
+    async fn register_node(
+        &self,
+        name: &str,
+        _now: Millis,
+        dead_after_ms: i64,
+    ) -> Result<Incarnation, LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        let number: i64 = sqlx::query_scalar(
+            "INSERT INTO node_names (name, last_incarnation) VALUES ($1, 1) \
+             ON CONFLICT (name) DO UPDATE SET last_incarnation = node_names.last_incarnation + 1 \
+             RETURNING last_incarnation",
+        )
+        .bind(name)
+        .fetch_one(&mut *tx)
+        .await?;
+        let holder = holder_name(name, number);
+        sqlx::query(&format!(
+            "INSERT INTO nodes (holder, name, incarnation, started_at, beat_at) \
+             VALUES ($1, $2, $3, {LEDGER_NOW}, {LEDGER_NOW}) \
+             ON CONFLICT (holder) DO UPDATE SET beat_at = EXCLUDED.beat_at"
+        ))
+        .bind(&holder)
+        .bind(name)
+        .bind(number)
+        .execute(&mut *tx)
+        .await?;
+        let live_siblings: Vec<i64> = sqlx::query_scalar(&format!(
+            "SELECT incarnation FROM nodes WHERE name = $1 AND incarnation <> $2 \
+             AND beat_at >= {LEDGER_NOW} - $3 ORDER BY incarnation"
+        ))
+        .bind(name)
+        .bind(number)
+        .bind(dead_after_ms)
+        .fetch_all(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(Incarnation {
+            holder,
+            number,
+            live_siblings,
+        })
+    }
+
+    async fn heartbeat(
+        &self,
+        holder: &str,
+        now: Millis,
+        dead_after_ms: i64,
+    ) -> Result<Vec<Restock>, LedgerError> {
+        let (name, number) = split_holder(holder);
+        // How long ago this holder beat before (none: its row was gone), then the beat.
+        let since: Option<i64> = sqlx::query_scalar(&format!(
+            "WITH prev AS (SELECT beat_at FROM nodes WHERE holder = $1) \
+             INSERT INTO nodes (holder, name, incarnation, started_at, beat_at) \
+             VALUES ($1, $2, $3, {LEDGER_NOW}, {LEDGER_NOW}) \
+             ON CONFLICT (holder) DO UPDATE SET beat_at = EXCLUDED.beat_at \
+             RETURNING nodes.beat_at - (SELECT beat_at FROM prev)"
+        ))
+        .bind(holder)
+        .bind(name)
+        .bind(number)
+        .fetch_one(&self.pool)
+        .await?;
+        if since.is_none_or(|ms| ms > dead_after_ms) {
+            return Ok(Vec::new());
+        }
+        let dead: Vec<String> = sqlx::query_scalar(&format!(
+            "SELECT holder FROM nodes WHERE beat_at < {LEDGER_NOW} - $1 ORDER BY holder"
+        ))
+        .bind(dead_after_ms)
+        .fetch_all(&self.pool)
+        .await?;
+        let mut restocks = Vec::new();
+        for h in dead {
+            restocks.extend(self.reap_dead(&h, now, dead_after_ms).await?);
+        }
+        Ok(restocks)
+    }
+
+    async fn retire_node(&self, holder: &str) -> Result<(), LedgerError> {
+        sqlx::query("DELETE FROM nodes WHERE holder = $1")
+            .bind(holder)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
     async fn commit_batches(&self, batches: &[Batch]) -> Result<BatchResults, LedgerError> {
         // Lock order is fixed, but two calls racing for one order id (or the database's own
         // choices) can still end in a deadlock; the victim runs again.
@@ -706,55 +794,95 @@ impl PostgresLedger {
             .collect())
     }
 
-    /// Returns or reaps leases: their vouchers are locked first (in code order), then the
-    /// leases close and their unused units go back to `free`.
+    /// Returns or reaps leases, in a transaction of their own.
     async fn close_leases(
         &self,
         which: Closing<'_>,
         now: Millis,
     ) -> Result<Vec<Restock>, LedgerError> {
-        let (id, node, expired_by) = which.params();
         let mut tx = self.pool.begin().await?;
-        let codes: Vec<String> = sqlx::query_scalar(&format!(
-            "SELECT DISTINCT voucher_code FROM leases WHERE {LEASE_FILTER} ORDER BY voucher_code"
-        ))
-        .bind(id)
-        .bind(&node)
-        .bind(expired_by)
-        .fetch_all(&mut *tx)
-        .await?;
-        if codes.is_empty() {
-            return Ok(Vec::new());
-        }
-        lock_vouchers(&mut tx, &codes).await?;
-        // Then the leases, in id order, as a merged commit locks them (no deadlock).
-        sqlx::query(&format!(
-            "SELECT id FROM leases WHERE {LEASE_FILTER} AND voucher_code = ANY($4) \
-             ORDER BY id FOR UPDATE"
-        ))
-        .bind(id)
-        .bind(&node)
-        .bind(expired_by)
-        .bind(&codes)
-        .execute(&mut *tx)
-        .await?;
-        let rows: Vec<(String, i64)> = sqlx::query_as(&format!(
-            "UPDATE leases SET state = $4, closed_at = $5 \
-             WHERE {LEASE_FILTER} AND voucher_code = ANY($6) \
-             RETURNING voucher_code, granted - consumed"
-        ))
-        .bind(id)
-        .bind(&node)
-        .bind(expired_by)
-        .bind(which.state())
-        .bind(now)
-        .bind(&codes)
-        .fetch_all(&mut *tx)
-        .await?;
-        let restocks = give_back(&mut tx, rows).await?;
+        let restocks = close_leases_in(&mut tx, which, now).await?;
         tx.commit().await?;
         Ok(restocks)
     }
+
+    /// Reaps the leases of `holder` if its last beat is still older than `dead_after_ms` (it
+    /// may have beaten since it was listed): its row goes, and its leases close, in one
+    /// transaction. Locks: the holder's row, then as [`close_leases_in`].
+    async fn reap_dead(
+        &self,
+        holder: &str,
+        now: Millis,
+        dead_after_ms: i64,
+    ) -> Result<Vec<Restock>, LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        let gone: Option<String> = sqlx::query_scalar(&format!(
+            "DELETE FROM nodes WHERE holder = $1 AND beat_at < {LEDGER_NOW} - $2 RETURNING holder"
+        ))
+        .bind(holder)
+        .bind(dead_after_ms)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if gone.is_none() {
+            return Ok(Vec::new());
+        }
+        let restocks = close_leases_in(&mut tx, Closing::Dead(holder), now).await?;
+        tx.commit().await?;
+        let units: i64 = restocks.iter().map(|r| r.units).sum();
+        tracing::warn!(holder, units, "reaped the leases of a holder that stopped beating");
+        Ok(restocks)
+    }
+}
+
+/// The ledger's clock, in milliseconds since the epoch: liveness is judged on it, so no node's
+/// own clock can make a live holder look dead.
+const LEDGER_NOW: &str = "(extract(epoch from clock_timestamp()) * 1000)::BIGINT";
+
+/// Returns or reaps leases: their vouchers are locked first (in code order), then the leases
+/// close and their unused units go back to `free`.
+async fn close_leases_in(
+    tx: &mut Tx,
+    which: Closing<'_>,
+    now: Millis,
+) -> Result<Vec<Restock>, LedgerError> {
+    let (id, node, expired_by) = which.params();
+    let codes: Vec<String> = sqlx::query_scalar(&format!(
+        "SELECT DISTINCT voucher_code FROM leases WHERE {LEASE_FILTER} ORDER BY voucher_code"
+    ))
+    .bind(id)
+    .bind(&node)
+    .bind(expired_by)
+    .fetch_all(&mut **tx)
+    .await?;
+    if codes.is_empty() {
+        return Ok(Vec::new());
+    }
+    lock_vouchers(tx, &codes).await?;
+    // Then the leases, in id order, as a merged commit locks them (no deadlock).
+    sqlx::query(&format!(
+        "SELECT id FROM leases WHERE {LEASE_FILTER} AND voucher_code = ANY($4) \
+         ORDER BY id FOR UPDATE"
+    ))
+    .bind(id)
+    .bind(&node)
+    .bind(expired_by)
+    .bind(&codes)
+    .execute(&mut **tx)
+    .await?;
+    let rows: Vec<(String, i64)> = sqlx::query_as(&format!(
+        "UPDATE leases SET state = $4, closed_at = $5 \
+         WHERE {LEASE_FILTER} AND voucher_code = ANY($6) \
+         RETURNING voucher_code, granted - consumed"
+    ))
+    .bind(id)
+    .bind(&node)
+    .bind(expired_by)
+    .bind(which.state())
+    .bind(now)
+    .bind(&codes)
+    .fetch_all(&mut **tx)
+    .await?;
+    give_back(tx, rows).await
 }
 
 /// PostgreSQL chose this call as a deadlock's victim (it ran nothing).

@@ -26,8 +26,8 @@ use super::rows::{
 };
 use super::sqlite_raw as raw;
 use super::{
-    plan_batch, resolve_plan, Batch, BatchResults, Closing, Counters, Grant, Lease, Ledger,
-    LedgerError, LiveUnits, Planned, Restock, LEASE_FILTER,
+    holder_name, plan_batch, resolve_plan, split_holder, Batch, BatchResults, Closing, Counters,
+    Grant, Incarnation, Lease, Ledger, LedgerError, LiveUnits, Planned, Restock, LEASE_FILTER,
 };
 use crate::clock::Millis;
 use crate::domain::{
@@ -54,6 +54,7 @@ const MIGRATIONS: &[(i64, &str)] = &[
     ),
     (3, include_str!("../../migrations/sqlite/0003_switches.sql")),
     (4, include_str!("../../migrations/sqlite/0004_feed.sql")),
+    (5, include_str!("../../migrations/sqlite/0005_nodes.sql")),
 ];
 
 pub struct SqliteLedger {
@@ -132,23 +133,34 @@ impl SqliteLedger {
         which: Closing<'_>,
         now: Millis,
     ) -> Result<Vec<Restock>, LedgerError> {
-        let (id, node, expired_by) = which.params();
         let mut tx = self.writer.begin().await?;
-        let rows: Vec<(String, i64)> = sqlx::query_as(&format!(
-            "UPDATE leases SET state = $4, closed_at = $5 WHERE {LEASE_FILTER} \
-             RETURNING voucher_code, granted - consumed"
-        ))
-        .bind(id)
-        .bind(node)
-        .bind(expired_by)
-        .bind(which.state())
-        .bind(now)
-        .fetch_all(&mut *tx)
-        .await?;
-        let restocks = give_back(&mut tx, rows).await?;
+        let restocks = close_leases_in(&mut tx, which, now).await?;
         tx.commit().await?;
         Ok(restocks)
     }
+}
+
+type Tx = sqlx::Transaction<'static, sqlx::Sqlite>;
+
+/// [`SqliteLedger::close_leases`] inside a transaction.
+async fn close_leases_in(
+    tx: &mut Tx,
+    which: Closing<'_>,
+    now: Millis,
+) -> Result<Vec<Restock>, LedgerError> {
+    let (id, node, expired_by) = which.params();
+    let rows: Vec<(String, i64)> = sqlx::query_as(&format!(
+        "UPDATE leases SET state = $4, closed_at = $5 WHERE {LEASE_FILTER} \
+         RETURNING voucher_code, granted - consumed"
+    ))
+    .bind(id)
+    .bind(node)
+    .bind(expired_by)
+    .bind(which.state())
+    .bind(now)
+    .fetch_all(&mut **tx)
+    .await?;
+    give_back(tx, rows).await
 }
 
 async fn migrate(pool: &SqlitePool) -> Result<(), sqlx::Error> {
@@ -319,6 +331,101 @@ impl Ledger for SqliteLedger {
         now: Millis,
     ) -> Result<Vec<Restock>, LedgerError> {
         self.close_leases(Closing::Node(node), now).await
+    }
+
+    async fn register_node(
+        &self,
+        name: &str,
+        now: Millis,
+        dead_after_ms: i64,
+    ) -> Result<Incarnation, LedgerError> {
+        let mut tx = self.writer.begin().await?;
+        let number: i64 = sqlx::query_scalar(
+            "INSERT INTO node_names (name, last_incarnation) VALUES (?1, 1) \
+             ON CONFLICT (name) DO UPDATE SET last_incarnation = last_incarnation + 1 \
+             RETURNING last_incarnation",
+        )
+        .bind(name)
+        .fetch_one(&mut *tx)
+        .await?;
+        let holder = holder_name(name, number);
+        sqlx::query(
+            "INSERT INTO nodes (holder, name, incarnation, started_at, beat_at) \
+             VALUES (?1, ?2, ?3, ?4, ?4) ON CONFLICT (holder) DO UPDATE SET beat_at = ?4",
+        )
+        .bind(&holder)
+        .bind(name)
+        .bind(number)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        let live_siblings: Vec<i64> = sqlx::query_scalar(
+            "SELECT incarnation FROM nodes WHERE name = ?1 AND incarnation <> ?2 \
+             AND beat_at >= ?3 - ?4 ORDER BY incarnation",
+        )
+        .bind(name)
+        .bind(number)
+        .bind(now)
+        .bind(dead_after_ms)
+        .fetch_all(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(Incarnation {
+            holder,
+            number,
+            live_siblings,
+        })
+    }
+
+    async fn heartbeat(
+        &self,
+        holder: &str,
+        now: Millis,
+        dead_after_ms: i64,
+    ) -> Result<Vec<Restock>, LedgerError> {
+        let (name, number) = split_holder(holder);
+        let mut tx = self.writer.begin().await?;
+        let since: Option<i64> =
+            sqlx::query_scalar("SELECT ?2 - beat_at FROM nodes WHERE holder = ?1")
+                .bind(holder)
+                .bind(now)
+                .fetch_optional(&mut *tx)
+                .await?;
+        sqlx::query(
+            "INSERT INTO nodes (holder, name, incarnation, started_at, beat_at) \
+             VALUES (?1, ?2, ?3, ?4, ?4) ON CONFLICT (holder) DO UPDATE SET beat_at = ?4",
+        )
+        .bind(holder)
+        .bind(name)
+        .bind(number)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        let mut restocks = Vec::new();
+        if since.is_some_and(|ms| ms <= dead_after_ms) {
+            let dead: Vec<String> = sqlx::query_scalar(
+                "DELETE FROM nodes WHERE beat_at < ?1 - ?2 RETURNING holder",
+            )
+            .bind(now)
+            .bind(dead_after_ms)
+            .fetch_all(&mut *tx)
+            .await?;
+            for h in &dead {
+                restocks.extend(close_leases_in(&mut tx, Closing::Dead(h), now).await?);
+            }
+        }
+        tx.commit().await?;
+        Ok(group_restocks(
+            restocks.into_iter().map(|r| (r.voucher_code, r.units)).collect(),
+        ))
+    }
+
+    async fn retire_node(&self, holder: &str) -> Result<(), LedgerError> {
+        sqlx::query("DELETE FROM nodes WHERE holder = ?1")
+            .bind(holder)
+            .execute(&self.writer)
+            .await?;
+        Ok(())
     }
 
     async fn commit_batches(&self, batches: &[Batch]) -> Result<BatchResults, LedgerError> {

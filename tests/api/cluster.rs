@@ -300,9 +300,11 @@ async fn a_killed_node_loses_nothing_and_its_units_are_sold_by_the_others() {
     let (Some(db), Some(redis)) = (fresh_pg_schema("kill").await, redis_url()) else {
         return;
     };
+    // Leases outlive the test (10 minutes): only the dead node's missing heartbeat can bring its
+    // units back in time, not the TTL reaper.
     let env = [
-        ("VOUCHERS__ENGINE__LEASE_TTL_MS", "3000"),
-        ("VOUCHERS__ENGINE__LEASE_SAFETY_MS", "1000"),
+        ("VOUCHERS__ENGINE__LEASE_TTL_MS", "600000"),
+        ("VOUCHERS__ENGINE__LEASE_SAFETY_MS", "5000"),
         ("VOUCHERS__JOBS__REAPER_INTERVAL_MS", "300"),
     ];
     let mut cluster = Cluster::start(3, &db, &redis, &env).await;
@@ -354,7 +356,7 @@ async fn a_killed_node_loses_nothing_and_its_units_are_sold_by_the_others() {
     // The survivors keep selling until the dead node's lease comes back and everything is sold.
     let survivors = vec![bases[0].clone(), bases[1].clone()];
     let mut next = 501;
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let deadline = Instant::now() + Duration::from_secs(120);
     loop {
         let wave = flood(
             &cluster.client,
@@ -420,12 +422,12 @@ async fn a_killed_node_loses_nothing_and_its_units_are_sold_by_the_others() {
             "acknowledged {order} is in the ledger"
         );
     }
-    // The dead node's unused units came back through the reaper. Only when the kill found its
-    // leases fully used was there nothing to reap.
+    // The dead node's unused units came back because it stopped beating, long before the
+    // leases' TTL. Only when the kill found its leases fully used was there nothing to reap.
     let (reaped, unused_at_death): (i64, i64) = sqlx::query_as(
-        "SELECT COUNT(*) FILTER (WHERE state = 'REAPED'), \
+        "SELECT COUNT(*) FILTER (WHERE state = 'REAPED' AND closed_at < expires_at), \
                 COUNT(*) FILTER (WHERE state <> 'RETURNED' AND consumed < granted) \
-         FROM leases WHERE voucher_code = $1 AND node_id = 'node-2'",
+         FROM leases WHERE voucher_code = $1 AND node_id LIKE 'node-2#%'",
     )
     .bind(&code)
     .fetch_one(&pool)
@@ -459,7 +461,7 @@ async fn a_paused_node_is_fenced_after_its_lease_is_reaped() {
     assert_eq!(count(&warm, 201), 60);
     let pool = cluster.pg().await;
     let lease_ids: Vec<i64> = sqlx::query_scalar(
-        "SELECT id FROM leases WHERE voucher_code = $1 AND node_id = 'node-2' AND state = 'ACTIVE'",
+        "SELECT id FROM leases WHERE voucher_code = $1 AND node_id LIKE 'node-2#%' AND state = 'ACTIVE'",
     )
     .bind(&code)
     .fetch_all(&pool)
@@ -1293,7 +1295,7 @@ async fn a_dry_node_recalls_the_units_another_node_holds_idle() {
     let pg = cluster.pg().await;
     let held_by_node1: i64 = sqlx::query_scalar(
         "SELECT COALESCE(SUM(granted - consumed), 0)::BIGINT FROM leases \
-         WHERE voucher_code = $1 AND node_id = 'node-1' AND state = 'ACTIVE'",
+         WHERE voucher_code = $1 AND node_id LIKE 'node-1#%' AND state = 'ACTIVE'",
     )
     .bind(&code)
     .fetch_one(&pg)
@@ -1652,5 +1654,92 @@ async fn the_feed_holds_every_change_once_in_order_through_a_sigkill() {
         seen.reserved.len(),
         seen.confirmed.len(),
         seen.released.len()
+    );
+}
+
+/// Issue 9: a rolling restart starts the new process under the same `node.id` before the old one
+/// stops. Each is its own incarnation (`node-0#1`, `node-0#2`): the new one's start leaves the
+/// old one's lease alone, the old one's graceful stop returns only its own leases, and no batch
+/// of either is fenced by the other. Every reserve gets its 201.
+#[actix_web::test]
+#[cfg_attr(
+    any(no_test_pg, no_test_redis),
+    ignore = "needs TEST_DATABASE_URL and TEST_REDIS_URL; .ci/run sets them"
+)]
+async fn a_rolling_restart_under_one_node_id_fences_nobody() {
+    let (Some(db), Some(redis)) = (fresh_pg_schema("rolling").await, redis_url()) else {
+        return;
+    };
+    let mut cluster = Cluster::start(1, &db, &redis, &[]).await;
+    let code = code("ROLL");
+    cluster.create(&code, 1000, 1).await;
+    let old = cluster.base(0);
+    let first = flood(&cluster.client, &[old.clone()], &[1], &code, 1..101, 16).await;
+    assert_eq!(count(&first, 201), 100);
+    let pool = cluster.pg().await;
+    let holders = |pool: sqlx::PgPool, code: String| async move {
+        let rows: Vec<(String, String)> = sqlx::query_as(
+            "SELECT node_id, state FROM leases WHERE voucher_code = $1 ORDER BY id",
+        )
+        .bind(&code)
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        rows
+    };
+    let before = holders(pool.clone(), code.clone()).await;
+    assert!(
+        before.iter().any(|(h, s)| h == "node-0#1" && s == "ACTIVE"),
+        "the old process holds a lease: {before:?}"
+    );
+    // The new process, same node.id, while the old one still serves.
+    cluster.nodes.push(Cluster::node(0, &db, &redis, &[]).await);
+    let new = cluster.base(1);
+    let after_start = holders(pool.clone(), code.clone()).await;
+    assert_eq!(
+        after_start, before,
+        "the new process's start touched no lease of the old one"
+    );
+    let both = flood(
+        &cluster.client,
+        &[old.clone(), new.clone()],
+        &[1, 1],
+        &code,
+        101..301,
+        16,
+    )
+    .await;
+    assert_eq!(count(&both, 201), 200, "both processes sell side by side");
+    // The old process stops gracefully while the new one sells on.
+    let old_pid = cluster.nodes[0].pid();
+    unsafe { libc::kill(old_pid, libc::SIGTERM) };
+    let status = cluster.nodes[0].wait();
+    assert!(status.success(), "clean exit: {status:?}");
+    let last = flood(&cluster.client, &[new.clone()], &[1], &code, 301..401, 16).await;
+    assert_eq!(count(&last, 201), 100, "the new process sells on");
+    let leases = holders(pool.clone(), code.clone()).await;
+    assert!(
+        leases
+            .iter()
+            .all(|(h, s)| (h == "node-0#1" && s == "RETURNED") || h == "node-0#2"),
+        "the old process returned its own leases, nobody reaped or returned another's: {leases:?}"
+    );
+    assert!(
+        leases
+            .iter()
+            .any(|(h, s)| h == "node-0#2" && s == "ACTIVE"),
+        "the new process still holds its lease: {leases:?}"
+    );
+    let m = metrics_text(&cluster.client, &new).await;
+    assert_eq!(
+        crate::helpers::metric_sum(&m, "vouchers_lease_events_total", &["event=\"fenced\""]),
+        0.0,
+        "no batch of the new process was fenced"
+    );
+    let v = cluster.admin(1, &code).await;
+    assert_eq!(
+        (v["reserved"].clone(), v["balanced"].clone()),
+        (json!(400), json!(true)),
+        "{v}"
     );
 }

@@ -65,8 +65,103 @@ pub async fn conformance(l: SharedLedger) {
     edits_follow_the_rules(&l).await;
     merged_batches_settle_each_batch_on_its_own(&l).await;
     an_order_id_is_not_taken_by_a_row_that_never_inserts(&l).await;
+    holders_that_stop_beating_are_reaped_at_once(&l).await;
     // Last: it checks the feed of every change the checks above made.
     the_feed_tells_every_change_once_in_order(&l).await;
+}
+
+/// Wall-clock milliseconds: liveness is judged on the ledger's clock, which on PostgreSQL is the
+/// database's own (the `now` passed in only stamps `closed_at`).
+fn wall_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+/// Units a heartbeat reaped of one voucher.
+fn reaped_of(restocks: &[ledger::Restock], code: &str) -> i64 {
+    restocks
+        .iter()
+        .filter(|r| r.voucher_code == code)
+        .map(|r| r.units)
+        .sum()
+}
+
+/// DESIGN §3 "Reap": incarnations are numbered per name and never reused; a holder that stops
+/// beating has its leases reaped by the next live holder's beat, long before their TTL; a live
+/// holder's and a pre-incarnation holder's leases are left alone; a holder that was itself
+/// silent judges nobody on its first beat back.
+async fn holders_that_stop_beating_are_reaped_at_once(l: &SharedLedger) {
+    const DEAD_AFTER: i64 = 300;
+    l.create_voucher(&voucher("HB", 20, 5), NOW).await.unwrap();
+    let a = l.register_node("hb-a", wall_ms(), DEAD_AFTER).await.unwrap();
+    let b1 = l.register_node("hb-b", wall_ms(), DEAD_AFTER).await.unwrap();
+    let b2 = l.register_node("hb-b", wall_ms(), DEAD_AFTER).await.unwrap();
+    assert_eq!((a.holder.as_str(), a.number), ("hb-a#1", 1));
+    assert_eq!((b2.holder.as_str(), b2.number), ("hb-b#2", 2));
+    assert_eq!(b2.live_siblings, vec![1], "the first hb-b still beats");
+    let lease = |holder: String, units: i64| {
+        let l = l.clone();
+        async move {
+            l.grant("HB", &holder, units, NOW, 10 * 60_000)
+                .await
+                .unwrap()
+                .lease
+                .unwrap()
+        }
+    };
+    let la = lease(a.holder.clone(), 3).await;
+    let lb = lease(b1.holder.clone(), 4).await;
+    let legacy = lease("hb-legacy".into(), 2).await;
+    // Everyone just beat: nobody is dead.
+    let r = l.heartbeat(&a.holder, wall_ms(), DEAD_AFTER).await.unwrap();
+    assert_eq!(reaped_of(&r, "HB"), 0, "nobody is dead yet: {r:?}");
+    // hb-a keeps beating, the hb-b processes do not: hb-b#1's lease comes back, once.
+    let start = std::time::Instant::now();
+    let mut reaped = 0;
+    while reaped == 0 {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(10),
+            "the silent holder was never reaped"
+        );
+        let r = l.heartbeat(&a.holder, wall_ms(), DEAD_AFTER).await.unwrap();
+        reaped = reaped_of(&r, "HB");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(reaped, 4, "hb-b#1's unused units");
+    let res = l.commit_batch(&batch("HB", lb.id, rows(&[("hb1", 1)]))).await;
+    assert!(
+        matches!(res, Err(LedgerError::Fenced)),
+        "a dead holder's lease is fenced: {res:?}"
+    );
+    l.commit_batch(&batch("HB", la.id, rows(&[("hb2", 2)])))
+        .await
+        .unwrap();
+    l.commit_batch(&batch("HB", legacy.id, rows(&[("hb3", 3)])))
+        .await
+        .unwrap();
+    let c = balanced(l, "HB").await;
+    assert_eq!((c.free, c.leased_unused, c.reserved), (15, 3, 2), "{c:?}");
+    // A dead holder that beats again is recorded again and judges nobody on that beat.
+    let r = l.heartbeat(&b1.holder, wall_ms(), DEAD_AFTER).await.unwrap();
+    assert_eq!(reaped_of(&r, "HB"), 0, "{r:?}");
+    // Everyone falls silent; the first beat back (hb-b#1's, itself silent) judges nobody, its
+    // next one reaps hb-a#1, whose silence is now its own.
+    let silent = std::time::Instant::now();
+    tokio::time::sleep(std::time::Duration::from_millis(2 * DEAD_AFTER as u64)).await;
+    assert!(silent.elapsed().as_millis() as i64 > DEAD_AFTER);
+    let r = l.heartbeat(&b1.holder, wall_ms(), DEAD_AFTER).await.unwrap();
+    assert_eq!(reaped_of(&r, "HB"), 0, "a holder back from silence judges nobody: {r:?}");
+    let r = l.heartbeat(&b1.holder, wall_ms(), DEAD_AFTER).await.unwrap();
+    assert_eq!(reaped_of(&r, "HB"), 2, "hb-a#1's two unused units: {r:?}");
+    // The pre-incarnation holder has no beat to judge: its lease waits for its TTL.
+    let c = balanced(l, "HB").await;
+    assert_eq!((c.free, c.leased_unused, c.reserved), (17, 1, 2), "{c:?}");
+    // Numbers are never reused, even after a retirement.
+    l.retire_node(&b2.holder).await.unwrap();
+    let b3 = l.register_node("hb-b", wall_ms(), DEAD_AFTER).await.unwrap();
+    assert_eq!(b3.number, 3);
 }
 
 /// Customers of vouchers whose rows were all refused: none may have a usage row (DESIGN §6: a
