@@ -93,6 +93,11 @@ pub struct LedgerSettings {
     /// Every ledger call (a merged transaction included) not answered by then fails with `503`;
     /// on PostgreSQL also each statement's and each lock wait's limit.
     pub timeout_ms: u64,
+    /// Calls in a row that found the ledger unavailable before the node's circuit breaker opens
+    /// (0: never).
+    pub breaker_failures: u32,
+    /// How long the breaker stays open before one call goes through as a probe.
+    pub breaker_open_ms: u64,
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -30,9 +30,12 @@ pub fn start(engine: &EngineHandle, s: &JobSettings, node: &NodeSettings) -> Job
     let e = engine.clone();
     let dead_after = node.dead_after_ms;
     Jobs(vec![
-        job(engine, node.heartbeat_ms, "heartbeat", move |e| async move {
-            e.heartbeat(dead_after).await
-        }),
+        job(
+            engine,
+            node.heartbeat_ms,
+            "heartbeat",
+            move |e| async move { e.heartbeat(dead_after).await },
+        ),
         job(
             engine,
             s.expiry_interval_ms,

@@ -275,6 +275,8 @@ fn register_catalogue() {
         counter!(LEDGER_COMMITS, "result" => result).increment(0);
     }
     counter!(RECONCILE_MISMATCHES).increment(0);
+    counter!(BREAKER_OPENED).increment(0);
+    breaker_state(crate::ledger::breaker::BreakerState::Closed);
     counter!(EXPIRED).increment(0);
     counter!(KNOWN_CODES_READS).increment(0);
     switches(false, false);
@@ -471,6 +473,19 @@ pub fn redis_configured(yes: bool) {
 
 pub fn redis_up(up: bool) {
     gauge!(REDIS_UP).set(if up { 1.0 } else { 0.0 });
+}
+
+pub const BREAKER_STATE: &str = "vouchers_ledger_breaker_state";
+pub const BREAKER_OPENED: &str = "vouchers_ledger_breaker_opened_total";
+
+/// The ledger circuit breaker's state: 0 closed, 1 half-open (a probe is out), 2 open.
+pub fn breaker_state(state: crate::ledger::breaker::BreakerState) {
+    gauge!(BREAKER_STATE).set(state.level());
+}
+
+/// The breaker opened after failures in a row (a failed probe reopening it is not counted).
+pub fn breaker_opened() {
+    counter!(BREAKER_OPENED).increment(1);
 }
 
 #[cfg(test)]

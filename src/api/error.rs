@@ -22,6 +22,9 @@ pub enum ApiError {
     Unauthorized,
     #[error("not found")]
     NotFound,
+    /// Readiness: what is down.
+    #[error("not ready: {0}")]
+    NotReady(&'static str),
 }
 
 /// The `error` field of every error body (DESIGN §6).
@@ -42,8 +45,8 @@ pub enum ErrorCode {
     Unavailable,
 }
 
-/// Every error answer: `{"error": CODE}`, with `reason` for `NOT_ELIGIBLE` and `detail` for
-/// `INVALID_REQUEST`.
+/// Every error answer: `{"error": CODE}`, with `reason` for `NOT_ELIGIBLE`, and `detail` for
+/// `INVALID_REQUEST` and for readiness's `UNAVAILABLE` (what is down).
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ErrorBody {
     pub error: ErrorCode,
@@ -78,6 +81,14 @@ impl ApiError {
                     error: C::InvalidRequest,
                     reason: None,
                     detail: Some(detail.clone()),
+                },
+            ),
+            Self::NotReady(what) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                ErrorBody {
+                    error: C::Unavailable,
+                    reason: None,
+                    detail: Some(what.to_string()),
                 },
             ),
             Self::PayloadTooLarge => plain(StatusCode::PAYLOAD_TOO_LARGE, C::PayloadTooLarge),

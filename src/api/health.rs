@@ -5,7 +5,6 @@ use serde_json::json;
 
 use super::error::ErrorBody;
 use super::{ApiError, AppState};
-use crate::engine::EngineError;
 
 /// `{"status": "ok"}`.
 #[derive(serde::Serialize, utoipa::ToSchema)]
@@ -32,7 +31,8 @@ pub async fn live() -> HttpResponse {
     HttpResponse::Ok().json(json!({ "status": "ok" }))
 }
 
-/// `503` when the ledger does not answer.
+/// `503` when the ledger does not answer, or the node's circuit breaker on it is open; `detail`
+/// says which.
 #[utoipa::path(get, operation_id = "ready", path = "/health/ready", tag = "operations",
     responses(
         (status = 200, description = "The ledger answers", body = Ready),
@@ -40,15 +40,16 @@ pub async fn live() -> HttpResponse {
             headers(("Retry-After" = u64, description = "Seconds to wait before retrying"))),
     ))]
 pub async fn ready(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
-    if state.engine.ready().await {
-        let s = state.engine.switches();
-        Ok(HttpResponse::Ok().json(Ready {
-            status: "ok",
-            sales_paused: s.sales_paused,
-            read_only: s.read_only,
-        }))
-    } else {
-        Err(EngineError::Unavailable.into())
+    match state.engine.ready().await {
+        Ok(()) => {
+            let s = state.engine.switches();
+            Ok(HttpResponse::Ok().json(Ready {
+                status: "ok",
+                sales_paused: s.sales_paused,
+                read_only: s.read_only,
+            }))
+        }
+        Err(what) => Err(ApiError::NotReady(what)),
     }
 }
 

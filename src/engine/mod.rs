@@ -79,6 +79,8 @@ impl From<LedgerError> for EngineError {
                 tracing::warn!(error = %e, "ledger call failed");
                 Self::Unavailable
             }
+            // Said once, when the breaker opened.
+            LedgerError::CircuitOpen => Self::Unavailable,
         }
     }
 }
@@ -505,6 +507,10 @@ impl EngineHandle {
                 let res = self.answer_sold_out(code, &req, &entry.shared).await;
                 m::reservation(outcome_of(&res));
                 return res;
+            }
+            if self.ledger_refused() {
+                m::reservation(Outcome::Unavailable);
+                return Err(EngineError::Unavailable);
             }
             let (tx, rx) = oneshot::channel();
             match entry.addr.try_send(Reserve {
@@ -937,8 +943,18 @@ impl EngineHandle {
         }
     }
 
-    pub async fn ready(&self) -> bool {
-        self.core.ledger.ping().await.is_ok()
+    /// `Err` says what is down: the ledger, or the node's circuit breaker on it.
+    pub async fn ready(&self) -> Result<(), &'static str> {
+        match self.core.ledger.ping().await {
+            Ok(()) => Ok(()),
+            Err(LedgerError::CircuitOpen) => Err("ledger circuit open"),
+            Err(_) => Err("ledger does not answer"),
+        }
+    }
+
+    /// The node's circuit breaker is open (or probing): a new reserve would only fail later.
+    fn ledger_refused(&self) -> bool {
+        self.core.ledger.breaker().is_some_and(|b| b.is_open())
     }
 
     fn after_restocks(&self, restocks: impl Iterator<Item = Restock>) {

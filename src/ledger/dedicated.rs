@@ -12,10 +12,11 @@ use std::future::Future;
 use async_trait::async_trait;
 use tokio::runtime::Handle;
 
+use super::breaker::{Admit, Breaker};
 use super::committer::Committer;
 use super::{
-    Batch, BatchResults, Counters, Grant, Incarnation, Ledger, LedgerError, LiveUnits, Restock, RowOutcome,
-    SharedLedger,
+    Batch, BatchResults, Counters, Grant, Incarnation, Ledger, LedgerError, LiveUnits, Restock,
+    RowOutcome, SharedLedger,
 };
 use crate::clock::Millis;
 use crate::domain::{FeedEvent, Reservation, Switches, SwitchesPatch, Voucher, VoucherPatch};
@@ -27,6 +28,8 @@ pub struct Dedicated {
     committer: Committer,
     /// No call waits longer than this: a hung connection answers `Unavailable`, not never.
     deadline: std::time::Duration,
+    /// Every call passes it: while it is open, calls fail at once without touching the ledger.
+    breaker: Breaker,
 }
 
 impl Dedicated {
@@ -35,12 +38,14 @@ impl Dedicated {
         rt: Handle,
         committer: Committer,
         deadline: std::time::Duration,
+        breaker: Breaker,
     ) -> Self {
         Self {
             inner,
             rt,
             committer,
             deadline,
+            breaker,
         }
     }
 
@@ -50,16 +55,40 @@ impl Dedicated {
         F: FnOnce(SharedLedger) -> Fut,
         Fut: Future<Output = Result<T, LedgerError>> + Send + 'static,
     {
-        match tokio::time::timeout(self.deadline, self.rt.spawn(f(self.inner.clone()))).await {
-            Ok(Ok(res)) => res,
-            Ok(Err(_)) => Err(LedgerError::Unavailable(sqlx::Error::WorkerCrashed)),
-            Err(_) => Err(LedgerError::Unavailable(sqlx::Error::PoolTimedOut)),
+        let fut = f(self.inner.clone());
+        self.guarded(async {
+            match tokio::time::timeout(self.deadline, self.rt.spawn(fut)).await {
+                Ok(Ok(res)) => res,
+                Ok(Err(_)) => Err(LedgerError::Unavailable(sqlx::Error::WorkerCrashed)),
+                Err(_) => Err(LedgerError::Unavailable(sqlx::Error::PoolTimedOut)),
+            }
+        })
+        .await
+    }
+
+    /// Runs `call` if the breaker lets it, and tells the breaker how it went.
+    async fn guarded<T>(
+        &self,
+        call: impl Future<Output = Result<T, LedgerError>>,
+    ) -> Result<T, LedgerError> {
+        let admitted = self.breaker.admit(self.breaker.now_ms());
+        if admitted == Admit::Refuse {
+            return Err(LedgerError::CircuitOpen);
         }
+        let res = call.await;
+        let available = !matches!(res, Err(LedgerError::Unavailable(_)));
+        self.breaker
+            .record(admitted, available, self.breaker.now_ms());
+        res
     }
 }
 
 #[async_trait]
 impl Ledger for Dedicated {
+    fn breaker(&self) -> Option<&Breaker> {
+        Some(&self.breaker)
+    }
+
     async fn ping(&self) -> Result<(), LedgerError> {
         self.run(|l| async move { l.ping().await }).await
     }
@@ -165,7 +194,7 @@ impl Ledger for Dedicated {
     }
 
     async fn commit_batch(&self, batch: &Batch) -> Result<Vec<RowOutcome>, LedgerError> {
-        self.committer.commit(batch.clone()).await
+        self.guarded(self.committer.commit(batch.clone())).await
     }
 
     async fn commit_batches(&self, batches: &[Batch]) -> Result<BatchResults, LedgerError> {

@@ -7,6 +7,7 @@
 //! (`tests/api/ledger.rs`). The decision of which rows of a batch win is the pure function
 //! [`plan_batch`], shared by both, so the two stores cannot disagree on it.
 
+pub mod breaker;
 mod committer;
 mod dedicated;
 pub mod postgres;
@@ -44,6 +45,9 @@ pub enum LedgerError {
     Invalid(&'static str),
     #[error("ledger unavailable: {0}")]
     Unavailable(#[from] sqlx::Error),
+    /// The node's circuit breaker is open: the call was not made (see [`breaker`]).
+    #[error("ledger unavailable: circuit open")]
+    CircuitOpen,
 }
 
 /// A block of units taken off `free` for one node.
@@ -215,6 +219,10 @@ pub struct Restock {
 pub trait Ledger: Send + Sync + 'static {
     /// A cheap round trip, for readiness.
     async fn ping(&self) -> Result<(), LedgerError>;
+    /// The node's circuit breaker, where calls pass one (the node's wrapped ledger).
+    fn breaker(&self) -> Option<&breaker::Breaker> {
+        None
+    }
     async fn create_voucher(&self, voucher: &Voucher, now: Millis) -> Result<(), LedgerError>;
     async fn voucher(&self, code: &str) -> Result<Option<Voucher>, LedgerError>;
     /// A voucher and the units still to be had (free plus unused in active leases), in one read.
@@ -560,7 +568,10 @@ pub fn grouped(
             Box::pin(async move { ledger.commit_batches(&batches).await })
         }),
     );
-    Arc::new(dedicated::Dedicated::new(inner, rt, committer, deadline))
+    let breaker = breaker::Breaker::new(settings.breaker_failures, settings.breaker_open_ms);
+    Arc::new(dedicated::Dedicated::new(
+        inner, rt, committer, deadline, breaker,
+    ))
 }
 
 /// Opens the ledger a URL names: `sqlite://…` or `postgres://…`, and runs its migrations.

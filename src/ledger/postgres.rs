@@ -829,7 +829,11 @@ impl PostgresLedger {
         let restocks = close_leases_in(&mut tx, Closing::Dead(holder), now).await?;
         tx.commit().await?;
         let units: i64 = restocks.iter().map(|r| r.units).sum();
-        tracing::warn!(holder, units, "reaped the leases of a holder that stopped beating");
+        tracing::warn!(
+            holder,
+            units,
+            "reaped the leases of a holder that stopped beating"
+        );
         Ok(restocks)
     }
 }

@@ -403,20 +403,22 @@ impl Ledger for SqliteLedger {
         .await?;
         let mut restocks = Vec::new();
         if since.is_some_and(|ms| ms <= dead_after_ms) {
-            let dead: Vec<String> = sqlx::query_scalar(
-                "DELETE FROM nodes WHERE beat_at < ?1 - ?2 RETURNING holder",
-            )
-            .bind(now)
-            .bind(dead_after_ms)
-            .fetch_all(&mut *tx)
-            .await?;
+            let dead: Vec<String> =
+                sqlx::query_scalar("DELETE FROM nodes WHERE beat_at < ?1 - ?2 RETURNING holder")
+                    .bind(now)
+                    .bind(dead_after_ms)
+                    .fetch_all(&mut *tx)
+                    .await?;
             for h in &dead {
                 restocks.extend(close_leases_in(&mut tx, Closing::Dead(h), now).await?);
             }
         }
         tx.commit().await?;
         Ok(group_restocks(
-            restocks.into_iter().map(|r| (r.voucher_code, r.units)).collect(),
+            restocks
+                .into_iter()
+                .map(|r| (r.voucher_code, r.units))
+                .collect(),
         ))
     }
 

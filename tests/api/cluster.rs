@@ -707,7 +707,9 @@ async fn losing_postgres_fails_fast_and_recovers() {
     };
     let proxy = Proxy::start(&host_port(&db)).await;
     let db_via_proxy = via_port(&db, proxy.port);
-    let cluster = Cluster::start(2, &db_via_proxy, &redis, &[]).await;
+    // The breaker stays open long enough to see that nothing reaches the ledger meanwhile.
+    let env = [("VOUCHERS__LEDGER__BREAKER_OPEN_MS", "8000")];
+    let cluster = Cluster::start(2, &db_via_proxy, &redis, &env).await;
     let code = code("NOPG");
     cluster.create(&code, 1000, 1).await;
     let bases = cluster.bases();
@@ -718,20 +720,37 @@ async fn losing_postgres_fails_fast_and_recovers() {
         ),
         40
     );
-    proxy.cut();
-    let started = Instant::now();
-    let down = flood(&cluster.client, &bases, &[1, 1], &code, 100..140, 8).await;
-    let took = started.elapsed();
-    for (node, order, a) in &down {
-        let a = a.as_ref().expect("answered, not hung");
-        assert_eq!(
-            (a.0, a.1["error"].as_str()),
-            (503, Some("UNAVAILABLE")),
-            "node {node} {order}: no 201 without a commit"
-        );
-    }
+    let breaker = |c: awc::Client, base: String| async move {
+        crate::helpers::metric_sum(
+            &metrics_text(&c, &base).await,
+            "vouchers_ledger_breaker_state",
+            &[],
+        )
+    };
     for base in &bases {
-        let (s, _) = send(
+        assert_eq!(breaker(cluster.client.clone(), base.clone()).await, 0.0);
+    }
+    proxy.cut();
+    let down = flood(&cluster.client, &bases, &[1, 1], &code, 100..140, 8).await;
+    let refused = |answers: &[(usize, String, Option<Answer>)]| {
+        for (node, order, a) in answers {
+            let a = a.as_ref().expect("answered, not hung");
+            assert_eq!(
+                (a.0, a.1["error"].as_str()),
+                (503, Some("UNAVAILABLE")),
+                "node {node} {order}: no 201 without a commit"
+            );
+        }
+    };
+    refused(&down);
+    // Failures in a row open each node's breaker (the heartbeat alone fails every 250 ms).
+    for base in &bases {
+        eventually("the breaker opens", Duration::from_secs(20), || {
+            let (c, base) = (cluster.client.clone(), base.clone());
+            async move { breaker(c, base).await == 2.0 }
+        })
+        .await;
+        let (s, b) = send(
             &cluster.client,
             "GET",
             &format!("{base}/health/ready"),
@@ -739,12 +758,25 @@ async fn losing_postgres_fails_fast_and_recovers() {
             None,
         )
         .await;
-        assert_eq!(s, 503);
+        assert_eq!(
+            (s, b["detail"].as_str()),
+            (503, Some("ledger circuit open"))
+        );
+        let m = metrics_text(&cluster.client, base).await;
+        assert!(crate::helpers::metric_sum(&m, "vouchers_ledger_breaker_opened_total", &[]) >= 1.0);
     }
-    eprintln!("40 reserves with PostgreSQL unreachable answered 503 in {took:?}");
+    // While open, reserves are refused without a single connection attempt to the ledger.
+    let tried = proxy.attempts();
+    let open = flood(&cluster.client, &bases, &[1, 1], &code, 140..180, 8).await;
+    refused(&open);
+    assert_eq!(
+        proxy.attempts(),
+        tried,
+        "no call reached for the ledger while the breaker was open"
+    );
     proxy.restore();
     let mut next = 200;
-    eventually("recovery", Duration::from_secs(30), || {
+    eventually("recovery", Duration::from_secs(40), || {
         let (c, bases, code) = (cluster.client.clone(), bases.clone(), code.clone());
         next += 1;
         let i = next;
@@ -764,6 +796,11 @@ async fn losing_postgres_fails_fast_and_recovers() {
     })
     .await;
     for base in &bases {
+        eventually("the breaker closes", Duration::from_secs(20), || {
+            let (c, base) = (cluster.client.clone(), base.clone());
+            async move { breaker(c, base).await == 0.0 }
+        })
+        .await;
         let (s, _) = send(
             &cluster.client,
             "GET",
@@ -1678,13 +1715,12 @@ async fn a_rolling_restart_under_one_node_id_fences_nobody() {
     assert_eq!(count(&first, 201), 100);
     let pool = cluster.pg().await;
     let holders = |pool: sqlx::PgPool, code: String| async move {
-        let rows: Vec<(String, String)> = sqlx::query_as(
-            "SELECT node_id, state FROM leases WHERE voucher_code = $1 ORDER BY id",
-        )
-        .bind(&code)
-        .fetch_all(&pool)
-        .await
-        .unwrap();
+        let rows: Vec<(String, String)> =
+            sqlx::query_as("SELECT node_id, state FROM leases WHERE voucher_code = $1 ORDER BY id")
+                .bind(&code)
+                .fetch_all(&pool)
+                .await
+                .unwrap();
         rows
     };
     let before = holders(pool.clone(), code.clone()).await;
@@ -1725,9 +1761,7 @@ async fn a_rolling_restart_under_one_node_id_fences_nobody() {
         "the old process returned its own leases, nobody reaped or returned another's: {leases:?}"
     );
     assert!(
-        leases
-            .iter()
-            .any(|(h, s)| h == "node-0#2" && s == "ACTIVE"),
+        leases.iter().any(|(h, s)| h == "node-0#2" && s == "ACTIVE"),
         "the new process still holds its lease: {leases:?}"
     );
     let m = metrics_text(&cluster.client, &new).await;

@@ -95,9 +95,18 @@ fn reaped_of(restocks: &[ledger::Restock], code: &str) -> i64 {
 async fn holders_that_stop_beating_are_reaped_at_once(l: &SharedLedger) {
     const DEAD_AFTER: i64 = 300;
     l.create_voucher(&voucher("HB", 20, 5), NOW).await.unwrap();
-    let a = l.register_node("hb-a", wall_ms(), DEAD_AFTER).await.unwrap();
-    let b1 = l.register_node("hb-b", wall_ms(), DEAD_AFTER).await.unwrap();
-    let b2 = l.register_node("hb-b", wall_ms(), DEAD_AFTER).await.unwrap();
+    let a = l
+        .register_node("hb-a", wall_ms(), DEAD_AFTER)
+        .await
+        .unwrap();
+    let b1 = l
+        .register_node("hb-b", wall_ms(), DEAD_AFTER)
+        .await
+        .unwrap();
+    let b2 = l
+        .register_node("hb-b", wall_ms(), DEAD_AFTER)
+        .await
+        .unwrap();
     assert_eq!((a.holder.as_str(), a.number), ("hb-a#1", 1));
     assert_eq!((b2.holder.as_str(), b2.number), ("hb-b#2", 2));
     assert_eq!(b2.live_siblings, vec![1], "the first hb-b still beats");
@@ -130,7 +139,9 @@ async fn holders_that_stop_beating_are_reaped_at_once(l: &SharedLedger) {
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
     assert_eq!(reaped, 4, "hb-b#1's unused units");
-    let res = l.commit_batch(&batch("HB", lb.id, rows(&[("hb1", 1)]))).await;
+    let res = l
+        .commit_batch(&batch("HB", lb.id, rows(&[("hb1", 1)])))
+        .await;
     assert!(
         matches!(res, Err(LedgerError::Fenced)),
         "a dead holder's lease is fenced: {res:?}"
@@ -144,23 +155,39 @@ async fn holders_that_stop_beating_are_reaped_at_once(l: &SharedLedger) {
     let c = balanced(l, "HB").await;
     assert_eq!((c.free, c.leased_unused, c.reserved), (15, 3, 2), "{c:?}");
     // A dead holder that beats again is recorded again and judges nobody on that beat.
-    let r = l.heartbeat(&b1.holder, wall_ms(), DEAD_AFTER).await.unwrap();
+    let r = l
+        .heartbeat(&b1.holder, wall_ms(), DEAD_AFTER)
+        .await
+        .unwrap();
     assert_eq!(reaped_of(&r, "HB"), 0, "{r:?}");
     // Everyone falls silent; the first beat back (hb-b#1's, itself silent) judges nobody, its
     // next one reaps hb-a#1, whose silence is now its own.
     let silent = std::time::Instant::now();
     tokio::time::sleep(std::time::Duration::from_millis(2 * DEAD_AFTER as u64)).await;
     assert!(silent.elapsed().as_millis() as i64 > DEAD_AFTER);
-    let r = l.heartbeat(&b1.holder, wall_ms(), DEAD_AFTER).await.unwrap();
-    assert_eq!(reaped_of(&r, "HB"), 0, "a holder back from silence judges nobody: {r:?}");
-    let r = l.heartbeat(&b1.holder, wall_ms(), DEAD_AFTER).await.unwrap();
+    let r = l
+        .heartbeat(&b1.holder, wall_ms(), DEAD_AFTER)
+        .await
+        .unwrap();
+    assert_eq!(
+        reaped_of(&r, "HB"),
+        0,
+        "a holder back from silence judges nobody: {r:?}"
+    );
+    let r = l
+        .heartbeat(&b1.holder, wall_ms(), DEAD_AFTER)
+        .await
+        .unwrap();
     assert_eq!(reaped_of(&r, "HB"), 2, "hb-a#1's two unused units: {r:?}");
     // The pre-incarnation holder has no beat to judge: its lease waits for its TTL.
     let c = balanced(l, "HB").await;
     assert_eq!((c.free, c.leased_unused, c.reserved), (17, 1, 2), "{c:?}");
     // Numbers are never reused, even after a retirement.
     l.retire_node(&b2.holder).await.unwrap();
-    let b3 = l.register_node("hb-b", wall_ms(), DEAD_AFTER).await.unwrap();
+    let b3 = l
+        .register_node("hb-b", wall_ms(), DEAD_AFTER)
+        .await
+        .unwrap();
     assert_eq!(b3.number, 3);
 }
 

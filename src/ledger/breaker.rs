@@ -1,0 +1,199 @@
+//! The node's circuit breaker on the ledger: one per process, shared by every caller.
+//!
+//! Every ledger call passes it ([`super::dedicated`]). After `failures` calls in a row that
+//! found the ledger unavailable (an error, or no answer within the deadline) it *opens*: calls
+//! fail at once with [`super::LedgerError::CircuitOpen`] and reserves get `503` without
+//! reaching an actor, so a dead ledger costs no connection attempts, no queued batches and no
+//! waiting clients. After `open_ms` the next call is let through alone as a probe (*half-open*);
+//! its success closes the breaker, its failure opens it again. The heartbeat job calls the
+//! ledger every few hundred milliseconds, so a probe goes out soon after the cool-down even
+//! when no client does.
+//!
+//! Time is passed in (milliseconds of a monotonic clock), so the state machine is tested
+//! without waiting.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::time::Instant;
+
+/// What the breaker lets a call do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admit {
+    /// Closed: go ahead.
+    Pass,
+    /// The one call let through while half-open; its outcome decides.
+    Probe,
+    /// Open (or a probe is out): fail at once.
+    Refuse,
+}
+
+/// The breaker's state, as readiness and the metrics show it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BreakerState {
+    Closed,
+    HalfOpen,
+    Open,
+}
+
+impl BreakerState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Closed => "closed",
+            Self::HalfOpen => "half_open",
+            Self::Open => "open",
+        }
+    }
+
+    /// The gauge's value: 0 closed, 1 half-open, 2 open.
+    pub fn level(self) -> f64 {
+        match self {
+            Self::Closed => 0.0,
+            Self::HalfOpen => 1.0,
+            Self::Open => 2.0,
+        }
+    }
+}
+
+const CLOSED: u8 = 0;
+const HALF_OPEN: u8 = 1;
+const OPEN: u8 = 2;
+
+pub struct Breaker {
+    /// Unavailable answers in a row that open the breaker (0: never opens).
+    failures: u32,
+    /// How long it stays open before a probe may go.
+    open_ms: u64,
+    state: AtomicU8,
+    /// Unavailable answers in a row so far.
+    in_a_row: AtomicU32,
+    /// When it last opened, on [`Breaker::now_ms`]'s clock.
+    opened_at: AtomicU64,
+    /// The origin of [`Breaker::now_ms`].
+    origin: Instant,
+}
+
+impl Breaker {
+    pub fn new(failures: u32, open_ms: u64) -> Self {
+        Self {
+            failures,
+            open_ms,
+            state: AtomicU8::new(CLOSED),
+            in_a_row: AtomicU32::new(0),
+            opened_at: AtomicU64::new(0),
+            origin: Instant::now(),
+        }
+    }
+
+    /// Milliseconds of a monotonic clock private to this breaker.
+    pub fn now_ms(&self) -> u64 {
+        self.origin.elapsed().as_millis() as u64
+    }
+
+    pub fn state(&self) -> BreakerState {
+        match self.state.load(Ordering::Acquire) {
+            CLOSED => BreakerState::Closed,
+            HALF_OPEN => BreakerState::HalfOpen,
+            _ => BreakerState::Open,
+        }
+    }
+
+    /// Open or half-open: new reserves are refused without reaching an actor.
+    pub fn is_open(&self) -> bool {
+        self.state.load(Ordering::Acquire) != CLOSED
+    }
+
+    /// May a call go to the ledger at `now`?
+    pub fn admit(&self, now: u64) -> Admit {
+        match self.state.load(Ordering::Acquire) {
+            CLOSED => Admit::Pass,
+            OPEN if now >= self.opened_at.load(Ordering::Acquire) + self.open_ms => {
+                // Only one caller wins the probe.
+                match self.state.compare_exchange(
+                    OPEN,
+                    HALF_OPEN,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                ) {
+                    Ok(_) => {
+                        crate::metrics::breaker_state(BreakerState::HalfOpen);
+                        Admit::Probe
+                    }
+                    Err(_) => Admit::Refuse,
+                }
+            }
+            _ => Admit::Refuse,
+        }
+    }
+
+    /// The outcome of an admitted call: `available` unless the ledger could not be reached or
+    /// did not answer in time.
+    pub fn record(&self, admitted: Admit, available: bool, now: u64) {
+        if available {
+            self.in_a_row.store(0, Ordering::Release);
+            if admitted == Admit::Probe {
+                self.state.store(CLOSED, Ordering::Release);
+                crate::metrics::breaker_state(BreakerState::Closed);
+                tracing::info!("ledger answers again: circuit closed");
+            }
+            return;
+        }
+        let n = self.in_a_row.fetch_add(1, Ordering::AcqRel) + 1;
+        let trips = admitted == Admit::Probe || (self.failures > 0 && n >= self.failures);
+        if trips && self.state.load(Ordering::Acquire) != OPEN {
+            self.opened_at.store(now, Ordering::Release);
+            self.state.store(OPEN, Ordering::Release);
+            crate::metrics::breaker_state(BreakerState::Open);
+            if admitted != Admit::Probe {
+                crate::metrics::breaker_opened();
+                tracing::warn!(failures = n, "ledger unavailable: circuit open");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn opens_after_failures_in_a_row_probes_once_and_closes_on_success() {
+        let b = Breaker::new(3, 500);
+        assert_eq!(b.admit(0), Admit::Pass);
+        b.record(Admit::Pass, false, 0);
+        b.record(Admit::Pass, false, 1);
+        // A success in between starts the count again.
+        b.record(Admit::Pass, true, 2);
+        b.record(Admit::Pass, false, 3);
+        b.record(Admit::Pass, false, 4);
+        assert_eq!(b.state(), BreakerState::Closed);
+        b.record(Admit::Pass, false, 10);
+        assert_eq!(b.state(), BreakerState::Open);
+        assert_eq!(b.admit(509), Admit::Refuse, "still cooling down");
+        assert_eq!(b.admit(510), Admit::Probe);
+        assert_eq!(b.state(), BreakerState::HalfOpen);
+        assert_eq!(b.admit(511), Admit::Refuse, "one probe at a time");
+        assert!(b.is_open());
+        b.record(Admit::Probe, true, 520);
+        assert_eq!(b.state(), BreakerState::Closed);
+        assert_eq!(b.admit(521), Admit::Pass);
+    }
+
+    #[test]
+    fn a_failed_probe_opens_it_for_another_cool_down() {
+        let b = Breaker::new(1, 100);
+        b.record(Admit::Pass, false, 0);
+        assert_eq!(b.admit(100), Admit::Probe);
+        b.record(Admit::Probe, false, 150);
+        assert_eq!(b.state(), BreakerState::Open);
+        assert_eq!(b.admit(249), Admit::Refuse);
+        assert_eq!(b.admit(250), Admit::Probe);
+    }
+
+    #[test]
+    fn zero_failures_never_opens() {
+        let b = Breaker::new(0, 100);
+        for t in 0..100 {
+            b.record(Admit::Pass, false, t);
+        }
+        assert_eq!(b.admit(100), Admit::Pass);
+    }
+}
