@@ -1711,7 +1711,15 @@ async fn a_rolling_restart_under_one_node_id_fences_nobody() {
     let code = code("ROLL");
     cluster.create(&code, 1000, 1).await;
     let old = cluster.base(0);
-    let first = flood(&cluster.client, &[old.clone()], &[1], &code, 1..101, 16).await;
+    let first = flood(
+        &cluster.client,
+        std::slice::from_ref(&old),
+        &[1],
+        &code,
+        1..101,
+        16,
+    )
+    .await;
     assert_eq!(count(&first, 201), 100);
     let pool = cluster.pg().await;
     let holders = |pool: sqlx::PgPool, code: String| async move {
@@ -1751,7 +1759,15 @@ async fn a_rolling_restart_under_one_node_id_fences_nobody() {
     unsafe { libc::kill(old_pid, libc::SIGTERM) };
     let status = cluster.nodes[0].wait();
     assert!(status.success(), "clean exit: {status:?}");
-    let last = flood(&cluster.client, &[new.clone()], &[1], &code, 301..401, 16).await;
+    let last = flood(
+        &cluster.client,
+        std::slice::from_ref(&new),
+        &[1],
+        &code,
+        301..401,
+        16,
+    )
+    .await;
     assert_eq!(count(&last, 201), 100, "the new process sells on");
     let leases = holders(pool.clone(), code.clone()).await;
     assert!(
