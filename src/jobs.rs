@@ -24,18 +24,22 @@ impl Jobs {
     }
 }
 
-/// Starts every job on the current runtime.
-pub fn start(engine: &EngineHandle, s: &JobSettings, node: &NodeSettings) -> Jobs {
+/// Starts every job on the current runtime. `beat`: the heartbeat's settings, where the ledger
+/// is shared with other processes.
+pub fn start(engine: &EngineHandle, s: &JobSettings, beat: Option<&NodeSettings>) -> Jobs {
     let batch = s.expiry_batch;
     let e = engine.clone();
-    let dead_after = node.dead_after_ms;
-    Jobs(vec![
-        job(
+    let mut jobs = Vec::new();
+    if let Some(node) = beat {
+        let dead_after = node.dead_after_ms;
+        jobs.push(job(
             engine,
             node.heartbeat_ms,
             "heartbeat",
             move |e| async move { e.heartbeat(dead_after).await },
-        ),
+        ));
+    }
+    jobs.extend([
         job(
             engine,
             s.expiry_interval_ms,
@@ -73,7 +77,8 @@ pub fn start(engine: &EngineHandle, s: &JobSettings, node: &NodeSettings) -> Job
             e.limits_upkeep();
             async {}
         }),
-    ])
+    ]);
+    Jobs(jobs)
 }
 
 /// Runs one engine call every `ms`; a failure is counted and logged, and the next tick tries

@@ -9,9 +9,12 @@
 //! - [`engine`]: registry, shards and the per-voucher actor that serves reserves from leases and
 //!   group-commits them; [`engine::sizing`] is the pure lease-sizing logic.
 //! - [`ledger`]: the transactional source of truth (SQLite embedded, PostgreSQL in a cluster)
-//!   behind one trait, with the batch planner both stores share and the node-wide group
-//!   committer that merges every voucher's batches into shared transactions.
-//! - [`jobs`]: expiry sweeper, lease reaper, reconciler.
+//!   behind one trait, with the batch planner both stores share, the node-wide group
+//!   committer that merges every voucher's batches into shared transactions, the node's
+//!   circuit breaker ([`ledger::breaker`]) and the heartbeats that make lease holders known
+//!   as live or dead.
+//! - [`jobs`]: heartbeat (which reaps dead holders' leases), expiry sweeper, lease reaper,
+//!   reconciler.
 //! - [`signals`]: Redis pub/sub hints between nodes (sold out, restock, recall, updated).
 //! - [`feed`]: the relay that copies the ledger's change feed to a Redis Stream.
 //! - [`metrics`]: every metric name and the helpers that record them.

@@ -235,7 +235,7 @@ const LEASE_EVENTS_ALL: [LeaseEvent; 8] = [
     LeaseEvent::Recalled,
 ];
 /// Ledger operations that can fail, the `op` label of [`LEDGER_ERRORS`].
-pub const LEDGER_OPS: [&str; 8] = [
+pub const LEDGER_OPS: [&str; 9] = [
     "load_voucher",
     "commit_batch",
     "grant",
@@ -244,6 +244,8 @@ pub const LEDGER_OPS: [&str; 8] = [
     "won_orders",
     "find_orders",
     "jobs",
+    // A grant the ledger refused because it would hand out more than total_limit.
+    "grant_past_total",
 ];
 const SIGNAL_KINDS: [&str; 6] = [
     "SOLD_OUT", "RESTOCK", "RECALL", "UPDATED", "SWITCHES", "WARM",

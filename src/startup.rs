@@ -131,14 +131,6 @@ async fn register_incarnation(
     now: i64,
 ) -> anyhow::Result<String> {
     let node = &settings.node;
-    if node.dead_after_ms < 3 * node.heartbeat_ms.max(1) as i64 {
-        anyhow::bail!(
-            "node.dead_after_ms ({}) must be at least three node.heartbeat_ms ({}): a live \
-             node that misses one beat would be taken for dead",
-            node.dead_after_ms,
-            node.heartbeat_ms
-        );
-    }
     let name = if node.id.is_empty() {
         format!("node-{}", random_hex(4))
     } else {
@@ -157,6 +149,19 @@ async fn register_incarnation(
         );
     }
     Ok(me.holder)
+}
+
+/// Settings that would make live nodes look dead.
+fn check_liveness_settings(node: &crate::config::NodeSettings) -> anyhow::Result<()> {
+    if node.heartbeat_ms < 10 || node.dead_after_ms < 3 * node.heartbeat_ms as i64 {
+        anyhow::bail!(
+            "node.heartbeat_ms ({}) must be at least 10 and node.dead_after_ms ({}) at least \
+             three of them: a live node that misses one beat would be taken for dead",
+            node.heartbeat_ms,
+            node.dead_after_ms
+        );
+    }
+    Ok(())
 }
 
 impl Application {
@@ -186,6 +191,7 @@ impl Application {
         ledger_handle: tokio::runtime::Handle,
         ledger_rt: &mut Option<tokio::runtime::Runtime>,
     ) -> anyhow::Result<Self> {
+        check_liveness_settings(&settings.node)?;
         // Before anything touches the ledger: one process per embedded ledger.
         let data_lock = lock_embedded_ledger(&settings.ledger.url)?;
         // First: metrics recorded from here on (jobs, relay, actors) must reach the exporter.
@@ -262,7 +268,13 @@ impl Application {
         if let Err(e) = engine.refresh_switches().await {
             tracing::warn!(error = %e, "could not read the switches yet");
         }
-        let jobs = jobs::start(&engine, &settings.jobs, &settings.node);
+        let jobs = jobs::start(
+            &engine,
+            &settings.jobs,
+            // The embedded ledger has one process (the data lock): nobody to judge, and a write
+            // every beat would only queue in front of commits.
+            (!settings.ledger.url.starts_with("sqlite:")).then_some(&settings.node),
+        );
         let listener = TcpListener::bind((settings.http.host.as_str(), settings.http.port))
             .with_context(|| format!("bind {}:{}", settings.http.host, settings.http.port))?;
         let port = listener.local_addr().context("local address")?.port();
@@ -318,8 +330,10 @@ impl Application {
             ..
         } = self;
         let result = server.await;
-        engine.drain().await;
+        // The jobs first: a heartbeat after the drain would bring the retired process back to
+        // life in the ledger.
         jobs.stop();
+        engine.drain().await;
         signals.stop();
         shards.stop();
         ledger_rt.shutdown_background();

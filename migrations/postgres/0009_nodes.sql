@@ -14,7 +14,13 @@ CREATE TABLE IF NOT EXISTS nodes (
     name        TEXT   NOT NULL,
     incarnation BIGINT NOT NULL,
     started_at  BIGINT NOT NULL,
-    beat_at     BIGINT NOT NULL
+    beat_at     BIGINT NOT NULL,
+    -- Since when this holder has beaten without a gap longer than its dead_after: a holder judges
+    -- others only once its own streak is that long, so after an outage that silenced everyone
+    -- nobody is taken for dead before it had the time to beat again.
+    streak_from BIGINT NOT NULL,
+    -- This holder's own limit (node.dead_after_ms): each holder is judged by its own setting.
+    dead_after  BIGINT NOT NULL CHECK (dead_after > 0)
 );
 
 CREATE INDEX IF NOT EXISTS leases_active_by_node ON leases (node_id) WHERE state = 'ACTIVE';

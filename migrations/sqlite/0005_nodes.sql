@@ -11,7 +11,9 @@ CREATE TABLE IF NOT EXISTS nodes (
     name        TEXT    NOT NULL,
     incarnation INTEGER NOT NULL,
     started_at  INTEGER NOT NULL,
-    beat_at     INTEGER NOT NULL
+    beat_at     INTEGER NOT NULL,
+    streak_from INTEGER NOT NULL,
+    dead_after  INTEGER NOT NULL CHECK (dead_after > 0)
 );
 
 CREATE INDEX IF NOT EXISTS leases_active_by_node ON leases (node_id) WHERE state = 'ACTIVE';

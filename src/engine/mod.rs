@@ -268,6 +268,8 @@ pub(crate) struct Core {
     registry: DashMap<String, Entry>,
     shards: Vec<ArbiterHandle>,
     next_generation: AtomicU64,
+    /// A task is reaping dead holders' leases: the next beat does not start another.
+    reaping: AtomicBool,
     /// Vouchers that sold out here since the live numbers last ran: their books are recounted
     /// then, one after the other (not at once by every actor, competing with the sale's reads).
     recount: std::sync::Mutex<HashSet<String>>,
@@ -407,6 +409,7 @@ impl EngineHandle {
             recount: std::sync::Mutex::new(HashSet::new()),
             shards: arbiters.iter().map(Arbiter::handle).collect(),
             next_generation: AtomicU64::new(0),
+            reaping: AtomicBool::new(false),
         };
         (
             Self {
@@ -988,15 +991,34 @@ impl EngineHandle {
         Ok(self.after_reap(restocks))
     }
 
-    /// Beats in the ledger, and reaps at once the leases of every holder whose last beat is
-    /// older than `dead_after_ms`; returns the units reaped (announced as restocks).
-    pub async fn heartbeat(&self, dead_after_ms: i64) -> Result<i64, EngineError> {
-        let restocks = self
+    /// Beats in the ledger; the leases of holders it finds dead are reaped on a task of their
+    /// own (one at a time per node), so reaping never delays this node's next beat. Returns how
+    /// many holders it found dead.
+    pub async fn heartbeat(&self, dead_after_ms: i64) -> Result<usize, EngineError> {
+        let dead = self
             .core
             .ledger
             .heartbeat(&self.core.node_id, self.now_ms(), dead_after_ms)
             .await?;
-        Ok(self.after_reap(restocks))
+        let found = dead.len();
+        if !dead.is_empty() && !self.core.reaping.swap(true, Ordering::AcqRel) {
+            let me = self.clone();
+            actix_rt::spawn(async move {
+                for holder in dead {
+                    match me.core.ledger.reap_holder(&holder, me.now_ms()).await {
+                        Ok(restocks) => {
+                            me.after_reap(restocks);
+                        }
+                        Err(e) => {
+                            m::ledger_error("jobs");
+                            tracing::warn!(holder, error = %e, "reaping a dead holder failed");
+                        }
+                    }
+                }
+                me.core.reaping.store(false, Ordering::Release);
+            });
+        }
+        Ok(found)
     }
 
     fn after_reap(&self, restocks: Vec<Restock>) -> i64 {

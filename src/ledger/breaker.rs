@@ -1,7 +1,9 @@
 //! The node's circuit breaker on the ledger: one per process, shared by every caller.
 //!
-//! Every ledger call passes it ([`super::dedicated`]). After `failures` calls in a row that
-//! found the ledger unavailable (an error, or no answer within the deadline) it *opens*: calls
+//! Every ledger call passes it ([`super::dedicated`]; a merged commit counts once, however many
+//! batches it carries). After `failures` calls in a row that could not reach the ledger (a
+//! connection error, or no answer within the deadline; not a lock timeout, a deadlock victim or
+//! a full commit queue, which are the ledger answering) it *opens*: calls
 //! fail at once with [`super::LedgerError::CircuitOpen`] and reserves get `503` without
 //! reaching an actor, so a dead ledger costs no connection attempts, no queued batches and no
 //! waiting clients. After `open_ms` the next call is let through alone as a probe (*half-open*);
@@ -12,8 +14,11 @@
 //! Time is passed in (milliseconds of a monotonic clock), so the state machine is tested
 //! without waiting.
 
+use std::future::Future;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::time::Instant;
+
+use super::LedgerError;
 
 /// What the breaker lets a call do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,6 +129,28 @@ impl Breaker {
         }
     }
 
+    /// Runs `call` if the breaker lets it, and records how it went. A call dropped before it
+    /// finished (its caller gave up) counts as a failure, so a probe can never be lost and leave
+    /// the breaker half-open for good.
+    pub async fn call<T>(
+        &self,
+        call: impl Future<Output = Result<T, LedgerError>>,
+    ) -> Result<T, LedgerError> {
+        let admitted = self.admit(self.now_ms());
+        if admitted == Admit::Refuse {
+            return Err(LedgerError::CircuitOpen);
+        }
+        let mut pending = Pending {
+            breaker: self,
+            admitted,
+            done: false,
+        };
+        let res = call.await;
+        pending.done = true;
+        self.record(admitted, !is_outage(&res), self.now_ms());
+        res
+    }
+
     /// The outcome of an admitted call: `available` unless the ledger could not be reached or
     /// did not answer in time.
     pub fn record(&self, admitted: Admit, available: bool, now: u64) {
@@ -147,6 +174,43 @@ impl Breaker {
                 tracing::warn!(failures = n, "ledger unavailable: circuit open");
             }
         }
+    }
+}
+
+/// An admitted call in flight: dropped unfinished, it records a failure.
+struct Pending<'a> {
+    breaker: &'a Breaker,
+    admitted: Admit,
+    done: bool,
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.breaker
+                .record(self.admitted, false, self.breaker.now_ms());
+        }
+    }
+}
+
+/// The ledger could not be reached, or did not answer in time: what the breaker counts. A
+/// database error is the ledger answering (a lock timeout, a deadlock victim, a constraint),
+/// unless it says the connection or the server is going away.
+fn is_outage<T>(res: &Result<T, LedgerError>) -> bool {
+    match res {
+        Err(LedgerError::Unavailable(e)) => match e {
+            sqlx::Error::Io(_)
+            | sqlx::Error::Tls(_)
+            | sqlx::Error::PoolTimedOut
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::WorkerCrashed => true,
+            // Class 08: connection exception; 57P0x: the server is shutting down or starting.
+            sqlx::Error::Database(d) => d
+                .code()
+                .is_some_and(|c| c.starts_with("08") || c.starts_with("57P0")),
+            _ => false,
+        },
+        _ => false,
     }
 }
 
@@ -186,6 +250,47 @@ mod tests {
         assert_eq!(b.state(), BreakerState::Open);
         assert_eq!(b.admit(249), Admit::Refuse);
         assert_eq!(b.admit(250), Admit::Probe);
+    }
+
+    #[tokio::test]
+    async fn a_probe_dropped_unfinished_counts_as_a_failure() {
+        let b = Breaker::new(1, 0);
+        b.record(Admit::Pass, false, 0);
+        // The probe's caller gives up before the ledger answers.
+        let probe = b.call(std::future::pending::<Result<(), LedgerError>>());
+        let timed_out = tokio::time::timeout(std::time::Duration::from_millis(1), probe).await;
+        assert!(timed_out.is_err());
+        assert_eq!(b.state(), BreakerState::Open, "not stuck half-open");
+        assert_eq!(
+            b.admit(b.now_ms() + 1),
+            Admit::Probe,
+            "the next probe may go"
+        );
+    }
+
+    #[tokio::test]
+    async fn only_an_unreachable_ledger_counts() {
+        let b = Breaker::new(1, 1000);
+        let busy = b
+            .call(async {
+                Err::<(), _>(LedgerError::Unavailable(sqlx::Error::Protocol(
+                    "commit queue full".into(),
+                )))
+            })
+            .await;
+        assert!(busy.is_err());
+        assert_eq!(
+            b.state(),
+            BreakerState::Closed,
+            "a full queue is the ledger answering"
+        );
+        let down = b
+            .call(async { Err::<(), _>(LedgerError::Unavailable(sqlx::Error::PoolTimedOut)) })
+            .await;
+        assert!(down.is_err());
+        assert_eq!(b.state(), BreakerState::Open);
+        let refused = b.call(async { Ok::<(), LedgerError>(()) }).await;
+        assert!(matches!(refused, Err(LedgerError::CircuitOpen)));
     }
 
     #[test]

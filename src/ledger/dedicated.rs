@@ -8,11 +8,12 @@
 //! runtime (actors, routes, jobs) await a spawned task.
 
 use std::future::Future;
+use std::sync::Arc;
 
 use async_trait::async_trait;
 use tokio::runtime::Handle;
 
-use super::breaker::{Admit, Breaker};
+use super::breaker::Breaker;
 use super::committer::Committer;
 use super::{
     Batch, BatchResults, Counters, Grant, Incarnation, Ledger, LedgerError, LiveUnits, Restock,
@@ -29,7 +30,8 @@ pub struct Dedicated {
     /// No call waits longer than this: a hung connection answers `Unavailable`, not never.
     deadline: std::time::Duration,
     /// Every call passes it: while it is open, calls fail at once without touching the ledger.
-    breaker: Breaker,
+    /// The committer records each merged transaction on it once.
+    breaker: Arc<Breaker>,
 }
 
 impl Dedicated {
@@ -38,7 +40,7 @@ impl Dedicated {
         rt: Handle,
         committer: Committer,
         deadline: std::time::Duration,
-        breaker: Breaker,
+        breaker: Arc<Breaker>,
     ) -> Self {
         Self {
             inner,
@@ -56,37 +58,22 @@ impl Dedicated {
         Fut: Future<Output = Result<T, LedgerError>> + Send + 'static,
     {
         let fut = f(self.inner.clone());
-        self.guarded(async {
-            match tokio::time::timeout(self.deadline, self.rt.spawn(fut)).await {
-                Ok(Ok(res)) => res,
-                Ok(Err(_)) => Err(LedgerError::Unavailable(sqlx::Error::WorkerCrashed)),
-                Err(_) => Err(LedgerError::Unavailable(sqlx::Error::PoolTimedOut)),
-            }
-        })
-        .await
-    }
-
-    /// Runs `call` if the breaker lets it, and tells the breaker how it went.
-    async fn guarded<T>(
-        &self,
-        call: impl Future<Output = Result<T, LedgerError>>,
-    ) -> Result<T, LedgerError> {
-        let admitted = self.breaker.admit(self.breaker.now_ms());
-        if admitted == Admit::Refuse {
-            return Err(LedgerError::CircuitOpen);
-        }
-        let res = call.await;
-        let available = !matches!(res, Err(LedgerError::Unavailable(_)));
         self.breaker
-            .record(admitted, available, self.breaker.now_ms());
-        res
+            .call(async {
+                match tokio::time::timeout(self.deadline, self.rt.spawn(fut)).await {
+                    Ok(Ok(res)) => res,
+                    Ok(Err(_)) => Err(LedgerError::Unavailable(sqlx::Error::WorkerCrashed)),
+                    Err(_) => Err(LedgerError::Unavailable(sqlx::Error::PoolTimedOut)),
+                }
+            })
+            .await
     }
 }
 
 #[async_trait]
 impl Ledger for Dedicated {
     fn breaker(&self) -> Option<&Breaker> {
-        Some(&self.breaker)
+        Some(self.breaker.as_ref())
     }
 
     async fn ping(&self) -> Result<(), LedgerError> {
@@ -181,9 +168,15 @@ impl Ledger for Dedicated {
         holder: &str,
         now: Millis,
         dead_after_ms: i64,
-    ) -> Result<Vec<Restock>, LedgerError> {
+    ) -> Result<Vec<String>, LedgerError> {
         let holder = holder.to_string();
         self.run(move |l| async move { l.heartbeat(&holder, now, dead_after_ms).await })
+            .await
+    }
+
+    async fn reap_holder(&self, holder: &str, now: Millis) -> Result<Vec<Restock>, LedgerError> {
+        let holder = holder.to_string();
+        self.run(move |l| async move { l.reap_holder(&holder, now).await })
             .await
     }
 
@@ -194,7 +187,11 @@ impl Ledger for Dedicated {
     }
 
     async fn commit_batch(&self, batch: &Batch) -> Result<Vec<RowOutcome>, LedgerError> {
-        self.guarded(self.committer.commit(batch.clone())).await
+        // Refused at once while open; the merged transaction records itself (once).
+        if self.breaker.is_open() {
+            return Err(LedgerError::CircuitOpen);
+        }
+        self.committer.commit(batch.clone()).await
     }
 
     async fn commit_batches(&self, batches: &[Batch]) -> Result<BatchResults, LedgerError> {

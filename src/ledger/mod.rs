@@ -6,6 +6,10 @@
 //! [`postgres::PostgresLedger`] (cluster) implement it and pass the same conformance suite
 //! (`tests/api/ledger.rs`). The decision of which rows of a batch win is the pure function
 //! [`plan_batch`], shared by both, so the two stores cannot disagree on it.
+//!
+//! Lease holders are processes, each an [`Incarnation`] of its node name that beats in the
+//! ledger; [`Ledger::heartbeat`] reaps the leases of holders that stopped beating. Every call a
+//! node makes passes its circuit [`breaker`] and a deadline ([`dedicated`]).
 
 pub mod breaker;
 mod committer;
@@ -270,17 +274,24 @@ pub trait Ledger: Send + Sync + 'static {
         now: Millis,
         dead_after_ms: i64,
     ) -> Result<Incarnation, LedgerError>;
-    /// Records `holder`'s beat (on the ledger's clock) and reaps, at once, the leases of every
-    /// holder whose last beat is older than `dead_after_ms`; their units are returned. A holder
-    /// that had not beaten for that long itself (it was cut off or paused) judges nobody this
-    /// time. A holder whose row was forgotten (it was taken for dead) is recorded again.
+    /// Records `holder`'s beat (on the ledger's clock, with `dead_after_ms` as its own limit)
+    /// and returns the holders that are dead: silent for longer than their own limit. A holder
+    /// judges nobody (returns none) until it has itself beaten without a gap for its limit, so
+    /// after an outage that silenced everyone nobody is taken for dead before it could beat
+    /// again. A holder whose row was forgotten is recorded again. The beat has a connection of
+    /// its own on PostgreSQL, so a busy pool cannot make a live node look dead.
     async fn heartbeat(
         &self,
         holder: &str,
         now: Millis,
         dead_after_ms: i64,
-    ) -> Result<Vec<Restock>, LedgerError>;
-    /// Forgets `holder` (graceful stop, after its leases went back).
+    ) -> Result<Vec<String>, LedgerError>;
+    /// Reaps every lease of `holder` if it is still dead (it may have beaten since it was
+    /// listed), and forgets it; the unused units go back to `free`. Reapers on several nodes at
+    /// once take turns: one reaps, the others skip it.
+    async fn reap_holder(&self, holder: &str, now: Millis) -> Result<Vec<Restock>, LedgerError>;
+    /// Marks `holder` dead at once (graceful stop, after its leases went back): any lease it
+    /// still holds (a grant that raced the stop) is reaped by the next live node's beat.
     async fn retire_node(&self, holder: &str) -> Result<(), LedgerError>;
     /// Commits a batch in one transaction, behind the fence. Outcomes are in row order. The
     /// one-batch case of [`Ledger::commit_batches`].
@@ -557,18 +568,21 @@ pub fn grouped(
         0 => 2,
         n => n,
     };
-    let merged = inner.clone();
+    let breaker = Arc::new(breaker::Breaker::new(
+        settings.breaker_failures,
+        settings.breaker_open_ms,
+    ));
+    let (merged, guard) = (inner.clone(), breaker.clone());
     let committer = committer::Committer::start(
         &rt,
         pipeline,
         settings.max_merged_rows.max(1),
         deadline,
         Arc::new(move |batches| {
-            let ledger = merged.clone();
-            Box::pin(async move { ledger.commit_batches(&batches).await })
+            let (ledger, guard) = (merged.clone(), guard.clone());
+            Box::pin(async move { guard.call(ledger.commit_batches(&batches)).await })
         }),
     );
-    let breaker = breaker::Breaker::new(settings.breaker_failures, settings.breaker_open_ms);
     Arc::new(dedicated::Dedicated::new(
         inner, rt, committer, deadline, breaker,
     ))

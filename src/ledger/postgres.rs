@@ -97,6 +97,9 @@ const MIGRATION_LOCK: i64 = 0x766f_7563_6865_7273;
 
 pub struct PostgresLedger {
     pool: PgPool,
+    /// One connection of its own for heartbeats: a pool busy with commits (or waiting on locks)
+    /// must not delay a beat until the node looks dead.
+    beats: PgPool,
 }
 
 impl PostgresLedger {
@@ -162,10 +165,14 @@ impl PostgresLedger {
         let pool = PgPoolOptions::new()
             .max_connections(max_connections.max(2))
             .acquire_timeout(Duration::from_secs(1))
-            .connect_with(options)
+            .connect_with(options.clone())
             .await?;
         migrate(&pool).await?;
-        Ok(Self { pool })
+        let beats = PgPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(Duration::from_secs(1))
+            .connect_lazy_with(options);
+        Ok(Self { pool, beats })
     }
 }
 
@@ -356,7 +363,16 @@ impl Ledger for PostgresLedger {
             .await?;
             (unused, None, Some(ever))
         };
-        tx.commit().await?;
+        if let Err(e) = tx.commit().await {
+            if let sqlx::Error::Database(d) = &e {
+                if d.code().as_deref() == Some("23514") {
+                    // DESIGN §3's last line held where the books had already gone wrong.
+                    tracing::error!(code, units, error = %d, "a grant would pass total_limit: refused");
+                    crate::metrics::ledger_error("grant_past_total");
+                }
+            }
+            return Err(e.into());
+        }
         Ok(Grant {
             lease,
             free_after: free - units,
@@ -423,22 +439,24 @@ impl Ledger for PostgresLedger {
         .await?;
         let holder = holder_name(name, number);
         sqlx::query(&format!(
-            "INSERT INTO nodes (holder, name, incarnation, started_at, beat_at) \
-             VALUES ($1, $2, $3, {LEDGER_NOW}, {LEDGER_NOW}) \
-             ON CONFLICT (holder) DO UPDATE SET beat_at = EXCLUDED.beat_at"
+            "INSERT INTO nodes (holder, name, incarnation, started_at, beat_at, streak_from, \
+                                dead_after) \
+             VALUES ($1, $2, $3, {LEDGER_NOW}, {LEDGER_NOW}, {LEDGER_NOW}, $4) \
+             ON CONFLICT (holder) DO UPDATE SET beat_at = EXCLUDED.beat_at, \
+                 streak_from = EXCLUDED.streak_from, dead_after = EXCLUDED.dead_after"
         ))
         .bind(&holder)
         .bind(name)
         .bind(number)
+        .bind(dead_after_ms.max(1))
         .execute(&mut *tx)
         .await?;
         let live_siblings: Vec<i64> = sqlx::query_scalar(&format!(
             "SELECT incarnation FROM nodes WHERE name = $1 AND incarnation <> $2 \
-             AND beat_at >= {LEDGER_NOW} - $3 ORDER BY incarnation"
+             AND beat_at >= {LEDGER_NOW} - dead_after ORDER BY incarnation"
         ))
         .bind(name)
         .bind(number)
-        .bind(dead_after_ms)
         .fetch_all(&mut *tx)
         .await?;
         tx.commit().await?;
@@ -452,41 +470,42 @@ impl Ledger for PostgresLedger {
     async fn heartbeat(
         &self,
         holder: &str,
-        now: Millis,
+        _now: Millis,
         dead_after_ms: i64,
-    ) -> Result<Vec<Restock>, LedgerError> {
+    ) -> Result<Vec<String>, LedgerError> {
         let (name, number) = split_holder(holder);
-        // How long ago this holder beat before (none: its row was gone), then the beat.
-        let since: Option<i64> = sqlx::query_scalar(&format!(
-            "WITH prev AS (SELECT beat_at FROM nodes WHERE holder = $1) \
-             INSERT INTO nodes (holder, name, incarnation, started_at, beat_at) \
-             VALUES ($1, $2, $3, {LEDGER_NOW}, {LEDGER_NOW}) \
-             ON CONFLICT (holder) DO UPDATE SET beat_at = EXCLUDED.beat_at \
-             RETURNING nodes.beat_at - (SELECT beat_at FROM prev)"
+        let streak: i64 = sqlx::query_scalar(&format!(
+            "INSERT INTO nodes (holder, name, incarnation, started_at, beat_at, streak_from, \
+                                dead_after) \
+             VALUES ($1, $2, $3, {LEDGER_NOW}, {LEDGER_NOW}, {LEDGER_NOW}, $4) \
+             ON CONFLICT (holder) DO UPDATE SET beat_at = EXCLUDED.beat_at, \
+                 dead_after = EXCLUDED.dead_after, \
+                 streak_from = CASE WHEN EXCLUDED.beat_at - nodes.beat_at > EXCLUDED.dead_after \
+                                    THEN EXCLUDED.beat_at ELSE nodes.streak_from END \
+             RETURNING beat_at - streak_from"
         ))
         .bind(holder)
         .bind(name)
         .bind(number)
-        .fetch_one(&self.pool)
+        .bind(dead_after_ms.max(1))
+        .fetch_one(&self.beats)
         .await?;
-        if since.is_none_or(|ms| ms > dead_after_ms) {
+        if streak < dead_after_ms {
             return Ok(Vec::new());
         }
-        let dead: Vec<String> = sqlx::query_scalar(&format!(
-            "SELECT holder FROM nodes WHERE beat_at < {LEDGER_NOW} - $1 ORDER BY holder"
+        Ok(sqlx::query_scalar(&format!(
+            "SELECT holder FROM nodes WHERE beat_at < {LEDGER_NOW} - dead_after ORDER BY holder"
         ))
-        .bind(dead_after_ms)
-        .fetch_all(&self.pool)
-        .await?;
-        let mut restocks = Vec::new();
-        for h in dead {
-            restocks.extend(self.reap_dead(&h, now, dead_after_ms).await?);
-        }
-        Ok(restocks)
+        .fetch_all(&self.beats)
+        .await?)
+    }
+
+    async fn reap_holder(&self, holder: &str, now: Millis) -> Result<Vec<Restock>, LedgerError> {
+        self.reap_dead(holder, now).await
     }
 
     async fn retire_node(&self, holder: &str) -> Result<(), LedgerError> {
-        sqlx::query("DELETE FROM nodes WHERE holder = $1")
+        sqlx::query("UPDATE nodes SET beat_at = 0 WHERE holder = $1")
             .bind(holder)
             .execute(&self.pool)
             .await?;
@@ -806,21 +825,20 @@ impl PostgresLedger {
         Ok(restocks)
     }
 
-    /// Reaps the leases of `holder` if its last beat is still older than `dead_after_ms` (it
-    /// may have beaten since it was listed): its row goes, and its leases close, in one
-    /// transaction. Locks: the holder's row, then as [`close_leases_in`].
-    async fn reap_dead(
-        &self,
-        holder: &str,
-        now: Millis,
-        dead_after_ms: i64,
-    ) -> Result<Vec<Restock>, LedgerError> {
+    /// Reaps the leases of `holder` if it is still dead by its own limit (it may have beaten
+    /// since it was listed): its row goes, and its leases close, in one transaction. Another
+    /// node reaping the same holder holds its row: this one skips it (no queue of reapers).
+    /// Locks: the holder's row, then as [`close_leases_in`].
+    async fn reap_dead(&self, holder: &str, now: Millis) -> Result<Vec<Restock>, LedgerError> {
         let mut tx = self.pool.begin().await?;
         let gone: Option<String> = sqlx::query_scalar(&format!(
-            "DELETE FROM nodes WHERE holder = $1 AND beat_at < {LEDGER_NOW} - $2 RETURNING holder"
+            "DELETE FROM nodes WHERE holder = \
+                 (SELECT holder FROM nodes \
+                  WHERE holder = $1 AND beat_at < {LEDGER_NOW} - dead_after \
+                  FOR UPDATE SKIP LOCKED) \
+             RETURNING holder"
         ))
         .bind(holder)
-        .bind(dead_after_ms)
         .fetch_optional(&mut *tx)
         .await?;
         if gone.is_none() {

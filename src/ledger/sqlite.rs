@@ -350,23 +350,25 @@ impl Ledger for SqliteLedger {
         .await?;
         let holder = holder_name(name, number);
         sqlx::query(
-            "INSERT INTO nodes (holder, name, incarnation, started_at, beat_at) \
-             VALUES (?1, ?2, ?3, ?4, ?4) ON CONFLICT (holder) DO UPDATE SET beat_at = ?4",
+            "INSERT INTO nodes (holder, name, incarnation, started_at, beat_at, streak_from, \
+                                dead_after) \
+             VALUES (?1, ?2, ?3, ?4, ?4, ?4, ?5) ON CONFLICT (holder) DO UPDATE SET \
+                 beat_at = ?4, streak_from = ?4, dead_after = ?5",
         )
         .bind(&holder)
         .bind(name)
         .bind(number)
         .bind(now)
+        .bind(dead_after_ms.max(1))
         .execute(&mut *tx)
         .await?;
         let live_siblings: Vec<i64> = sqlx::query_scalar(
             "SELECT incarnation FROM nodes WHERE name = ?1 AND incarnation <> ?2 \
-             AND beat_at >= ?3 - ?4 ORDER BY incarnation",
+             AND beat_at >= ?3 - dead_after ORDER BY incarnation",
         )
         .bind(name)
         .bind(number)
         .bind(now)
-        .bind(dead_after_ms)
         .fetch_all(&mut *tx)
         .await?;
         tx.commit().await?;
@@ -382,48 +384,53 @@ impl Ledger for SqliteLedger {
         holder: &str,
         now: Millis,
         dead_after_ms: i64,
-    ) -> Result<Vec<Restock>, LedgerError> {
+    ) -> Result<Vec<String>, LedgerError> {
         let (name, number) = split_holder(holder);
-        let mut tx = self.writer.begin().await?;
-        let since: Option<i64> =
-            sqlx::query_scalar("SELECT ?2 - beat_at FROM nodes WHERE holder = ?1")
-                .bind(holder)
-                .bind(now)
-                .fetch_optional(&mut *tx)
-                .await?;
-        sqlx::query(
-            "INSERT INTO nodes (holder, name, incarnation, started_at, beat_at) \
-             VALUES (?1, ?2, ?3, ?4, ?4) ON CONFLICT (holder) DO UPDATE SET beat_at = ?4",
+        let streak: i64 = sqlx::query_scalar(
+            "INSERT INTO nodes (holder, name, incarnation, started_at, beat_at, streak_from, \
+                                dead_after) \
+             VALUES (?1, ?2, ?3, ?4, ?4, ?4, ?5) ON CONFLICT (holder) DO UPDATE SET \
+                 beat_at = ?4, dead_after = ?5, \
+                 streak_from = CASE WHEN ?4 - beat_at > ?5 THEN ?4 ELSE streak_from END \
+             RETURNING beat_at - streak_from",
         )
         .bind(holder)
         .bind(name)
         .bind(number)
         .bind(now)
-        .execute(&mut *tx)
+        .bind(dead_after_ms.max(1))
+        .fetch_one(&self.writer)
         .await?;
-        let mut restocks = Vec::new();
-        if since.is_some_and(|ms| ms <= dead_after_ms) {
-            let dead: Vec<String> =
-                sqlx::query_scalar("DELETE FROM nodes WHERE beat_at < ?1 - ?2 RETURNING holder")
-                    .bind(now)
-                    .bind(dead_after_ms)
-                    .fetch_all(&mut *tx)
-                    .await?;
-            for h in &dead {
-                restocks.extend(close_leases_in(&mut tx, Closing::Dead(h), now).await?);
-            }
+        if streak < dead_after_ms {
+            return Ok(Vec::new());
         }
+        Ok(sqlx::query_scalar(
+            "SELECT holder FROM nodes WHERE beat_at < ?1 - dead_after ORDER BY holder",
+        )
+        .bind(now)
+        .fetch_all(&self.reader)
+        .await?)
+    }
+
+    async fn reap_holder(&self, holder: &str, now: Millis) -> Result<Vec<Restock>, LedgerError> {
+        let mut tx = self.writer.begin().await?;
+        let gone: Option<String> = sqlx::query_scalar(
+            "DELETE FROM nodes WHERE holder = ?1 AND beat_at < ?2 - dead_after RETURNING holder",
+        )
+        .bind(holder)
+        .bind(now)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if gone.is_none() {
+            return Ok(Vec::new());
+        }
+        let restocks = close_leases_in(&mut tx, Closing::Dead(holder), now).await?;
         tx.commit().await?;
-        Ok(group_restocks(
-            restocks
-                .into_iter()
-                .map(|r| (r.voucher_code, r.units))
-                .collect(),
-        ))
+        Ok(restocks)
     }
 
     async fn retire_node(&self, holder: &str) -> Result<(), LedgerError> {
-        sqlx::query("DELETE FROM nodes WHERE holder = ?1")
+        sqlx::query("UPDATE nodes SET beat_at = 0 WHERE holder = ?1")
             .bind(holder)
             .execute(&self.writer)
             .await?;

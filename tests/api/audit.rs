@@ -254,3 +254,46 @@ async fn the_check_constraints_refuse_an_oversold_voucher_and_an_overdrawn_lease
     pool.close().await;
     books(&app.db_url, "CHK").await.assert_balanced("CHK");
 }
+
+/// DESIGN §3's last line on PostgreSQL, where `reserved` is no column a CHECK could read: a grant
+/// that would hand out more than `total_limit` (here after `free` was raised behind the engine's
+/// back, which the table's own CHECK lets through) is refused whole, and nothing is leased.
+#[tokio::test]
+#[cfg_attr(no_test_pg, ignore = "needs TEST_DATABASE_URL; .ci/run sets it")]
+async fn postgres_refuses_a_grant_that_would_pass_the_total() {
+    use crate::ledger::{fresh_pg_schema, voucher, NOW, TTL};
+    use vouchers::ledger::LedgerError;
+    let Some(url) = fresh_pg_schema("grantchk").await else {
+        return;
+    };
+    let l = vouchers::ledger::connect(&url, 2).await.unwrap();
+    l.create_voucher(&voucher("GC", 10, 1), NOW).await.unwrap();
+    let first = l.grant("GC", "n#1", 5, NOW, TTL).await.unwrap();
+    assert_eq!(first.lease.map(|x| x.granted), Some(5));
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let changed = sqlx::query("UPDATE vouchers SET free = 8 WHERE code = 'GC'")
+        .execute(&pool)
+        .await
+        .expect("free + confirmed stays within the total: the table's CHECK allows it")
+        .rows_affected();
+    assert_eq!(changed, 1);
+    let res = l.grant("GC", "n#1", 6, NOW, TTL).await;
+    match &res {
+        Err(LedgerError::Unavailable(sqlx::Error::Database(e))) => {
+            assert_eq!(e.code().as_deref(), Some("23514"), "a check violation: {e}")
+        }
+        other => panic!("a grant past the total was not refused: {other:?}"),
+    }
+    let leases: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM leases WHERE voucher_code = 'GC'")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(leases, 1, "the refused grant leased nothing");
+    // Repaired, the same ledger grants again within the total.
+    sqlx::query("UPDATE vouchers SET free = 5 WHERE code = 'GC'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let again = l.grant("GC", "n#1", 6, NOW, TTL).await.unwrap();
+    assert_eq!(again.lease.map(|x| x.granted), Some(5));
+}

@@ -11,10 +11,10 @@ use vouchers::ledger::{self, Batch, BatchRow, LedgerError, RowOutcome, SharedLed
 
 use crate::helpers::temp_dir;
 
-const NOW: i64 = 1_800_000_000_000;
-const TTL: i64 = 30_000;
+pub(crate) const NOW: i64 = 1_800_000_000_000;
+pub(crate) const TTL: i64 = 30_000;
 
-fn voucher(code: &str, total: i64, per_user: i64) -> Voucher {
+pub(crate) fn voucher(code: &str, total: i64, per_user: i64) -> Voucher {
     Voucher {
         code: code.into(),
         discount_amount: 100,
@@ -79,7 +79,7 @@ fn wall_ms() -> i64 {
         .as_millis() as i64
 }
 
-/// Units a heartbeat reaped of one voucher.
+/// Units reaped of one voucher.
 fn reaped_of(restocks: &[ledger::Restock], code: &str) -> i64 {
     restocks
         .iter()
@@ -88,25 +88,36 @@ fn reaped_of(restocks: &[ledger::Restock], code: &str) -> i64 {
         .sum()
 }
 
+/// `holder` beats every 20 ms until one of its beats names every holder of `expected` dead
+/// (and no other than `others_allowed`); fails after 20 s.
+async fn beat_until_dead(l: &SharedLedger, holder: &str, limit: i64, expected: &[&str]) {
+    let start = std::time::Instant::now();
+    loop {
+        let dead = l.heartbeat(holder, wall_ms(), limit).await.unwrap();
+        if expected.iter().all(|e| dead.iter().any(|d| d == e)) {
+            return;
+        }
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(20),
+            "{expected:?} never found dead (last answer {dead:?})"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
 /// DESIGN §3 "Reap": incarnations are numbered per name and never reused; a holder that stops
-/// beating has its leases reaped by the next live holder's beat, long before their TTL; a live
-/// holder's and a pre-incarnation holder's leases are left alone; a holder that was itself
-/// silent judges nobody on its first beat back.
+/// beating is found dead by a live holder's beat, by its own limit, and its leases are reaped
+/// long before their TTL; a live holder's, a patient holder's and a pre-incarnation holder's
+/// leases are left alone; a holder back from a silence judges nobody until it has beaten for
+/// its limit; a retired holder is dead at once.
 async fn holders_that_stop_beating_are_reaped_at_once(l: &SharedLedger) {
-    const DEAD_AFTER: i64 = 300;
+    const LIMIT: i64 = 1000;
+    const PATIENT: i64 = 600_000;
     l.create_voucher(&voucher("HB", 20, 5), NOW).await.unwrap();
-    let a = l
-        .register_node("hb-a", wall_ms(), DEAD_AFTER)
-        .await
-        .unwrap();
-    let b1 = l
-        .register_node("hb-b", wall_ms(), DEAD_AFTER)
-        .await
-        .unwrap();
-    let b2 = l
-        .register_node("hb-b", wall_ms(), DEAD_AFTER)
-        .await
-        .unwrap();
+    let a = l.register_node("hb-a", wall_ms(), LIMIT).await.unwrap();
+    let b1 = l.register_node("hb-b", wall_ms(), LIMIT).await.unwrap();
+    let b2 = l.register_node("hb-b", wall_ms(), LIMIT).await.unwrap();
+    let c = l.register_node("hb-c", wall_ms(), PATIENT).await.unwrap();
     assert_eq!((a.holder.as_str(), a.number), ("hb-a#1", 1));
     assert_eq!((b2.holder.as_str(), b2.number), ("hb-b#2", 2));
     assert_eq!(b2.live_siblings, vec![1], "the first hb-b still beats");
@@ -122,23 +133,39 @@ async fn holders_that_stop_beating_are_reaped_at_once(l: &SharedLedger) {
     };
     let la = lease(a.holder.clone(), 3).await;
     let lb = lease(b1.holder.clone(), 4).await;
+    lease(c.holder.clone(), 1).await;
     let legacy = lease("hb-legacy".into(), 2).await;
-    // Everyone just beat: nobody is dead.
-    let r = l.heartbeat(&a.holder, wall_ms(), DEAD_AFTER).await.unwrap();
-    assert_eq!(reaped_of(&r, "HB"), 0, "nobody is dead yet: {r:?}");
-    // hb-a keeps beating, the hb-b processes do not: hb-b#1's lease comes back, once.
-    let start = std::time::Instant::now();
-    let mut reaped = 0;
-    while reaped == 0 {
-        assert!(
-            start.elapsed() < std::time::Duration::from_secs(10),
-            "the silent holder was never reaped"
-        );
-        let r = l.heartbeat(&a.holder, wall_ms(), DEAD_AFTER).await.unwrap();
-        reaped = reaped_of(&r, "HB");
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
-    assert_eq!(reaped, 4, "hb-b#1's unused units");
+    // A holder that has not yet beaten for its own limit judges nobody.
+    let first = l.heartbeat(&a.holder, wall_ms(), LIMIT).await.unwrap();
+    assert!(first.is_empty(), "{first:?}");
+    // hb-a keeps beating, the hb-b processes do not.
+    beat_until_dead(l, &a.holder, LIMIT, &[&b1.holder, &b2.holder]).await;
+    let dead = l.heartbeat(&a.holder, wall_ms(), LIMIT).await.unwrap();
+    assert!(
+        !dead.contains(&c.holder),
+        "hb-c is judged by its own, longer limit: {dead:?}"
+    );
+    let r = l.reap_holder(&b1.holder, wall_ms()).await.unwrap();
+    assert_eq!(reaped_of(&r, "HB"), 4, "hb-b#1's unused units: {r:?}");
+    assert!(
+        l.reap_holder(&b1.holder, wall_ms())
+            .await
+            .unwrap()
+            .is_empty(),
+        "reaped once"
+    );
+    assert!(l
+        .reap_holder(&b2.holder, wall_ms())
+        .await
+        .unwrap()
+        .is_empty());
+    assert!(
+        l.reap_holder(&a.holder, wall_ms())
+            .await
+            .unwrap()
+            .is_empty(),
+        "a live holder is not reaped"
+    );
     let res = l
         .commit_batch(&batch("HB", lb.id, rows(&[("hb1", 1)])))
         .await;
@@ -152,42 +179,40 @@ async fn holders_that_stop_beating_are_reaped_at_once(l: &SharedLedger) {
     l.commit_batch(&batch("HB", legacy.id, rows(&[("hb3", 3)])))
         .await
         .unwrap();
-    let c = balanced(l, "HB").await;
-    assert_eq!((c.free, c.leased_unused, c.reserved), (15, 3, 2), "{c:?}");
-    // A dead holder that beats again is recorded again and judges nobody on that beat.
-    let r = l
-        .heartbeat(&b1.holder, wall_ms(), DEAD_AFTER)
-        .await
-        .unwrap();
-    assert_eq!(reaped_of(&r, "HB"), 0, "{r:?}");
-    // Everyone falls silent; the first beat back (hb-b#1's, itself silent) judges nobody, its
-    // next one reaps hb-a#1, whose silence is now its own.
-    let silent = std::time::Instant::now();
-    tokio::time::sleep(std::time::Duration::from_millis(2 * DEAD_AFTER as u64)).await;
-    assert!(silent.elapsed().as_millis() as i64 > DEAD_AFTER);
-    let r = l
-        .heartbeat(&b1.holder, wall_ms(), DEAD_AFTER)
-        .await
-        .unwrap();
+    let c_ = balanced(l, "HB").await;
     assert_eq!(
-        reaped_of(&r, "HB"),
-        0,
-        "a holder back from silence judges nobody: {r:?}"
+        (c_.free, c_.leased_unused, c_.reserved),
+        (10 + 4, 2 + 1 + 1, 2),
+        "{c_:?}"
     );
-    let r = l
-        .heartbeat(&b1.holder, wall_ms(), DEAD_AFTER)
-        .await
-        .unwrap();
+    // A retired holder is dead at once, whatever its limit.
+    l.retire_node(&c.holder).await.unwrap();
+    beat_until_dead(l, &a.holder, LIMIT, &[&c.holder]).await;
+    let r = l.reap_holder(&c.holder, wall_ms()).await.unwrap();
+    assert_eq!(reaped_of(&r, "HB"), 1, "{r:?}");
+    // A dead holder that beats again is recorded again; back from its silence, it judges
+    // nobody until it has beaten for its limit, then finds hb-a (silent meanwhile) dead.
+    let silent = std::time::Instant::now();
+    while silent.elapsed() < std::time::Duration::from_millis(2 * LIMIT as u64) {
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let back = l.heartbeat(&b1.holder, wall_ms(), LIMIT).await.unwrap();
+    assert!(
+        back.is_empty(),
+        "a holder back from silence judges nobody: {back:?}"
+    );
+    beat_until_dead(l, &b1.holder, LIMIT, &[&a.holder]).await;
+    let r = l.reap_holder(&a.holder, wall_ms()).await.unwrap();
     assert_eq!(reaped_of(&r, "HB"), 2, "hb-a#1's two unused units: {r:?}");
     // The pre-incarnation holder has no beat to judge: its lease waits for its TTL.
-    let c = balanced(l, "HB").await;
-    assert_eq!((c.free, c.leased_unused, c.reserved), (17, 1, 2), "{c:?}");
-    // Numbers are never reused, even after a retirement.
-    l.retire_node(&b2.holder).await.unwrap();
-    let b3 = l
-        .register_node("hb-b", wall_ms(), DEAD_AFTER)
-        .await
-        .unwrap();
+    let c_ = balanced(l, "HB").await;
+    assert_eq!(
+        (c_.free, c_.leased_unused, c_.reserved),
+        (17, 1, 2),
+        "{c_:?}"
+    );
+    // Numbers are never reused.
+    let b3 = l.register_node("hb-b", wall_ms(), LIMIT).await.unwrap();
     assert_eq!(b3.number, 3);
 }
 

@@ -147,10 +147,6 @@ async fn a_switch_set_behind_the_node_is_applied_from_the_ledger() {
         }
     })
     .await;
-    eprintln!(
-        "a switch set in the ledger was applied after {:?}",
-        started.elapsed()
-    );
 }
 
 async fn spawn_app_with_fast_switches() -> TestApp {
