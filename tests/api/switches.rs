@@ -1,7 +1,7 @@
 //! The emergency switches (DESIGN §6): `PUT /admin/switches` stops every sale at once, or puts
 //! the service in read-only mode, held by the ledger and applied by every node.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::{json, Value};
 
@@ -136,7 +136,6 @@ async fn a_switch_set_behind_the_node_is_applied_from_the_ledger() {
         .set_switches(&patch, app.engine.now_ms())
         .await
         .unwrap();
-    let started = Instant::now();
     let mut n = 0;
     let app = &app;
     eventually("the node reads the switch", Duration::from_secs(10), || {
