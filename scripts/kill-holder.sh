@@ -11,13 +11,9 @@
 # engine.recall_wait_ms), when the dead node's lease was reaped and when the sale reached 100 %
 # (both from the kill), and the books. Traffic goes to 127.0.0.1 only and stops by itself.
 set -euo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
-cd "$root"
-for tool in wrk curl psql python3; do command -v "$tool" >/dev/null || { echo "kill-holder: install $tool" >&2; exit 1; }; done
-if [ -z "${VOUCHERS_BIN:-}" ]; then cargo build --release --bin vouchers >/dev/null 2>&1; fi
-bin="${VOUCHERS_BIN:-$root/target/release/vouchers}"
-pg_admin="${BENCH_PG_ADMIN:-postgres://postgres@127.0.0.1:5432/test}"
-redis="${TEST_REDIS_URL:-redis://127.0.0.1:6379}"
+. "$(dirname "$0")/lib.sh"
+need wrk curl psql python3
+bin=$(release_bin)
 work=$(mktemp -d)
 db="vouchers_kill_$RANDOM"
 token="kill-$RANDOM$RANDOM"
@@ -32,13 +28,13 @@ psql -q "$pg_admin" -c "CREATE DATABASE $db"
 ledger="${pg_admin%/*}/$db"
 ports=()
 for i in 1 2 3; do
-  port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+  port=$(free_port)
   ports+=("$port")
   VOUCHERS__HTTP__HOST=127.0.0.1 VOUCHERS__HTTP__PORT=$port VOUCHERS__LEDGER__URL="$ledger" \
   VOUCHERS__ADMIN__TOKEN=$token VOUCHERS__REDIS__URL="$redis" VOUCHERS__NODE__ID="kill-$i" \
   VOUCHERS__REDIS__EVENTS_STREAM="" RUST_LOG=warn "$bin" --config config/cluster.toml >"$work/node$i.log" 2>&1 &
   pids+=($!)
-  for _ in $(seq 1 100); do curl -fsS -o /dev/null "http://127.0.0.1:$port/health/ready" 2>/dev/null && break; sleep 0.1; done
+  wait_ready "http://127.0.0.1:$port"
 done
 n1="http://127.0.0.1:${ports[0]}"; n2="http://127.0.0.1:${ports[1]}"
 auth=(-H "Authorization: Bearer $token" -H 'Content-Type: application/json')

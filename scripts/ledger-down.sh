@@ -7,12 +7,9 @@
 # prints how long after that the first reserve got its 201 (against ledger.breaker_open_ms).
 # Traffic goes to 127.0.0.1 only and stops by itself.
 set -euo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
-cd "$root"
-for tool in wrk curl psql python3; do command -v "$tool" >/dev/null || { echo "ledger-down: install $tool" >&2; exit 1; }; done
-if [ -z "${VOUCHERS_BIN:-}" ]; then cargo build --release --bin vouchers >/dev/null 2>&1; fi
-bin="${VOUCHERS_BIN:-$root/target/release/vouchers}"
-pg_admin="${BENCH_PG_ADMIN:-postgres://postgres@127.0.0.1:5432/test}"
+. "$(dirname "$0")/lib.sh"
+need wrk curl psql python3
+bin=$(release_bin)
 work=$(mktemp -d)
 db="vouchers_down_$RANDOM"
 token="down-$RANDOM$RANDOM"
@@ -24,7 +21,6 @@ cleanup() {
 }
 trap cleanup EXIT
 psql -q "$pg_admin" -c "CREATE DATABASE $db"
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 proxy_port=$(free_port)
 # SIGUSR1 cuts every connection and refuses new ones; SIGUSR2 lets them through again.
 python3 - "$proxy_port" <<'PY' &
@@ -61,7 +57,7 @@ VOUCHERS__HTTP__HOST=127.0.0.1 VOUCHERS__HTTP__PORT=$port VOUCHERS__ADMIN__TOKEN
 VOUCHERS__LEDGER__URL="postgres://postgres@127.0.0.1:$proxy_port/$db" VOUCHERS__NODE__ID=down \
 RUST_LOG=error "$bin" >"$work/node.log" 2>&1 &
 pids+=($!)
-for _ in $(seq 1 100); do curl -fsS -o /dev/null "$base/health/ready" 2>/dev/null && break; sleep 0.1; done
+wait_ready "$base"
 auth=(-H "Authorization: Bearer $token" -H 'Content-Type: application/json')
 curl -fsS "${auth[@]}" -XPOST "$base/admin/vouchers" \
   -d '{"code":"DOWN","discountAmount":100,"totalLimit":1000000000,"perUserLimit":1}' >/dev/null

@@ -6,21 +6,19 @@
 # after the first round (the metrics exporter's upkeep runs without a scraper).
 # Traffic goes to 127.0.0.1 only and stops by itself.
 set -euo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
-cd "$root"
+. "$(dirname "$0")/lib.sh"
 minutes="${1:-10}"
-for tool in wrk curl python3; do command -v "$tool" >/dev/null || { echo "soak: install $tool" >&2; exit 1; }; done
-if [ -z "${VOUCHERS_BIN:-}" ]; then cargo build --release --bin vouchers >/dev/null 2>&1; fi
-bin="${VOUCHERS_BIN:-$root/target/release/vouchers}"
+need wrk curl python3
+bin=$(release_bin)
 work=$(mktemp -d)
 token="soak-$RANDOM$RANDOM"
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+port=$(free_port)
 VOUCHERS__HTTP__PORT=$port VOUCHERS__LEDGER__URL="sqlite://$work/ledger.db" VOUCHERS__ADMIN__TOKEN=$token \
   RUST_LOG=warn "$bin" >"$work/node.log" 2>&1 &
 pid=$!
 trap 'kill $pid 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$work"' EXIT
 base="http://127.0.0.1:$port"
-for _ in $(seq 1 100); do curl -fsS -o /dev/null "$base/health/ready" 2>/dev/null && break; sleep 0.1; done
+wait_ready "$base"
 curl -fsS -H "Authorization: Bearer $token" -H 'Content-Type: application/json' -XPOST "$base/admin/vouchers" \
   -d '{"code":"SOAK","discountAmount":100,"totalLimit":1000000000,"perUserLimit":1}' >/dev/null
 rss() { awk '/VmRSS/ {printf "%.1f", $2 / 1024}' "/proc/$pid/status"; }
