@@ -1,5 +1,11 @@
 //! Time as the engine sees it. Lease, expiry and eligibility logic never read the system clock
 //! directly: they ask a [`Clock`], so tests can move time with [`ManualClock`].
+//!
+//! On a shared ledger every node's clock follows the ledger's ([`LedgerClock`]): each heartbeat
+//! reads the ledger's clock, and the node corrects its own by the difference. Lease expiry is then
+//! judged on one clock for the whole cluster: a node whose system clock runs ahead cannot reap
+//! the live leases of others early, and one that runs behind cannot keep serving a lease the
+//! others already see as expired.
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
@@ -16,6 +22,10 @@ pub trait Clock: Send + Sync + 'static {
     fn monotonic_ms(&self) -> Millis {
         self.now_ms()
     }
+
+    /// The ledger's clock reads `ahead_ms` more than this clock: follow it (a clock that cannot
+    /// be corrected ignores this).
+    fn follow_ledger(&self, _ahead_ms: Millis) {}
 }
 
 /// The real clock.
@@ -66,3 +76,82 @@ impl Clock for ManualClock {
 }
 
 pub type SharedClock = Arc<dyn Clock>;
+
+/// A clock corrected to the ledger's: `inner` plus the offset the heartbeats measure.
+pub struct LedgerClock {
+    inner: SharedClock,
+    /// Added to `inner` (testing only: rehearses a node whose system clock is off).
+    skew_ms: Millis,
+    /// The ledger's clock minus `inner + skew_ms`, as last measured.
+    offset_ms: AtomicI64,
+}
+
+/// Corrections smaller than this are jitter (half a round trip at most): ignored.
+const FOLLOW_MIN_MS: Millis = 20;
+
+impl LedgerClock {
+    pub fn new(inner: SharedClock, skew_ms: Millis) -> Self {
+        Self {
+            inner,
+            skew_ms,
+            offset_ms: AtomicI64::new(0),
+        }
+    }
+}
+
+impl Clock for LedgerClock {
+    fn now_ms(&self) -> Millis {
+        self.inner.now_ms() + self.skew_ms + self.offset_ms.load(Ordering::Acquire)
+    }
+
+    fn monotonic_ms(&self) -> Millis {
+        self.inner.monotonic_ms()
+    }
+
+    fn follow_ledger(&self, ahead_ms: Millis) {
+        if ahead_ms.abs() >= FOLLOW_MIN_MS {
+            let total = self.offset_ms.fetch_add(ahead_ms, Ordering::AcqRel) + ahead_ms;
+            tracing::info!(
+                corrected_by_ms = ahead_ms,
+                offset_ms = total,
+                "this node's clock now follows the ledger's"
+            );
+        }
+    }
+}
+
+/// How far the ledger's clock is ahead of `clock`, from one reading `ledger_ms` taken between
+/// `sent` and `received` (on `clock`): against the middle of the round trip. `None` when the
+/// round trip took too long for the reading to be worth a correction (over 80 ms).
+pub fn ledger_ahead(ledger_ms: Millis, sent: Millis, received: Millis) -> Option<Millis> {
+    let rtt = received - sent;
+    (0..=4 * FOLLOW_MIN_MS)
+        .contains(&rtt)
+        .then(|| ledger_ms - (sent + rtt / 2))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_ledger_clock_follows_the_ledger_and_ignores_jitter() {
+        let base = ManualClock::new(1_000_000);
+        let c = LedgerClock::new(Arc::new(base.clone()), 30_000);
+        assert_eq!(c.now_ms(), 1_030_000, "the skew applies");
+        // The ledger read 1_000_050 while this clock went 1_030_000 → 1_030_010.
+        let ahead = ledger_ahead(1_000_050, 1_030_000, 1_030_010).unwrap();
+        assert_eq!(ahead, -29_955);
+        c.follow_ledger(ahead);
+        assert_eq!(c.now_ms(), 1_000_045);
+        c.follow_ledger(5);
+        assert_eq!(c.now_ms(), 1_000_045, "jitter is ignored");
+        base.advance_ms(100);
+        assert_eq!(c.now_ms(), 1_000_145, "it runs at the inner clock's rate");
+        assert_eq!(
+            ledger_ahead(0, 0, 500),
+            None,
+            "a slow round trip tells nothing"
+        );
+    }
+}

@@ -80,6 +80,10 @@ pub struct NodeSettings {
     /// A holder whose last beat is older than this (on the ledger's clock) is dead: its leases
     /// are reaped at once, and nobody waits for it to answer a recall.
     pub dead_after_ms: i64,
+    /// Testing only: shifts this process's clock, to rehearse a node whose system clock is off
+    /// (on a shared ledger the heartbeat corrects it to the ledger's).
+    #[serde(default)]
+    pub clock_skew_ms: i64,
 }
 
 #[derive(Debug, Clone, Deserialize)]

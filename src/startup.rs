@@ -10,7 +10,7 @@ use actix_web::HttpServer;
 use anyhow::Context;
 
 use crate::api::{self, AppState};
-use crate::clock::SharedClock;
+use crate::clock::{LedgerClock, SharedClock};
 use crate::config::Settings;
 use crate::engine::{EngineHandle, Shards};
 use crate::jobs::{self, Jobs};
@@ -128,7 +128,7 @@ async fn reclaim_leases_of_earlier_runs(
 async fn register_incarnation(
     ledger: &ledger::SharedLedger,
     settings: &Settings,
-    now: i64,
+    clock: &SharedClock,
 ) -> anyhow::Result<String> {
     let node = &settings.node;
     let name = if node.id.is_empty() {
@@ -136,10 +136,15 @@ async fn register_incarnation(
     } else {
         node.id.clone()
     };
+    let sent = clock.now_ms();
     let me = ledger
-        .register_node(&name, now, node.dead_after_ms)
+        .register_node(&name, sent, node.dead_after_ms)
         .await
         .context("register this process with the ledger")?;
+    // Before any lease or expiry decision: this node's clock follows the ledger's.
+    if let Some(ahead) = crate::clock::ledger_ahead(me.ledger_ms, sent, clock.now_ms()) {
+        clock.follow_ledger(ahead);
+    }
     if !me.live_siblings.is_empty() {
         tracing::warn!(
             node = %name,
@@ -218,8 +223,15 @@ impl Application {
         } else {
             settings.admin.token.clone()
         };
+        // On a shared ledger this node's clock follows the ledger's (corrected at every beat).
+        let shared_ledger = !settings.ledger.url.starts_with("sqlite:");
+        let clock: SharedClock = if shared_ledger {
+            Arc::new(LedgerClock::new(clock, settings.node.clock_skew_ms))
+        } else {
+            clock
+        };
         reclaim_leases_of_earlier_runs(&ledger, &settings, clock.now_ms()).await?;
-        let node_id = register_incarnation(&ledger, &settings, clock.now_ms()).await?;
+        let node_id = register_incarnation(&ledger, &settings, &clock).await?;
         let mut signal_tasks = Vec::new();
         let keepalive = Duration::from_millis(settings.redis.keepalive_ms.max(30));
         let publisher = if settings.redis.url.is_empty() {
@@ -273,7 +285,7 @@ impl Application {
             &settings.jobs,
             // The embedded ledger has one process (the data lock): nobody to judge, and a write
             // every beat would only queue in front of commits.
-            (!settings.ledger.url.starts_with("sqlite:")).then_some(&settings.node),
+            shared_ledger.then_some(&settings.node),
         );
         let listener = TcpListener::bind((settings.http.host.as_str(), settings.http.port))
             .with_context(|| format!("bind {}:{}", settings.http.host, settings.http.port))?;

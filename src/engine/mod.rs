@@ -26,7 +26,7 @@ use actix::prelude::*;
 use dashmap::DashMap;
 use tokio::sync::oneshot;
 
-use crate::clock::{Millis, SharedClock};
+use crate::clock::{ledger_ahead, Millis, SharedClock};
 use crate::config::{EngineSettings, LimitSettings};
 use crate::domain::{
     FeedEvent, Ineligible, Reservation, ReserveRequest, Switches, SwitchesPatch, Voucher,
@@ -991,15 +991,20 @@ impl EngineHandle {
         Ok(self.after_reap(restocks))
     }
 
-    /// Beats in the ledger; the leases of holders it finds dead are reaped on a task of their
-    /// own (one at a time per node), so reaping never delays this node's next beat. Returns how
+    /// Beats in the ledger, and corrects this node's clock to the ledger's; the leases of
+    /// holders it finds dead are reaped on a task of their own (one at a time per node), so reaping never delays this node's next beat. Returns how
     /// many holders it found dead.
     pub async fn heartbeat(&self, dead_after_ms: i64) -> Result<usize, EngineError> {
-        let dead = self
+        let sent = self.now_ms();
+        let beat = self
             .core
             .ledger
-            .heartbeat(&self.core.node_id, self.now_ms(), dead_after_ms)
+            .heartbeat(&self.core.node_id, sent, dead_after_ms)
             .await?;
+        if let Some(ahead) = ledger_ahead(beat.ledger_ms, sent, self.now_ms()) {
+            self.core.clock.follow_ledger(ahead);
+        }
+        let dead = beat.dead;
         let found = dead.len();
         if !dead.is_empty() && !self.core.reaping.swap(true, Ordering::AcqRel) {
             let me = self.clone();

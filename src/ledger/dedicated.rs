@@ -16,8 +16,8 @@ use tokio::runtime::Handle;
 use super::breaker::Breaker;
 use super::committer::Committer;
 use super::{
-    Batch, BatchResults, Counters, Grant, Incarnation, Ledger, LedgerError, LiveUnits, Restock,
-    RowOutcome, SharedLedger,
+    Batch, BatchResults, Beat, Counters, Grant, Incarnation, Ledger, LedgerError, LiveUnits,
+    Restock, RowOutcome, SharedLedger,
 };
 use crate::clock::Millis;
 use crate::domain::{FeedEvent, Reservation, Switches, SwitchesPatch, Voucher, VoucherPatch};
@@ -168,7 +168,7 @@ impl Ledger for Dedicated {
         holder: &str,
         now: Millis,
         dead_after_ms: i64,
-    ) -> Result<Vec<String>, LedgerError> {
+    ) -> Result<Beat, LedgerError> {
         let holder = holder.to_string();
         self.run(move |l| async move { l.heartbeat(&holder, now, dead_after_ms).await })
             .await

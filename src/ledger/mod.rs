@@ -88,6 +88,18 @@ pub struct Incarnation {
     /// Other incarnations of the same name that still beat: the old process of a rolling
     /// restart, or a second process given the same `node.id`. Neither touches the other's leases.
     pub live_siblings: Vec<i64>,
+    /// The ledger's clock when it registered this process.
+    pub ledger_ms: Millis,
+}
+
+/// What a heartbeat learns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Beat {
+    /// The ledger's clock at the beat: the node's clock follows it.
+    pub ledger_ms: Millis,
+    /// Holders silent for longer than their own limit (none until this holder has itself beaten
+    /// without a gap for its limit).
+    pub dead: Vec<String>,
 }
 
 /// The holder name of incarnation `number` of node `name`.
@@ -275,7 +287,8 @@ pub trait Ledger: Send + Sync + 'static {
         dead_after_ms: i64,
     ) -> Result<Incarnation, LedgerError>;
     /// Records `holder`'s beat (on the ledger's clock, with `dead_after_ms` as its own limit)
-    /// and returns the holders that are dead: silent for longer than their own limit. A holder
+    /// and returns the ledger's clock and the holders that are dead: silent for longer than
+    /// their own limit. A holder
     /// judges nobody (returns none) until it has itself beaten without a gap for its limit, so
     /// after an outage that silenced everyone nobody is taken for dead before it could beat
     /// again. A holder whose row was forgotten is recorded again. The beat has a connection of
@@ -285,7 +298,7 @@ pub trait Ledger: Send + Sync + 'static {
         holder: &str,
         now: Millis,
         dead_after_ms: i64,
-    ) -> Result<Vec<String>, LedgerError>;
+    ) -> Result<Beat, LedgerError>;
     /// Reaps every lease of `holder` if it is still dead (it may have beaten since it was
     /// listed), and forgets it; the unused units go back to `free`. Reapers on several nodes at
     /// once take turns: one reaps, the others skip it.

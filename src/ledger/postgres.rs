@@ -33,7 +33,7 @@ use super::rows::{
     SWITCHES_SQL, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
 };
 use super::{
-    holder_name, resolve_plan, split_holder, Batch, BatchResults, Closing, Counters, Grant,
+    holder_name, resolve_plan, split_holder, Batch, BatchResults, Beat, Closing, Counters, Grant,
     Incarnation, Lease, Ledger, LedgerError, LiveUnits, Planned, Restock, RowOutcome, LEASE_FILTER,
 };
 use crate::clock::Millis;
@@ -459,11 +459,15 @@ impl Ledger for PostgresLedger {
         .bind(number)
         .fetch_all(&mut *tx)
         .await?;
+        let ledger_ms: i64 = sqlx::query_scalar(&format!("SELECT {LEDGER_NOW}"))
+            .fetch_one(&mut *tx)
+            .await?;
         tx.commit().await?;
         Ok(Incarnation {
             holder,
             number,
             live_siblings,
+            ledger_ms,
         })
     }
 
@@ -472,9 +476,9 @@ impl Ledger for PostgresLedger {
         holder: &str,
         _now: Millis,
         dead_after_ms: i64,
-    ) -> Result<Vec<String>, LedgerError> {
+    ) -> Result<Beat, LedgerError> {
         let (name, number) = split_holder(holder);
-        let streak: i64 = sqlx::query_scalar(&format!(
+        let (streak, ledger_ms): (i64, i64) = sqlx::query_as(&format!(
             "INSERT INTO nodes (holder, name, incarnation, started_at, beat_at, streak_from, \
                                 dead_after) \
              VALUES ($1, $2, $3, {LEDGER_NOW}, {LEDGER_NOW}, {LEDGER_NOW}, $4) \
@@ -482,7 +486,7 @@ impl Ledger for PostgresLedger {
                  dead_after = EXCLUDED.dead_after, \
                  streak_from = CASE WHEN EXCLUDED.beat_at - nodes.beat_at > EXCLUDED.dead_after \
                                     THEN EXCLUDED.beat_at ELSE nodes.streak_from END \
-             RETURNING beat_at - streak_from"
+             RETURNING beat_at - streak_from, beat_at"
         ))
         .bind(holder)
         .bind(name)
@@ -490,14 +494,17 @@ impl Ledger for PostgresLedger {
         .bind(dead_after_ms.max(1))
         .fetch_one(&self.beats)
         .await?;
-        if streak < dead_after_ms {
-            return Ok(Vec::new());
-        }
-        Ok(sqlx::query_scalar(&format!(
-            "SELECT holder FROM nodes WHERE beat_at < {LEDGER_NOW} - dead_after ORDER BY holder"
-        ))
-        .fetch_all(&self.beats)
-        .await?)
+        let dead = if streak < dead_after_ms {
+            Vec::new()
+        } else {
+            sqlx::query_scalar(&format!(
+                "SELECT holder FROM nodes WHERE beat_at < {LEDGER_NOW} - dead_after \
+                 ORDER BY holder"
+            ))
+            .fetch_all(&self.beats)
+            .await?
+        };
+        Ok(Beat { ledger_ms, dead })
     }
 
     async fn reap_holder(&self, holder: &str, now: Millis) -> Result<Vec<Restock>, LedgerError> {

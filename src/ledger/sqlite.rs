@@ -26,8 +26,9 @@ use super::rows::{
 };
 use super::sqlite_raw as raw;
 use super::{
-    holder_name, plan_batch, resolve_plan, split_holder, Batch, BatchResults, Closing, Counters,
-    Grant, Incarnation, Lease, Ledger, LedgerError, LiveUnits, Planned, Restock, LEASE_FILTER,
+    holder_name, plan_batch, resolve_plan, split_holder, Batch, BatchResults, Beat, Closing,
+    Counters, Grant, Incarnation, Lease, Ledger, LedgerError, LiveUnits, Planned, Restock,
+    LEASE_FILTER,
 };
 use crate::clock::Millis;
 use crate::domain::{
@@ -376,6 +377,7 @@ impl Ledger for SqliteLedger {
             holder,
             number,
             live_siblings,
+            ledger_ms: now,
         })
     }
 
@@ -384,7 +386,7 @@ impl Ledger for SqliteLedger {
         holder: &str,
         now: Millis,
         dead_after_ms: i64,
-    ) -> Result<Vec<String>, LedgerError> {
+    ) -> Result<Beat, LedgerError> {
         let (name, number) = split_holder(holder);
         let streak: i64 = sqlx::query_scalar(
             "INSERT INTO nodes (holder, name, incarnation, started_at, beat_at, streak_from, \
@@ -401,15 +403,21 @@ impl Ledger for SqliteLedger {
         .bind(dead_after_ms.max(1))
         .fetch_one(&self.writer)
         .await?;
-        if streak < dead_after_ms {
-            return Ok(Vec::new());
-        }
-        Ok(sqlx::query_scalar(
-            "SELECT holder FROM nodes WHERE beat_at < ?1 - dead_after ORDER BY holder",
-        )
-        .bind(now)
-        .fetch_all(&self.reader)
-        .await?)
+        let dead = if streak < dead_after_ms {
+            Vec::new()
+        } else {
+            sqlx::query_scalar(
+                "SELECT holder FROM nodes WHERE beat_at < ?1 - dead_after ORDER BY holder",
+            )
+            .bind(now)
+            .fetch_all(&self.reader)
+            .await?
+        };
+        // One process on one machine: the ledger's clock is this node's.
+        Ok(Beat {
+            ledger_ms: now,
+            dead,
+        })
     }
 
     async fn reap_holder(&self, holder: &str, now: Millis) -> Result<Vec<Restock>, LedgerError> {

@@ -1918,3 +1918,76 @@ async fn restarting_every_node_in_turn_during_a_flood_loses_and_fences_nothing()
         "second incarnations held leases: {holders:?}"
     );
 }
+
+/// Issue 9: lease expiry is judged on the ledger's clock. Node 1's system clock runs 30 s ahead
+/// while leases live 10 s: judged on its own clock, its reaper (every 200 ms) would reap node
+/// 0's live lease at once, and it would stamp its rows 30 s in the future. Its clock follows the
+/// ledger's from its registration on: its rows carry the ledger's time, node 0 sells on from its
+/// lease, and no lease is reaped or fenced.
+#[actix_web::test]
+#[cfg_attr(
+    any(no_test_pg, no_test_redis),
+    ignore = "needs TEST_DATABASE_URL and TEST_REDIS_URL; .ci/run sets them"
+)]
+async fn a_node_whose_clock_runs_ahead_follows_the_ledger_and_reaps_no_live_lease() {
+    let (Some(db), Some(redis)) = (fresh_pg_schema("skew").await, redis_url()) else {
+        return;
+    };
+    let env = [
+        ("VOUCHERS__ENGINE__LEASE_TTL_MS", "10000"),
+        ("VOUCHERS__ENGINE__LEASE_IDLE_TIMEOUT_MS", "600000"),
+        ("VOUCHERS__JOBS__REAPER_INTERVAL_MS", "200"),
+    ];
+    let mut cluster = Cluster::start(1, &db, &redis, &env).await;
+    let mut skewed = env.to_vec();
+    skewed.push(("VOUCHERS__NODE__CLOCK_SKEW_MS", "30000"));
+    cluster
+        .nodes
+        .push(Cluster::node(1, &db, &redis, &skewed).await);
+    let code = code("SKEW");
+    cluster.create(&code, 1000, 1).await;
+    let bases = cluster.bases();
+    let first = flood(&cluster.client, &bases, &[1, 1], &code, 1..101, 8).await;
+    assert_eq!(count(&first, 201), 100);
+    let pool = cluster.pg().await;
+    let ledger_now = "(extract(epoch from clock_timestamp()) * 1000)::BIGINT";
+    let (rows, worst): (i64, i64) = sqlx::query_as(&format!(
+        "SELECT COUNT(*), COALESCE(MAX(ABS(r.created_at - {ledger_now})), 0) \
+         FROM reservations r JOIN leases l ON r.lease_id = l.id \
+         WHERE r.voucher_code = $1 AND l.node_id LIKE 'node-1#%'"
+    ))
+    .bind(&code)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(rows > 0, "node 1 sold");
+    assert!(
+        worst < 10_000,
+        "node 1 stamps its rows on the ledger's clock, not 30 s ahead ({worst} ms off)"
+    );
+    // Node 0 keeps selling from the lease it took; node 1's reaper has run many times by now.
+    let more = flood(&cluster.client, &bases[..1], &[1], &code, 101..201, 8).await;
+    assert_eq!(count(&more, 201), 100);
+    let reaped: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM leases WHERE voucher_code = $1 AND state = 'REAPED'",
+    )
+    .bind(&code)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(reaped, 0, "no live lease was reaped");
+    for base in &bases {
+        let m = metrics_text(&cluster.client, base).await;
+        assert_eq!(
+            crate::helpers::metric_sum(&m, "vouchers_lease_events_total", &["event=\"fenced\""]),
+            0.0,
+            "{base}: no batch fenced"
+        );
+    }
+    let v = cluster.admin(0, &code).await;
+    assert_eq!(
+        (v["reserved"].clone(), v["balanced"].clone()),
+        (json!(200), json!(true)),
+        "{v}"
+    );
+}

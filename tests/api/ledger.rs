@@ -93,7 +93,7 @@ fn reaped_of(restocks: &[ledger::Restock], code: &str) -> i64 {
 async fn beat_until_dead(l: &SharedLedger, holder: &str, limit: i64, expected: &[&str]) {
     let start = std::time::Instant::now();
     loop {
-        let dead = l.heartbeat(holder, wall_ms(), limit).await.unwrap();
+        let dead = l.heartbeat(holder, wall_ms(), limit).await.unwrap().dead;
         if expected.iter().all(|e| dead.iter().any(|d| d == e)) {
             return;
         }
@@ -137,10 +137,12 @@ async fn holders_that_stop_beating_are_reaped_at_once(l: &SharedLedger) {
     let legacy = lease("hb-legacy".into(), 2).await;
     // A holder that has not yet beaten for its own limit judges nobody.
     let first = l.heartbeat(&a.holder, wall_ms(), LIMIT).await.unwrap();
-    assert!(first.is_empty(), "{first:?}");
+    assert!(first.dead.is_empty(), "{first:?}");
+    // The beat reads the ledger's clock (the database's on PostgreSQL, on this same machine).
+    assert!((first.ledger_ms - wall_ms()).abs() < 5_000, "{first:?}");
     // hb-a keeps beating, the hb-b processes do not.
     beat_until_dead(l, &a.holder, LIMIT, &[&b1.holder, &b2.holder]).await;
-    let dead = l.heartbeat(&a.holder, wall_ms(), LIMIT).await.unwrap();
+    let dead = l.heartbeat(&a.holder, wall_ms(), LIMIT).await.unwrap().dead;
     assert!(
         !dead.contains(&c.holder),
         "hb-c is judged by its own, longer limit: {dead:?}"
@@ -196,7 +198,11 @@ async fn holders_that_stop_beating_are_reaped_at_once(l: &SharedLedger) {
     while silent.elapsed() < std::time::Duration::from_millis(2 * LIMIT as u64) {
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
-    let back = l.heartbeat(&b1.holder, wall_ms(), LIMIT).await.unwrap();
+    let back = l
+        .heartbeat(&b1.holder, wall_ms(), LIMIT)
+        .await
+        .unwrap()
+        .dead;
     assert!(
         back.is_empty(),
         "a holder back from silence judges nobody: {back:?}"
