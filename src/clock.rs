@@ -86,8 +86,12 @@ pub struct LedgerClock {
     offset_ms: AtomicI64,
 }
 
-/// Corrections smaller than this are jitter (half a round trip at most): ignored.
+/// Beyond half the round trip (what one reading cannot tell), differences smaller than this are
+/// left alone: the clock does not step back and forth with every beat.
 const FOLLOW_MIN_MS: Millis = 20;
+
+/// A reading whose round trip took longer than this is not used.
+pub const MAX_RTT_MS: Millis = 80;
 
 impl LedgerClock {
     pub fn new(inner: SharedClock, skew_ms: Millis) -> Self {
@@ -109,25 +113,28 @@ impl Clock for LedgerClock {
     }
 
     fn follow_ledger(&self, ahead_ms: Millis) {
-        if ahead_ms.abs() >= FOLLOW_MIN_MS {
-            let total = self.offset_ms.fetch_add(ahead_ms, Ordering::AcqRel) + ahead_ms;
-            tracing::info!(
+        let total = self.offset_ms.fetch_add(ahead_ms, Ordering::AcqRel) + ahead_ms;
+        if ahead_ms.abs() >= 1000 {
+            tracing::warn!(
                 corrected_by_ms = ahead_ms,
                 offset_ms = total,
-                "this node's clock now follows the ledger's"
+                "this node's clock was off the ledger's; it follows the ledger's now"
             );
         }
     }
 }
 
 /// How far the ledger's clock is ahead of `clock`, from one reading `ledger_ms` taken between
-/// `sent` and `received` (on `clock`): against the middle of the round trip. `None` when the
-/// round trip took too long for the reading to be worth a correction (over 80 ms).
+/// `sent` and `received` (on `clock`), against the middle of the round trip. `None` when there
+/// is nothing worth correcting: the round trip took over 80 ms, or the difference is within
+/// half the round trip plus 20 ms.
 pub fn ledger_ahead(ledger_ms: Millis, sent: Millis, received: Millis) -> Option<Millis> {
     let rtt = received - sent;
-    (0..=4 * FOLLOW_MIN_MS)
-        .contains(&rtt)
-        .then(|| ledger_ms - (sent + rtt / 2))
+    if !(0..=MAX_RTT_MS).contains(&rtt) {
+        return None;
+    }
+    let ahead = ledger_ms - (sent + rtt / 2);
+    (ahead.abs() > rtt / 2 + FOLLOW_MIN_MS).then_some(ahead)
 }
 
 #[cfg(test)]
@@ -144,8 +151,11 @@ mod tests {
         assert_eq!(ahead, -29_955);
         c.follow_ledger(ahead);
         assert_eq!(c.now_ms(), 1_000_045);
-        c.follow_ledger(5);
-        assert_eq!(c.now_ms(), 1_000_045, "jitter is ignored");
+        assert_eq!(
+            ledger_ahead(1_000_060, 1_000_045, 1_000_055),
+            None,
+            "within half the round trip plus 20 ms: jitter, left alone"
+        );
         base.advance_ms(100);
         assert_eq!(c.now_ms(), 1_000_145, "it runs at the inner clock's rate");
         assert_eq!(

@@ -136,15 +136,11 @@ async fn register_incarnation(
     } else {
         node.id.clone()
     };
-    let sent = clock.now_ms();
     let me = ledger
-        .register_node(&name, sent, node.dead_after_ms)
+        .register_node(&name, clock.now_ms(), node.dead_after_ms)
         .await
         .context("register this process with the ledger")?;
-    // Before any lease or expiry decision: this node's clock follows the ledger's.
-    if let Some(ahead) = crate::clock::ledger_ahead(me.ledger_ms, sent, clock.now_ms()) {
-        clock.follow_ledger(ahead);
-    }
+    follow_the_ledgers_clock(ledger, &me.holder, node.dead_after_ms, clock).await;
     if !me.live_siblings.is_empty() {
         tracing::warn!(
             node = %name,
@@ -154,6 +150,31 @@ async fn register_incarnation(
         );
     }
     Ok(me.holder)
+}
+
+/// Before any lease or expiry decision: this node's clock follows the ledger's, read by a beat
+/// (one statement) whose round trip was short enough to tell. A few tries; if none is fast
+/// enough, the heartbeat job corrects the clock at its first fast beat.
+async fn follow_the_ledgers_clock(
+    ledger: &ledger::SharedLedger,
+    holder: &str,
+    dead_after_ms: i64,
+    clock: &SharedClock,
+) {
+    for _ in 0..10 {
+        let sent = clock.now_ms();
+        let Ok(beat) = ledger.heartbeat(holder, sent, dead_after_ms).await else {
+            continue;
+        };
+        let received = clock.now_ms();
+        if received - sent <= crate::clock::MAX_RTT_MS {
+            if let Some(ahead) = crate::clock::ledger_ahead(beat.ledger_ms, sent, received) {
+                clock.follow_ledger(ahead);
+            }
+            return;
+        }
+    }
+    tracing::warn!("could not read the ledger's clock quickly; the heartbeat will correct it");
 }
 
 /// Settings that would make live nodes look dead.

@@ -1,15 +1,16 @@
 //! The node's circuit breaker on the ledger: one per process, shared by every caller.
 //!
-//! Every ledger call passes it ([`super::dedicated`]; a merged commit counts once, however many
+//! Every ledger call but the heartbeat passes it ([`super::dedicated`]; a merged commit counts once, however many
 //! batches it carries). After `failures` calls in a row that could not reach the ledger (a
 //! connection error, or no answer within the deadline; not a lock timeout, a deadlock victim or
 //! a full commit queue, which are the ledger answering) it *opens*: calls
 //! fail at once with [`super::LedgerError::CircuitOpen`] and reserves get `503` without
 //! reaching an actor, so a dead ledger costs no connection attempts, no queued batches and no
 //! waiting clients. After `open_ms` the next call is let through alone as a probe (*half-open*);
-//! its success closes the breaker, its failure opens it again. The heartbeat job calls the
-//! ledger every few hundred milliseconds, so a probe goes out soon after the cool-down even
-//! when no client does.
+//! its success closes the breaker, its failure opens it again. The background jobs call the
+//! ledger every half second or so (the switches, the live numbers), so a probe goes out soon
+//! after the cool-down even when no client does. Heartbeats do not pass the breaker: a node
+//! that stopped beating would be taken for dead and its leases reaped.
 //!
 //! Time is passed in (milliseconds of a monotonic clock), so the state machine is tested
 //! without waiting.
@@ -129,9 +130,9 @@ impl Breaker {
         }
     }
 
-    /// Runs `call` if the breaker lets it, and records how it went. A call dropped before it
-    /// finished (its caller gave up) counts as a failure, so a probe can never be lost and leave
-    /// the breaker half-open for good.
+    /// Runs `call` if the breaker lets it, and records how it went. A probe dropped before it
+    /// finished (its caller gave up) counts as a failed probe, so a probe can never be lost and
+    /// leave the breaker half-open for good.
     pub async fn call<T>(
         &self,
         call: impl Future<Output = Result<T, LedgerError>>,
@@ -177,7 +178,7 @@ impl Breaker {
     }
 }
 
-/// An admitted call in flight: dropped unfinished, it records a failure.
+/// An admitted call in flight: a probe dropped unfinished records a failure.
 struct Pending<'a> {
     breaker: &'a Breaker,
     admitted: Admit,
@@ -186,7 +187,9 @@ struct Pending<'a> {
 
 impl Drop for Pending<'_> {
     fn drop(&mut self) {
-        if !self.done {
+        // Only a lost probe matters: an ordinary call whose caller gave up says nothing about
+        // the ledger.
+        if !self.done && self.admitted == Admit::Probe {
             self.breaker
                 .record(self.admitted, false, self.breaker.now_ms());
         }

@@ -169,9 +169,19 @@ impl Ledger for Dedicated {
         now: Millis,
         dead_after_ms: i64,
     ) -> Result<Beat, LedgerError> {
-        let holder = holder.to_string();
-        self.run(move |l| async move { l.heartbeat(&holder, now, dead_after_ms).await })
-            .await
+        // Not through the breaker: a node that cannot beat is taken for dead by the others, so
+        // its beats go out whatever the breaker says. A beat later than a third of the limit
+        // is worth nothing: it gives up then.
+        let (holder, inner) = (holder.to_string(), self.inner.clone());
+        let call = self
+            .rt
+            .spawn(async move { inner.heartbeat(&holder, now, dead_after_ms).await });
+        let deadline = std::time::Duration::from_millis((dead_after_ms / 3).max(10) as u64);
+        match tokio::time::timeout(deadline, call).await {
+            Ok(Ok(res)) => res,
+            Ok(Err(_)) => Err(LedgerError::Unavailable(sqlx::Error::WorkerCrashed)),
+            Err(_) => Err(LedgerError::Unavailable(sqlx::Error::PoolTimedOut)),
+        }
     }
 
     async fn reap_holder(&self, holder: &str, now: Millis) -> Result<Vec<Restock>, LedgerError> {

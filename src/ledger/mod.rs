@@ -88,8 +88,6 @@ pub struct Incarnation {
     /// Other incarnations of the same name that still beat: the old process of a rolling
     /// restart, or a second process given the same `node.id`. Neither touches the other's leases.
     pub live_siblings: Vec<i64>,
-    /// The ledger's clock when it registered this process.
-    pub ledger_ms: Millis,
 }
 
 /// What a heartbeat learns.
@@ -288,11 +286,11 @@ pub trait Ledger: Send + Sync + 'static {
     ) -> Result<Incarnation, LedgerError>;
     /// Records `holder`'s beat (on the ledger's clock, with `dead_after_ms` as its own limit)
     /// and returns the ledger's clock and the holders that are dead: silent for longer than
-    /// their own limit. A holder
-    /// judges nobody (returns none) until it has itself beaten without a gap for its limit, so
-    /// after an outage that silenced everyone nobody is taken for dead before it could beat
-    /// again. A holder whose row was forgotten is recorded again. The beat has a connection of
-    /// its own on PostgreSQL, so a busy pool cannot make a live node look dead.
+    /// their own limit. A holder is judged only by one that has itself beaten without a gap
+    /// (a silence over half its own limit) for at least the judged holder's limit, so after an
+    /// outage that silenced everyone nobody is taken for dead before it could beat again. A
+    /// holder whose row was forgotten is recorded again. The beat is one statement on a
+    /// connection of its own on PostgreSQL, so a busy pool cannot make a live node look dead.
     async fn heartbeat(
         &self,
         holder: &str,
@@ -303,8 +301,9 @@ pub trait Ledger: Send + Sync + 'static {
     /// listed), and forgets it; the unused units go back to `free`. Reapers on several nodes at
     /// once take turns: one reaps, the others skip it.
     async fn reap_holder(&self, holder: &str, now: Millis) -> Result<Vec<Restock>, LedgerError>;
-    /// Marks `holder` dead at once (graceful stop, after its leases went back): any lease it
-    /// still holds (a grant that raced the stop) is reaped by the next live node's beat.
+    /// Marks `holder` dead at once, whatever its limit (graceful stop, after its leases went
+    /// back): any lease it still holds (a grant that raced the stop) is reaped by the next live
+    /// node's beat.
     async fn retire_node(&self, holder: &str) -> Result<(), LedgerError>;
     /// Commits a batch in one transaction, behind the fence. Outcomes are in row order. The
     /// one-batch case of [`Ledger::commit_batches`].

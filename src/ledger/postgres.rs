@@ -459,15 +459,11 @@ impl Ledger for PostgresLedger {
         .bind(number)
         .fetch_all(&mut *tx)
         .await?;
-        let ledger_ms: i64 = sqlx::query_scalar(&format!("SELECT {LEDGER_NOW}"))
-            .fetch_one(&mut *tx)
-            .await?;
         tx.commit().await?;
         Ok(Incarnation {
             holder,
             number,
             live_siblings,
-            ledger_ms,
         })
     }
 
@@ -478,15 +474,23 @@ impl Ledger for PostgresLedger {
         dead_after_ms: i64,
     ) -> Result<Beat, LedgerError> {
         let (name, number) = split_holder(holder);
-        let (streak, ledger_ms): (i64, i64) = sqlx::query_as(&format!(
-            "INSERT INTO nodes (holder, name, incarnation, started_at, beat_at, streak_from, \
-                                dead_after) \
-             VALUES ($1, $2, $3, {LEDGER_NOW}, {LEDGER_NOW}, {LEDGER_NOW}, $4) \
-             ON CONFLICT (holder) DO UPDATE SET beat_at = EXCLUDED.beat_at, \
-                 dead_after = EXCLUDED.dead_after, \
-                 streak_from = CASE WHEN EXCLUDED.beat_at - nodes.beat_at > EXCLUDED.dead_after \
-                                    THEN EXCLUDED.beat_at ELSE nodes.streak_from END \
-             RETURNING beat_at - streak_from, beat_at"
+        // One statement, one round trip: the clock reading it returns is as close to the middle
+        // of the call as can be. The dead are listed in the snapshot from before this beat.
+        let (ledger_ms, dead): (i64, Vec<String>) = sqlx::query_as(&format!(
+            "WITH b AS ( \
+                 INSERT INTO nodes (holder, name, incarnation, started_at, beat_at, streak_from, \
+                                    dead_after) \
+                 VALUES ($1, $2, $3, {LEDGER_NOW}, {LEDGER_NOW}, {LEDGER_NOW}, $4) \
+                 ON CONFLICT (holder) DO UPDATE SET beat_at = EXCLUDED.beat_at, \
+                     dead_after = EXCLUDED.dead_after, \
+                     streak_from = CASE \
+                         WHEN EXCLUDED.beat_at - nodes.beat_at > EXCLUDED.dead_after / 2 \
+                         THEN EXCLUDED.beat_at ELSE nodes.streak_from END \
+                 RETURNING beat_at - streak_from AS streak, beat_at) \
+             SELECT b.beat_at, ARRAY(SELECT n.holder FROM nodes n \
+                                     WHERE n.holder <> $1 AND n.beat_at < b.beat_at - n.dead_after \
+                                       AND n.dead_after <= b.streak ORDER BY n.holder) \
+             FROM b"
         ))
         .bind(holder)
         .bind(name)
@@ -494,16 +498,6 @@ impl Ledger for PostgresLedger {
         .bind(dead_after_ms.max(1))
         .fetch_one(&self.beats)
         .await?;
-        let dead = if streak < dead_after_ms {
-            Vec::new()
-        } else {
-            sqlx::query_scalar(&format!(
-                "SELECT holder FROM nodes WHERE beat_at < {LEDGER_NOW} - dead_after \
-                 ORDER BY holder"
-            ))
-            .fetch_all(&self.beats)
-            .await?
-        };
         Ok(Beat { ledger_ms, dead })
     }
 
@@ -512,7 +506,7 @@ impl Ledger for PostgresLedger {
     }
 
     async fn retire_node(&self, holder: &str) -> Result<(), LedgerError> {
-        sqlx::query("UPDATE nodes SET beat_at = 0 WHERE holder = $1")
+        sqlx::query("UPDATE nodes SET beat_at = 0, dead_after = 1 WHERE holder = $1")
             .bind(holder)
             .execute(&self.pool)
             .await?;

@@ -350,6 +350,15 @@ impl Ledger for SqliteLedger {
         .fetch_one(&mut *tx)
         .await?;
         let holder = holder_name(name, number);
+        // Rows of earlier runs that hold nothing any more (the embedded ledger runs no
+        // heartbeat, so nothing else forgets them).
+        sqlx::query(
+            "DELETE FROM nodes WHERE beat_at < ?1 - dead_after AND holder NOT IN \
+             (SELECT node_id FROM leases WHERE state = 'ACTIVE')",
+        )
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
         sqlx::query(
             "INSERT INTO nodes (holder, name, incarnation, started_at, beat_at, streak_from, \
                                 dead_after) \
@@ -377,7 +386,6 @@ impl Ledger for SqliteLedger {
             holder,
             number,
             live_siblings,
-            ledger_ms: now,
         })
     }
 
@@ -388,12 +396,13 @@ impl Ledger for SqliteLedger {
         dead_after_ms: i64,
     ) -> Result<Beat, LedgerError> {
         let (name, number) = split_holder(holder);
+        let mut tx = self.writer.begin().await?;
         let streak: i64 = sqlx::query_scalar(
             "INSERT INTO nodes (holder, name, incarnation, started_at, beat_at, streak_from, \
                                 dead_after) \
              VALUES (?1, ?2, ?3, ?4, ?4, ?4, ?5) ON CONFLICT (holder) DO UPDATE SET \
                  beat_at = ?4, dead_after = ?5, \
-                 streak_from = CASE WHEN ?4 - beat_at > ?5 THEN ?4 ELSE streak_from END \
+                 streak_from = CASE WHEN ?4 - beat_at > ?5 / 2 THEN ?4 ELSE streak_from END \
              RETURNING beat_at - streak_from",
         )
         .bind(holder)
@@ -401,18 +410,18 @@ impl Ledger for SqliteLedger {
         .bind(number)
         .bind(now)
         .bind(dead_after_ms.max(1))
-        .fetch_one(&self.writer)
+        .fetch_one(&mut *tx)
         .await?;
-        let dead = if streak < dead_after_ms {
-            Vec::new()
-        } else {
-            sqlx::query_scalar(
-                "SELECT holder FROM nodes WHERE beat_at < ?1 - dead_after ORDER BY holder",
-            )
-            .bind(now)
-            .fetch_all(&self.reader)
-            .await?
-        };
+        let dead: Vec<String> = sqlx::query_scalar(
+            "SELECT holder FROM nodes WHERE holder <> ?1 AND beat_at < ?2 - dead_after \
+             AND dead_after <= ?3 ORDER BY holder",
+        )
+        .bind(holder)
+        .bind(now)
+        .bind(streak)
+        .fetch_all(&mut *tx)
+        .await?;
+        tx.commit().await?;
         // One process on one machine: the ledger's clock is this node's.
         Ok(Beat {
             ledger_ms: now,
@@ -438,7 +447,7 @@ impl Ledger for SqliteLedger {
     }
 
     async fn retire_node(&self, holder: &str) -> Result<(), LedgerError> {
-        sqlx::query("UPDATE nodes SET beat_at = 0 WHERE holder = ?1")
+        sqlx::query("UPDATE nodes SET beat_at = 0, dead_after = 1 WHERE holder = ?1")
             .bind(holder)
             .execute(&self.writer)
             .await?;

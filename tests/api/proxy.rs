@@ -1,7 +1,7 @@
 //! A loopback TCP proxy the tests can cut and restore, to make PostgreSQL or Redis unreachable
 //! for the nodes without touching the shared services.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -15,8 +15,6 @@ pub struct Proxy {
     frozen: watch::Sender<bool>,
     conns: Arc<Mutex<Vec<tokio::task::AbortHandle>>>,
     accept: tokio::task::JoinHandle<()>,
-    /// Connections the nodes opened (or tried to, while cut).
-    attempts: Arc<AtomicUsize>,
 }
 
 impl Proxy {
@@ -27,11 +25,8 @@ impl Proxy {
         let (frozen, frozen_rx) = watch::channel(false);
         let conns: Arc<Mutex<Vec<tokio::task::AbortHandle>>> = Arc::default();
         let (u, c, target) = (up.clone(), conns.clone(), target.to_string());
-        let attempts = Arc::new(AtomicUsize::new(0));
-        let tried = attempts.clone();
         let accept = tokio::spawn(async move {
             while let Ok((inbound, _)) = listener.accept().await {
-                tried.fetch_add(1, Ordering::SeqCst);
                 if !u.load(Ordering::SeqCst) {
                     drop(inbound);
                     continue;
@@ -53,13 +48,7 @@ impl Proxy {
             frozen,
             conns,
             accept,
-            attempts,
         }
-    }
-
-    /// Connections opened or tried through the proxy so far.
-    pub fn attempts(&self) -> usize {
-        self.attempts.load(Ordering::SeqCst)
     }
 
     /// Stops forwarding in both directions without closing anything (a half-open link).
