@@ -955,9 +955,13 @@ impl EngineHandle {
         }
     }
 
-    /// The node's circuit breaker is open (or probing): a new reserve would only fail later.
+    /// The node's circuit breaker is open and cooling down (or probing): a new reserve would
+    /// only fail later. Once it has cooled down, reserves go through, and the first batch probes.
     fn ledger_refused(&self) -> bool {
-        self.core.ledger.breaker().is_some_and(|b| b.is_open())
+        self.core
+            .ledger
+            .breaker()
+            .is_some_and(|b| b.refuses(b.now_ms()))
     }
 
     fn after_restocks(&self, restocks: impl Iterator<Item = Restock>) {

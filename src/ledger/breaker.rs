@@ -102,9 +102,21 @@ impl Breaker {
         }
     }
 
-    /// Open or half-open: new reserves are refused without reaching an actor.
+    /// Open or half-open: not closed.
     pub fn is_open(&self) -> bool {
         self.state.load(Ordering::Acquire) != CLOSED
+    }
+
+    /// Would a call made now be refused? While open and cooling down, or while a probe is out.
+    /// Once the cool-down is over, the next call may be the probe: work that ends in a ledger
+    /// call (a reserve, through its actor's batch) is let through, so the first of it probes
+    /// at once instead of waiting for a background job to.
+    pub fn refuses(&self, now: u64) -> bool {
+        match self.state.load(Ordering::Acquire) {
+            CLOSED => false,
+            OPEN => now < self.opened_at.load(Ordering::Acquire) + self.open_ms,
+            _ => true,
+        }
     }
 
     /// May a call go to the ledger at `now`?
@@ -235,9 +247,12 @@ mod tests {
         b.record(Admit::Pass, false, 10);
         assert_eq!(b.state(), BreakerState::Open);
         assert_eq!(b.admit(509), Admit::Refuse, "still cooling down");
+        assert!(b.refuses(509));
+        assert!(!b.refuses(510), "cooled down: the next call may probe");
         assert_eq!(b.admit(510), Admit::Probe);
         assert_eq!(b.state(), BreakerState::HalfOpen);
         assert_eq!(b.admit(511), Admit::Refuse, "one probe at a time");
+        assert!(b.refuses(511), "a probe is out");
         assert!(b.is_open());
         b.record(Admit::Probe, true, 520);
         assert_eq!(b.state(), BreakerState::Closed);

@@ -197,8 +197,9 @@ impl Ledger for Dedicated {
     }
 
     async fn commit_batch(&self, batch: &Batch) -> Result<Vec<RowOutcome>, LedgerError> {
-        // Refused at once while open; the merged transaction records itself (once).
-        if self.breaker.is_open() {
+        // Refused at once while open and cooling down; after that the merged transaction is
+        // admitted (perhaps as the probe) and records itself, once.
+        if self.breaker.refuses(self.breaker.now_ms()) {
             return Err(LedgerError::CircuitOpen);
         }
         self.committer.commit(batch.clone()).await
