@@ -3,7 +3,8 @@
 # small TCP proxy this script cuts and restores.
 #   scripts/ledger-down.sh
 # It floods the node (wrk, 64 connections, 5 s) while PostgreSQL is unreachable and the circuit
-# breaker is open, and prints the answers and their latency; then it restores the link and
+# breaker is open, and prints the answers and their latency (as wrk saw them, and as the node's
+# own request histogram timed them); then it restores the link and
 # prints how long after that the first reserve got its 201 (against ledger.breaker_open_ms).
 # Traffic goes to 127.0.0.1 only and stops by itself.
 set -euo pipefail
@@ -65,7 +66,9 @@ wrk -t1 -c64 -d3s -s load-tests/wrk-reserve.lua "$base" -- DOWN up >"$work/up.tx
 kill -USR1 "$proxy"
 breaker() { curl -fsS "$base/metrics" | awk '/^vouchers_ledger_breaker_state/ {print $2}'; }
 for _ in $(seq 1 200); do [ "$(breaker)" = 2 ] && break; sleep 0.05; done
+curl -fsS "$base/metrics" >"$work/metrics-before.txt"
 wrk -t1 -c64 -d5s -s load-tests/wrk-reserve.lua "$base" -- DOWN down >"$work/down.txt" 2>&1
+curl -fsS "$base/metrics" >"$work/metrics-after.txt"
 ready=$(curl -sS "$base/health/ready")
 kill -USR2 "$proxy"
 resumed=$(python3 - "$base" <<'PY'
@@ -83,8 +86,19 @@ print(f"{1000 * (time.time() - start):.0f}")
 PY
 )
 open_ms=$(python3 -c 'import tomllib; print(tomllib.load(open("config/default.toml","rb"))["ledger"]["breaker_open_ms"])')
-python3 - "$work/up.txt" "$work/down.txt" "$ready" "$resumed" "$open_ms" <<'PY'
+python3 - "$work/up.txt" "$work/down.txt" "$ready" "$resumed" "$open_ms" "$work/metrics-before.txt" "$work/metrics-after.txt" <<'PY'
 import re, sys
+def buckets(f):
+    b = {}
+    for l in open(f):
+        m = re.match(r'vouchers_http_request_duration_seconds_bucket\{(.*)\} (\S+)', l)
+        if m and 'route="reserve"' in m.group(1):
+            le = re.search(r'le="([^"]+)"', m.group(1)).group(1)
+            b[le] = b.get(le, 0) + float(m.group(2))
+    return b
+b0, b1 = buckets(sys.argv[6]), buckets(sys.argv[7])
+within = b1.get("0.001", 0) - b0.get("0.001", 0)
+total = b1.get("+Inf", 0) - b0.get("+Inf", 0)
 def read(f):
     t = open(f).read()
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", t).group(1))
@@ -93,6 +107,9 @@ def read(f):
 for name, f in (("ledger up", sys.argv[1]), ("ledger down, breaker open", sys.argv[2])):
     rps, p50, p99, mx, st = read(f)
     print(f"{name}: {rps:,.0f} req/s, p50 {p50:.3f} ms, p99 {p99:.3f} ms, max {mx:.1f} ms, answers {st}")
+if total:
+    print(f"ledger down, as the node timed them: {within:,.0f} of {total:,.0f} reserves "
+          f"({100 * within / total:.2f} %) answered within 1 ms")
 print(f"readiness while down: {sys.argv[3]}")
 print(f"first 201 {sys.argv[4]} ms after the link came back (ledger.breaker_open_ms {sys.argv[5]})")
 PY
