@@ -14,18 +14,8 @@ set -euo pipefail
 . "$(dirname "$0")/lib.sh"
 need wrk curl psql python3
 bin=$(release_bin)
-work=$(mktemp -d)
-db="vouchers_kill_$RANDOM"
 token="kill-$RANDOM$RANDOM"
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true
-  psql -q "$pg_admin" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
-psql -q "$pg_admin" -c "CREATE DATABASE $db"
-ledger="${pg_admin%/*}/$db"
+scratch_pg kill
 ports=()
 for i in 1 2 3; do
   port=$(free_port)

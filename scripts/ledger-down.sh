@@ -11,17 +11,8 @@ set -euo pipefail
 . "$(dirname "$0")/lib.sh"
 need wrk curl psql python3
 bin=$(release_bin)
-work=$(mktemp -d)
-db="vouchers_down_$RANDOM"
 token="down-$RANDOM$RANDOM"
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true
-  psql -q "$pg_admin" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
-psql -q "$pg_admin" -c "CREATE DATABASE $db"
+scratch_pg down
 proxy_port=$(free_port)
 # SIGUSR1 cuts every connection and refuses new ones; SIGUSR2 lets them through again.
 python3 - "$proxy_port" <<'PY' &

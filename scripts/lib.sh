@@ -27,3 +27,23 @@ wait_ready() {
 
 pg_admin="${BENCH_PG_ADMIN:-postgres://postgres@127.0.0.1:5432/test}"
 redis="${TEST_REDIS_URL:-redis://127.0.0.1:6379}"
+
+# Every process in `pids` is stopped, the scratch database (if any) dropped and `work` removed
+# when the script exits, however it exits.
+pids=()
+work=$(mktemp -d)
+db=""
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  if [ -n "$db" ]; then psql -q "$pg_admin" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" || true; fi
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+# scratch_pg TAG: a fresh PostgreSQL database for this run (`db`, its URL in `ledger`).
+scratch_pg() {
+  db="vouchers_$1_$RANDOM"
+  psql -q "$pg_admin" -c "CREATE DATABASE $db"
+  ledger="${pg_admin%/*}/$db"
+}

@@ -10,13 +10,12 @@ set -euo pipefail
 minutes="${1:-10}"
 need wrk curl python3
 bin=$(release_bin)
-work=$(mktemp -d)
 token="soak-$RANDOM$RANDOM"
 port=$(free_port)
 VOUCHERS__HTTP__PORT=$port VOUCHERS__LEDGER__URL="sqlite://$work/ledger.db" VOUCHERS__ADMIN__TOKEN=$token \
   RUST_LOG=warn "$bin" >"$work/node.log" 2>&1 &
 pid=$!
-trap 'kill $pid 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$work"' EXIT
+pids+=("$pid")
 base="http://127.0.0.1:$port"
 wait_ready "$base"
 curl -fsS -H "Authorization: Bearer $token" -H 'Content-Type: application/json' -XPOST "$base/admin/vouchers" \
