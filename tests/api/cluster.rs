@@ -1866,7 +1866,13 @@ async fn restarting_every_node_in_turn_during_a_flood_loses_and_fences_nothing()
         async move {
             let mut created = BTreeSet::new();
             let mut next = 1i64;
+            let started = Instant::now();
             loop {
+                assert!(
+                    started.elapsed() < Duration::from_secs(180),
+                    "the sale never ended ({} created)",
+                    created.len()
+                );
                 let wave = join_all((next..next + 16).map(|customer| {
                     let (client, code, live) = (client.clone(), code.clone(), live.clone());
                     async move {
