@@ -297,6 +297,20 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_batch_that_would_pass_max_rows_waits_for_the_next_transaction() {
+        let (answers, calls) = queue_behind_a_commit(4, batch("A", 1), &[("B", 3), ("C", 2)]).await;
+        assert!(answers.iter().all(Result::is_ok));
+        assert_eq!(calls, codes(&[&["A"], &["B"], &["C"]]));
+    }
+
+    #[tokio::test]
+    async fn a_batch_larger_than_max_rows_commits_alone() {
+        let (answers, calls) = queue_behind_a_commit(4, batch("A", 1), &[("E", 6)]).await;
+        assert!(answers.iter().all(Result::is_ok));
+        assert_eq!(calls, codes(&[&["A"], &["E"]]));
+    }
+
+    #[tokio::test]
     async fn a_voucher_appears_once_per_transaction_and_keeps_its_order() {
         let (answers, calls) = queue_behind_a_commit(
             10_000,
