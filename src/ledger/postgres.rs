@@ -162,9 +162,12 @@ impl PostgresLedger {
         }
         // Connections are checked before use (one short round trip per merged transaction):
         // after an outage the pool replaces broken ones instead of failing a request on each.
+        // Waiting for a connection (and that check) is part of a call, so it has the call's
+        // deadline: a slow check does not fail a batch before the ledger could answer it.
+        let acquire_ms = if timeout_ms > 0 { timeout_ms } else { 1000 };
         let pool = PgPoolOptions::new()
             .max_connections(max_connections.max(2))
-            .acquire_timeout(Duration::from_secs(1))
+            .acquire_timeout(Duration::from_millis(acquire_ms))
             .connect_with(options.clone())
             .await?;
         migrate(&pool).await?;

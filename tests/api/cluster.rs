@@ -526,6 +526,136 @@ async fn a_paused_node_is_fenced_after_its_lease_is_reaped() {
     );
 }
 
+/// Issue 12, the decisive fence: node 0 reaches PostgreSQL through a proxy, node 1 directly.
+/// Node 0 holds a lease with unused units and a 10-minute TTL. Its link is frozen (nothing
+/// forwarded, nothing closed); reserves then reach it and are served from that lease in memory,
+/// so their batch is formed and waits on the link. Node 0's beats stop too, so node 1 judges it
+/// dead and reaps the lease. Only then does the link thaw and the batch reach the ledger: it must
+/// be refused (`fenced`), its customers get 503, and no row lands on the reaped lease. Without
+/// the ledger's fence the batch would commit against a lease whose units were already given back.
+#[actix_web::test]
+#[cfg_attr(
+    any(no_test_pg, no_test_redis),
+    ignore = "needs TEST_DATABASE_URL and TEST_REDIS_URL; .ci/run sets them"
+)]
+async fn a_batch_formed_before_its_lease_was_reaped_is_fenced() {
+    let (Some(db), Some(redis)) = (fresh_pg_schema("fence").await, redis_url()) else {
+        return;
+    };
+    let proxy = Proxy::start(&host_port(&db)).await;
+    // Node 0's batch may wait on the frozen link far longer than a reserve normally would.
+    let patient = [
+        ("VOUCHERS__ENGINE__LEASE_TTL_MS", "600000"),
+        ("VOUCHERS__ENGINE__LEASE_IDLE_TIMEOUT_MS", "600000"),
+        ("VOUCHERS__ENGINE__MIN_BLOCK", "10"),
+        ("VOUCHERS__LEDGER__TIMEOUT_MS", "60000"),
+        ("VOUCHERS__HTTP__REQUEST_TIMEOUT_MS", "60000"),
+    ];
+    let cluster = Cluster {
+        nodes: vec![
+            Cluster::node(0, &via_port(&db, proxy.port), &redis, &patient).await,
+            Cluster::node(1, &db, &redis, &[]).await,
+        ],
+        db_url: db.clone(),
+        client: client(),
+    };
+    let code = code("FENCE");
+    cluster.create(&code, 100, 1).await;
+    let node0 = cluster.base(0);
+    let first = try_reserve(&cluster.client, &node0, &code, 1, &format!("{code}-o1")).await;
+    assert!(matches!(first, Some((201, _))), "{first:?}");
+    let pool = cluster.pg().await;
+    let (lease_id, unused): (i64, i64) = sqlx::query_as(
+        "SELECT id, granted - consumed FROM leases \
+         WHERE voucher_code = $1 AND node_id = 'node-0#1' AND state = 'ACTIVE'",
+    )
+    .bind(&code)
+    .fetch_one(&pool)
+    .await
+    .expect("node 0 holds one active lease");
+    const N: i64 = 4;
+    assert!(unused >= N, "node 0's lease has {unused} unused units");
+    let fenced = |c: awc::Client, base: String| async move {
+        let m = metrics_text(&c, &base).await;
+        crate::helpers::metric_sum(&m, "vouchers_lease_events_total", &["event=\"fenced\""])
+    };
+    assert_eq!(fenced(cluster.client.clone(), node0.clone()).await, 0.0);
+
+    proxy.freeze();
+    let requests = join_all((2..2 + N).map(|i| {
+        let (c, base, code) = (cluster.client.clone(), node0.clone(), code.clone());
+        async move {
+            let order = format!("{code}-o{i}");
+            let a = try_reserve(&c, &base, &code, i, &order).await;
+            (order, a)
+        }
+    }));
+    let reap_then_thaw = async {
+        eventually(
+            "node 1 reaps the lease of node 0, silent behind the frozen link",
+            Duration::from_secs(60),
+            || {
+                let pool = pool.clone();
+                async move {
+                    let state: String =
+                        sqlx::query_scalar("SELECT state FROM leases WHERE id = $1")
+                            .bind(lease_id)
+                            .fetch_one(&pool)
+                            .await
+                            .unwrap();
+                    state == "REAPED"
+                }
+            },
+        )
+        .await;
+        // Node 0's customers are still waiting: their batch has not reached the ledger.
+        let rows: i64 =
+            sqlx::query_scalar("SELECT COUNT(*) FROM reservations WHERE voucher_code = $1")
+                .bind(&code)
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        assert_eq!(rows, 1, "nothing of node 0's batch is in the ledger yet");
+        proxy.thaw();
+    };
+    let (answers, ()) = tokio::join!(requests, reap_then_thaw);
+
+    assert!(
+        fenced(cluster.client.clone(), node0.clone()).await >= 1.0,
+        "node 0's batch reached the ledger after the reap and was refused"
+    );
+    let mut created: std::collections::BTreeSet<String> = [format!("{code}-o1")].into();
+    let mut refused = 0;
+    for (order, a) in &answers {
+        match a {
+            Some((201, _)) => {
+                created.insert(order.clone());
+            }
+            Some((503, _)) => refused += 1,
+            other => panic!("{order}: {other:?}"),
+        }
+    }
+    assert!(
+        refused >= 1,
+        "the fenced batch's customers got 503: {answers:?}"
+    );
+    let on_reaped: (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT COUNT(*) FROM reservations WHERE lease_id = $1), \
+                (SELECT consumed FROM leases WHERE id = $1)",
+    )
+    .bind(lease_id)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        on_reaped,
+        (1, 1),
+        "only the first order lives on the reaped lease"
+    );
+    let books = crate::audit::books(&db, &code).await;
+    books.assert_matches_clients(&code, &created);
+}
+
 #[actix_web::test]
 #[cfg_attr(
     any(no_test_pg, no_test_redis),
