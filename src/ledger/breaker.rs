@@ -41,14 +41,6 @@ pub enum BreakerState {
 }
 
 impl BreakerState {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Closed => "closed",
-            Self::HalfOpen => "half_open",
-            Self::Open => "open",
-        }
-    }
-
     /// The gauge's value: 0 closed, 1 half-open, 2 open.
     pub fn level(self) -> f64 {
         match self {
@@ -100,11 +92,6 @@ impl Breaker {
             HALF_OPEN => BreakerState::HalfOpen,
             _ => BreakerState::Open,
         }
-    }
-
-    /// Open or half-open: not closed.
-    pub fn is_open(&self) -> bool {
-        self.state.load(Ordering::Acquire) != CLOSED
     }
 
     /// Would a call made now be refused? While open and cooling down, or while a probe is out.
@@ -253,7 +240,6 @@ mod tests {
         assert_eq!(b.state(), BreakerState::HalfOpen);
         assert_eq!(b.admit(511), Admit::Refuse, "one probe at a time");
         assert!(b.refuses(511), "a probe is out");
-        assert!(b.is_open());
         b.record(Admit::Probe, true, 520);
         assert_eq!(b.state(), BreakerState::Closed);
         assert_eq!(b.admit(521), Admit::Pass);

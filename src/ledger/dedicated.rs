@@ -59,14 +59,25 @@ impl Dedicated {
     {
         let fut = f(self.inner.clone());
         self.breaker
-            .call(async {
-                match tokio::time::timeout(self.deadline, self.rt.spawn(fut)).await {
-                    Ok(Ok(res)) => res,
-                    Ok(Err(_)) => Err(LedgerError::Unavailable(sqlx::Error::WorkerCrashed)),
-                    Err(_) => Err(LedgerError::Unavailable(sqlx::Error::PoolTimedOut)),
-                }
-            })
+            .call(self.on_ledger_runtime(self.deadline, fut))
             .await
+    }
+
+    /// Runs `fut` on the ledger's runtime and gives up after `deadline`.
+    async fn on_ledger_runtime<T, Fut>(
+        &self,
+        deadline: std::time::Duration,
+        fut: Fut,
+    ) -> Result<T, LedgerError>
+    where
+        T: Send + 'static,
+        Fut: Future<Output = Result<T, LedgerError>> + Send + 'static,
+    {
+        match tokio::time::timeout(deadline, self.rt.spawn(fut)).await {
+            Ok(Ok(res)) => res,
+            Ok(Err(_)) => Err(LedgerError::Unavailable(sqlx::Error::WorkerCrashed)),
+            Err(_) => Err(LedgerError::Unavailable(sqlx::Error::PoolTimedOut)),
+        }
     }
 }
 
@@ -173,15 +184,11 @@ impl Ledger for Dedicated {
         // its beats go out whatever the breaker says. A beat later than a third of the limit
         // is worth nothing: it gives up then.
         let (holder, inner) = (holder.to_string(), self.inner.clone());
-        let call = self
-            .rt
-            .spawn(async move { inner.heartbeat(&holder, now, dead_after_ms).await });
         let deadline = std::time::Duration::from_millis((dead_after_ms / 3).max(10) as u64);
-        match tokio::time::timeout(deadline, call).await {
-            Ok(Ok(res)) => res,
-            Ok(Err(_)) => Err(LedgerError::Unavailable(sqlx::Error::WorkerCrashed)),
-            Err(_) => Err(LedgerError::Unavailable(sqlx::Error::PoolTimedOut)),
-        }
+        self.on_ledger_runtime(deadline, async move {
+            inner.heartbeat(&holder, now, dead_after_ms).await
+        })
+        .await
     }
 
     async fn reap_holder(&self, holder: &str, now: Millis) -> Result<Vec<Restock>, LedgerError> {
