@@ -3,7 +3,7 @@
 import exec from 'k6/execution';
 import { check } from 'k6';
 import http from 'k6/http';
-import { createVoucher, createdOnServers, checkLedger, reserve, warm, latencyThreshold } from './lib.js';
+import { createVoucher, createdOnServers, checkLedger, ledgerMatchesClients, reserve, sawCreated, warm, latencyThreshold } from './lib.js';
 
 const RATE = parseInt(__ENV.RATE || '3000', 10);
 
@@ -20,7 +20,7 @@ export const options = {
       maxVUs: 2000,
     },
   },
-  thresholds: Object.assign(latencyThreshold(), {
+  thresholds: Object.assign(latencyThreshold(), ledgerMatchesClients(), {
     checks: ['rate==1.0'],
     http_req_failed: ['rate==0'],
   }),
@@ -37,6 +37,7 @@ export default function (data) {
   const customer = exec.scenario.iterationInTest + 1;
   const res = reserve(customer, data.code, customer, `${data.code}-${customer}`);
   check(res, { 'reserve 201': (r) => r.status === 201 });
+  if (res.status === 201) sawCreated();
 }
 
 export function teardown(data) {

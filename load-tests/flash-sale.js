@@ -7,7 +7,7 @@ import exec from 'k6/execution';
 import { check } from 'k6';
 import { Counter } from 'k6/metrics';
 import http from 'k6/http';
-import { BASES, createVoucher, createdOnServers, checkLedger, reserve, warm, latencyThreshold } from './lib.js';
+import { BASES, createVoucher, createdOnServers, checkLedger, ledgerMatchesClients, reserve, sawCreated, warm, latencyThreshold } from './lib.js';
 
 const TOTAL = parseInt(__ENV.TOTAL || '1000', 10);
 const PEAK = parseInt(__ENV.PEAK_RATE || '5000', 10);
@@ -31,7 +31,7 @@ export const options = {
       ],
     },
   },
-  thresholds: Object.assign(latencyThreshold(), {
+  thresholds: Object.assign(latencyThreshold(), ledgerMatchesClients(), {
     checks: ['rate==1.0'],
     http_req_failed: ['rate==0'],
     // The 201s the clients saw, counted by the clients.
@@ -53,7 +53,10 @@ export default function (data) {
     'reserve answered 201 or 409': (r) => r.status === 201 || r.status === 409,
     '409 is OUT_OF_STOCK': (r) => r.status !== 409 || r.json('error') === 'OUT_OF_STOCK',
   });
-  if (res.status === 201) created.add(1);
+  if (res.status === 201) {
+    created.add(1);
+    sawCreated();
+  }
 }
 
 export function teardown(data) {

@@ -2,6 +2,7 @@
 // server-side count of created reservations (read from every node's /metrics).
 import http from 'k6/http';
 import { check, fail } from 'k6';
+import { Counter } from 'k6/metrics';
 
 export const BASES = (__ENV.BASE_URLS || __ENV.BASE_URL || 'http://127.0.0.1:8080')
   .split(',')
@@ -80,11 +81,28 @@ export function reserve(node, code, customerId, orderId, tags) {
   );
 }
 
+// The clients' own view of the books: each client adds one for every new order it saw a 201
+// for (`sawCreated`), and the teardown takes away every reservation the ledger holds for the
+// voucher (`checkLedger`). k6 counts the teardown's samples too, so the threshold of
+// `ledgerMatchesClients()` fails the run when the ledger and the clients disagree, in either
+// direction: a 201 the ledger lost, or a reservation no client was told of.
+const clientsMinusLedger = new Counter('reservations_clients_minus_ledger');
+
+export function sawCreated() {
+  clientsMinusLedger.add(1);
+}
+
+export function ledgerMatchesClients() {
+  return { reservations_clients_minus_ledger: ['count==0'] };
+}
+
 // The accounting check every scenario ends with: the ledger balances, never more than the total
-// was sold, and the ledger holds exactly as many reservations as the servers answered 201.
+// was sold, and the ledger holds exactly as many reservations as the servers answered 201. In a
+// scenario whose clients count with `sawCreated`, it also settles their count against the ledger.
 export function checkLedger(code, createdBefore, expectSold) {
   const v = adminView(code);
   const sold = v.reserved + v.confirmed + v.released;
+  clientsMinusLedger.add(-sold);
   const created = createdOnServers() - createdBefore;
   const ok = check(v, {
     'ledger balanced': (x) => x.balanced === true,

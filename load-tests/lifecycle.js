@@ -4,7 +4,7 @@
 import exec from 'k6/execution';
 import { check } from 'k6';
 import http from 'k6/http';
-import { base, createVoucher, createdOnServers, checkLedger, reserve, warm, latencyThreshold } from './lib.js';
+import { base, createVoucher, createdOnServers, checkLedger, ledgerMatchesClients, reserve, sawCreated, warm, latencyThreshold } from './lib.js';
 
 const RATE = parseInt(__ENV.RATE || '500', 10);
 
@@ -21,7 +21,7 @@ export const options = {
       maxVUs: 1000,
     },
   },
-  thresholds: Object.assign(latencyThreshold(), {
+  thresholds: Object.assign(latencyThreshold(), ledgerMatchesClients(), {
     checks: ['rate==1.0'],
     http_req_failed: ['rate==0'],
   }),
@@ -40,6 +40,8 @@ export default function (data) {
   const first = reserve(customer, data.code, customer, order);
   const retry = reserve(customer + 1, data.code, customer, order, { retry: 'yes' });
   check(first, { 'reserve 201': (r) => r.status === 201 });
+  // One new order, whatever the retry saw (it must be the same reservation).
+  if (first.status === 201 || retry.status === 201) sawCreated();
   check(retry, {
     'retry 201': (r) => r.status === 201,
     'retry gets the same body': (r) => r.body === first.body,

@@ -1828,14 +1828,6 @@ async fn the_feed_holds_every_change_once_in_order_through_a_sigkill() {
         assert_eq!(f["customerId"], e["customerId"].to_string());
         assert_eq!(f["at"], e["at"].as_str().unwrap());
     }
-    eprintln!(
-        "feed: {} events, {} reservations, {} acknowledged, {} confirmed, {} released, {expired} expired",
-        total,
-        rows.len(),
-        seen.reserved.len(),
-        seen.confirmed.len(),
-        seen.released.len()
-    );
 }
 
 /// Issue 9: a rolling restart starts the new process under the same `node.id` before the old one
