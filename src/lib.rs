@@ -12,7 +12,8 @@
 //!   behind one trait, with the batch planner both stores share, the node-wide group
 //!   committer that merges every voucher's batches into shared transactions, the node's
 //!   circuit breaker ([`ledger::breaker`]) and the heartbeats that make lease holders known
-//!   as live or dead.
+//!   as live or dead. [`ledger::model`] is the same semantics in memory, for simulation; it
+//!   passes the conformance suite too.
 //! - [`jobs`]: heartbeat (which reaps dead holders' leases), expiry sweeper, lease reaper,
 //!   reconciler.
 //! - [`signals`]: Redis pub/sub hints between nodes (sold out, restock, recall, updated).

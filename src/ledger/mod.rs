@@ -3,9 +3,11 @@
 //! it draws on change together.
 //!
 //! [`Ledger`] is the one interface; [`sqlite::SqliteLedger`] (embedded default) and
-//! [`postgres::PostgresLedger`] (cluster) implement it and pass the same conformance suite
-//! (`tests/api/ledger.rs`). The decision of which rows of a batch win is the pure function
-//! [`plan_batch`], shared by both, so the two stores cannot disagree on it.
+//! [`postgres::PostgresLedger`] (cluster) implement it, and so does [`model::ModelLedger`], the
+//! same semantics in memory for deterministic simulation. All three pass the same conformance
+//! suite (`tests/api/ledger.rs`). The decision of which rows of a batch win is the pure function
+//! [`plan_batch`], shared by all, so the stores cannot disagree on it; the merged transaction's
+//! decision over many batches (`merged::plan_merged`) is shared by SQLite and the model.
 //!
 //! Lease holders are processes, each an [`Incarnation`] of its node name that beats in the
 //! ledger; [`Ledger::heartbeat`] reaps the leases of holders that stopped beating. Every call a
@@ -14,6 +16,8 @@
 pub mod breaker;
 mod committer;
 mod dedicated;
+mod merged;
+pub mod model;
 pub mod postgres;
 mod rows;
 pub mod sqlite;

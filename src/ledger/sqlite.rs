@@ -6,7 +6,6 @@
 //! group commit is set-based: the rows of every batch travel as JSON arrays and each of its eight
 //! statements works on the whole set through `json_each`, however many vouchers it carries.
 
-use std::collections::HashMap;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -18,6 +17,7 @@ use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
 
+use super::merged::{plan_merged, LeaseRoom, MergedReads, MergedWrites, Rules};
 use super::rows::settled_events;
 use super::rows::{
     event_from, group_restocks, limit_column, per_customer, reservation_from, switches_from,
@@ -26,9 +26,8 @@ use super::rows::{
 };
 use super::sqlite_raw as raw;
 use super::{
-    holder_name, plan_batch, resolve_plan, split_holder, Batch, BatchResults, Beat, Closing,
-    Counters, Grant, Incarnation, Lease, Ledger, LedgerError, LiveUnits, Planned, Restock,
-    LEASE_FILTER,
+    holder_name, split_holder, Batch, BatchResults, Beat, Closing, Counters, Grant, Incarnation,
+    Lease, Ledger, LedgerError, LiveUnits, Restock, LEASE_FILTER,
 };
 use crate::clock::Millis;
 use crate::domain::{
@@ -818,139 +817,6 @@ async fn release_units(
     Ok(restocks)
 }
 
-/// A voucher's rules as a batch needs them.
-struct Rules {
-    per_user_limit: i64,
-    discount: i64,
-    status: String,
-    starts_at: Millis,
-    ends_at: Millis,
-}
-
-/// A lease as the merged transaction found it.
-struct LeaseRoom {
-    voucher_code: String,
-    active: bool,
-    room: i64,
-}
-
-/// What a merged transaction reads before it decides: every batch's voucher, lease, stored
-/// orders and customers' usage, in four set-based statements.
-#[derive(Default)]
-struct MergedReads {
-    rules: HashMap<String, Rules>,
-    leases: HashMap<i64, LeaseRoom>,
-    stored: HashMap<String, Reservation>,
-    used: HashMap<(String, i64), i64>,
-}
-
-/// What a merged transaction writes once it decided, as the JSON rows of four set-based
-/// statements.
-#[derive(Default)]
-struct MergedWrites {
-    /// `[lease id, units]`: the fence, one entry per lease drawn on.
-    consumed: Vec<(i64, i64)>,
-    /// `[order, voucher, customer, lease, discount, now, expires]` per new reservation.
-    rows: Vec<serde_json::Value>,
-    /// `[voucher, customer, units]` per customer whose usage grows.
-    usage: Vec<(String, i64, i64)>,
-    /// `[voucher, units]` per voucher whose `reserved` grows.
-    reserved: Vec<(String, i64)>,
-}
-
-/// Decides every batch of a merged transaction, one after the other, each seeing what the ones
-/// before it took (order ids, usage, lease room). A batch for an unknown voucher gets
-/// `NotFound`; one whose new rows do not fit its lease (gone, or too small) gets `Fenced` and
-/// takes nothing.
-fn plan_merged(batches: &[Batch], mut reads: MergedReads) -> (BatchResults, MergedWrites) {
-    let mut results = Vec::with_capacity(batches.len());
-    let mut consumed: HashMap<i64, i64> = HashMap::new();
-    let mut usage: HashMap<(&str, i64), i64> = HashMap::new();
-    let mut reserved: HashMap<&str, i64> = HashMap::new();
-    let mut rows = Vec::new();
-    for batch in batches {
-        let code = batch.voucher_code.as_str();
-        let Some(v) = reads.rules.get(code) else {
-            results.push(Err(LedgerError::NotFound));
-            continue;
-        };
-        let existing: Vec<Reservation> = batch
-            .rows
-            .iter()
-            .filter_map(|r| reads.stored.get(&r.order_id).cloned())
-            .collect();
-        let used: HashMap<i64, i64> = batch
-            .rows
-            .iter()
-            .map(|r| {
-                let n = reads.used.get(&(code.to_string(), r.customer_id));
-                (r.customer_id, n.copied().unwrap_or(0))
-            })
-            .collect();
-        let blocked = super::refuses_new(&v.status, v.starts_at, v.ends_at, batch.now);
-        let plan = plan_batch(
-            code,
-            &batch.rows,
-            &existing,
-            &used,
-            v.per_user_limit,
-            blocked,
-            batch.now,
-        );
-        let inserts: Vec<usize> = plan
-            .iter()
-            .enumerate()
-            .filter(|(_, p)| matches!(p, Planned::Insert))
-            .map(|(i, _)| i)
-            .collect();
-        let k = inserts.len() as i64;
-        if k > 0 {
-            // The fence: only an ACTIVE lease of this voucher with room may be drawn on.
-            match reads.leases.get_mut(&batch.lease_id) {
-                Some(l) if l.active && l.voucher_code == code && l.room >= k => l.room -= k,
-                _ => {
-                    results.push(Err(LedgerError::Fenced));
-                    continue;
-                }
-            }
-            *consumed.entry(batch.lease_id).or_insert(0) += k;
-            *reserved.entry(code).or_insert(0) += k;
-        }
-        let created = super::created_rows(batch, inserts.iter().copied(), v.discount);
-        for r in created.values() {
-            rows.push(json!([
-                r.order_id,
-                code,
-                r.customer_id,
-                batch.lease_id,
-                r.discount_amount,
-                batch.now,
-                r.expires_at
-            ]));
-            *usage.entry((code, r.customer_id)).or_insert(0) += 1;
-            *reads
-                .used
-                .entry((code.to_string(), r.customer_id))
-                .or_insert(0) += 1;
-            reads.stored.insert(r.order_id.clone(), r.clone());
-        }
-        results.push(Ok(resolve_plan(plan, &created)));
-    }
-    let writes = MergedWrites {
-        consumed: consumed.into_iter().collect(),
-        rows,
-        usage: usage
-            .into_iter()
-            .map(|((c, u), n)| (c.to_string(), u, n))
-            .collect(),
-        reserved: reserved
-            .into_iter()
-            .map(|(c, n)| (c.to_string(), n))
-            .collect(),
-    };
-    (results, writes)
-}
-
 /// The four reads of a merged transaction.
 fn read_merged(db: &raw::Db, batches: &[Batch]) -> Result<MergedReads, LedgerError> {
     let mut reads = MergedReads::default();
@@ -1056,6 +922,21 @@ fn write_merged(db: &raw::Db, w: &MergedWrites) -> Result<(), LedgerError> {
         }
         q.int(0)
     };
+    let rows: Vec<serde_json::Value> = w
+        .rows
+        .iter()
+        .map(|r| {
+            json!([
+                r.order_id,
+                r.voucher_code,
+                r.customer_id,
+                r.lease_id,
+                r.discount_amount,
+                r.created_at,
+                r.expires_at
+            ])
+        })
+        .collect();
     let mut insert = db.query(
         "INSERT INTO reservations (order_id, voucher_code, customer_id, lease_id, \
          discount_amount, status, created_at, expires_at, updated_at, reserved_seq) \
@@ -1063,7 +944,7 @@ fn write_merged(db: &raw::Db, w: &MergedWrites) -> Result<(), LedgerError> {
            json_extract(value, '$[2]'), json_extract(value, '$[3]'), json_extract(value, '$[4]'), \
            'RESERVED', json_extract(value, '$[5]'), json_extract(value, '$[6]'), \
            json_extract(value, '$[5]'), ?2 + key + 1 FROM json_each(?1)",
-        &json_list(&w.rows),
+        &json_list(&rows),
     )?;
     insert.bind_int(2, base)?;
     let inserted = db.run(insert)?;

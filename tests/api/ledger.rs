@@ -1005,6 +1005,21 @@ async fn sqlite_ledger_conforms() {
     assert_eq!(traces, 0, "refused rows left usage rows");
 }
 
+/// The in-memory model ledger (the one a deterministic simulation runs against) passes the same
+/// suite; refused rows leave no usage behind there either.
+#[tokio::test]
+async fn model_ledger_conforms() {
+    let l: SharedLedger = std::sync::Arc::new(ledger::model::ModelLedger::new("model"));
+    conformance(l.clone()).await;
+    for (code, customer) in [("M2", 20), ("M4", 40), ("X1", 50), ("X2", 60)] {
+        let usage = l.customer_usage(code, &[customer]).await.unwrap();
+        assert!(
+            usage.is_empty(),
+            "refused rows left usage: {code} {usage:?}"
+        );
+    }
+}
+
 /// A fresh PostgreSQL schema for one test: its URL (search_path set through `options`).
 pub async fn fresh_pg_schema(tag: &str) -> Option<String> {
     let base = crate::helpers::service_url("TEST_DATABASE_URL")?;
