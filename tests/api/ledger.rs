@@ -338,6 +338,24 @@ async fn batches_apply_idempotency_and_limits(l: &SharedLedger) {
     usage.sort();
     assert_eq!(usage, vec![(1, 2), (2, 1)], "customer 3 never used B");
     assert_eq!(l.customer_usage("B", &[]).await.unwrap(), vec![]);
+    // The ledger's own copy of the window refuses new rows before the start and from the end
+    // on (a node's copy may be stale), and still answers a replay.
+    let early = Batch {
+        now: NOW - 2000,
+        ..batch("B", lease.id, rows(&[("b9", 9), ("b2", 1)]))
+    };
+    let late = Batch {
+        now: NOW + 86_400_000,
+        ..batch("B", lease.id, rows(&[("b9", 9)]))
+    };
+    let out = l.commit_batch(&early).await.unwrap();
+    assert_eq!(out[0], RowOutcome::NotEligible(Ineligible::NotStarted));
+    assert!(matches!(&out[1], RowOutcome::Replayed(r) if r.order_id == "b2"), "{out:?}");
+    assert_eq!(
+        l.commit_batch(&late).await.unwrap(),
+        vec![RowOutcome::NotEligible(Ineligible::Ended)]
+    );
+    assert_eq!(balanced(l, "B").await.reserved, 3, "nothing taken");
 }
 
 async fn the_fence_stops_batches_on_dead_or_full_leases(l: &SharedLedger) {
