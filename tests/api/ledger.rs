@@ -350,7 +350,10 @@ async fn batches_apply_idempotency_and_limits(l: &SharedLedger) {
     };
     let out = l.commit_batch(&early).await.unwrap();
     assert_eq!(out[0], RowOutcome::NotEligible(Ineligible::NotStarted));
-    assert!(matches!(&out[1], RowOutcome::Replayed(r) if r.order_id == "b2"), "{out:?}");
+    assert!(
+        matches!(&out[1], RowOutcome::Replayed(r) if r.order_id == "b2"),
+        "{out:?}"
+    );
     assert_eq!(
         l.commit_batch(&late).await.unwrap(),
         vec![RowOutcome::NotEligible(Ineligible::Ended)]

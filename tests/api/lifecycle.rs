@@ -280,3 +280,45 @@ async fn idle_units_go_back_to_free() {
         (json!(39), json!(1))
     );
 }
+
+/// Between two requests of a sale that is not idle, the actor keeps its lease (nothing in
+/// flight is no reason to give it back) and renews it before it runs out.
+#[actix_web::test]
+async fn a_lease_is_kept_and_renewed_between_requests() {
+    let app = crate::helpers::spawn_app_with(|s| {
+        s.engine.lease_ttl_ms = 20_000;
+        s.engine.lease_safety_ms = 2_000;
+        s.engine.lease_idle_timeout_ms = 3_600_000;
+    })
+    .await;
+    assert_eq!(app.create_voucher("KEEP", 1000, 1).await.0, 201);
+    assert_eq!(app.reserve("KEEP", 1, "keep-1").await.0, 201);
+    let pool = sqlx::SqlitePool::connect(&app.db_url).await.unwrap();
+    let leases = |pool: sqlx::SqlitePool| async move {
+        let rows: Vec<(i64, String, i64)> =
+            sqlx::query_as("SELECT id, state, expires_at FROM leases WHERE voucher_code = 'KEEP'")
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        rows
+    };
+    let before = leases(pool.clone()).await;
+    assert_eq!(before.len(), 1, "{before:?}");
+    // Past half the lease's life, still outside its safety margin, far from idle: a tick of
+    // the actor renews it.
+    app.clock.advance_ms(12_000);
+    crate::helpers::eventually(
+        "the lease is renewed",
+        std::time::Duration::from_secs(10),
+        || {
+            let pool = pool.clone();
+            let was = before[0].2;
+            async move { leases(pool).await.iter().any(|l| l.2 > was) }
+        },
+    )
+    .await;
+    let after = leases(pool).await;
+    assert_eq!(after.len(), 1, "{after:?}");
+    assert_eq!((after[0].0, after[0].1.as_str()), (before[0].0, "ACTIVE"));
+    assert_eq!(app.reserve("KEEP", 2, "keep-2").await.0, 201);
+}
