@@ -269,7 +269,12 @@ async fn a_code_created_elsewhere_is_found_by_the_next_read() {
     let app = spawn_app_with(|s| s.engine.known_codes_refresh_ms = 0).await;
     assert_eq!(app.reserve("LATER", 1, "later-1").await.0, 404);
     create_behind_the_node(&app, "LATER").await;
+    let reads = app.engine.known_code_reads();
     assert_eq!(app.reserve("LATER", 1, "later-1").await.0, 201);
+    assert!(
+        app.engine.known_code_reads() > reads,
+        "the node read the codes again to find it"
+    );
 }
 
 #[actix_web::test]

@@ -711,6 +711,16 @@ async fn concurrent_batches_agree_on_customers_and_orders(l: &SharedLedger) {
         created.values().all(|n| *n == 1),
         "an order created twice: {created:?}"
     );
+    // Order ids name their customer, and nobody releases: an order some node created answers
+    // every other node's row for it with that reservation (a replay, also when the two inserts
+    // raced), and a row is refused only for an order nobody ever got.
+    for (row, o) in &all {
+        assert_eq!(
+            created.contains_key(&row.order_id),
+            o != &RowOutcome::AlreadyUsed,
+            "{row:?}: {o:?}"
+        );
+    }
     assert_eq!(per_customer.len(), 10);
     assert!(
         per_customer.values().all(|n| *n == 2),
