@@ -161,3 +161,83 @@ async fn the_switches_start_as_the_ledger_holds_them() {
     let other = crate::helpers::spawn_app_with(move |s| s.ledger.url = url).await;
     assert!(other.engine.switches().read_only);
 }
+
+/// Reserves already queued at an actor when the sales are paused do not become a batch
+/// afterwards: the batch in flight when the switch went on commits (it was taken before), the
+/// queued ones get `422 PAUSED` (or, like any new sale, would after a lookup) and take nothing.
+/// PostgreSQL, so the test can hold the batch in flight on its lease's row lock while the
+/// switch row changes.
+#[actix_web::test]
+#[cfg_attr(
+    no_test_pg,
+    ignore = "needs TEST_DATABASE_URL (PostgreSQL); .ci/run sets it"
+)]
+async fn reserves_queued_when_sales_pause_are_refused_not_batched() {
+    let Some(db) = crate::ledger::fresh_pg_schema("queued").await else {
+        return;
+    };
+    let url = db.clone();
+    let app = crate::helpers::spawn_app_with(move |s| {
+        s.ledger.url = url;
+        s.ledger.timeout_ms = 60_000;
+        s.http.request_timeout_ms = 60_000;
+    })
+    .await;
+    assert_eq!(app.create_voucher("QUEUE", 100, 1).await.0, 201);
+    assert_eq!(app.reserve("QUEUE", 1, "q-1").await.0, 201);
+    let pool = sqlx::PgPool::connect(&db).await.unwrap();
+    let mut hold = pool.begin().await.unwrap();
+    let holder: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *hold)
+        .await
+        .unwrap();
+    sqlx::query("SELECT id FROM leases WHERE voucher_code = 'QUEUE' FOR UPDATE")
+        .fetch_all(&mut *hold)
+        .await
+        .unwrap();
+    let first = app.reserve("QUEUE", 2, "q-2");
+    let rest =
+        futures_util::future::join_all((3..=6).map(|c| app.reserve("QUEUE", c, format!("q-{c}"))));
+    let pause_then_free = async {
+        eventually(
+            "q-2's batch waits on the lease row",
+            Duration::from_secs(10),
+            || {
+                let pool = pool.clone();
+                async move {
+                    let waiting: i64 = sqlx::query_scalar(
+                        "SELECT COUNT(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+                    )
+                    .bind(holder)
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+                    waiting == 1
+                }
+            },
+        )
+        .await;
+        eventually(
+            "the other four are queued at the actor",
+            Duration::from_secs(10),
+            || async { app.engine.reserves_in_flight() == 5 },
+        )
+        .await;
+        assert_eq!(put(&app, json!({"salesPaused": true})).await.0, 200);
+        hold.rollback().await.unwrap();
+    };
+    let (first, rest, ()) = tokio::join!(first, rest, pause_then_free);
+    assert_eq!(
+        first.0, 201,
+        "the batch in flight was taken before the pause"
+    );
+    for a in &rest {
+        assert_eq!(
+            error(a),
+            (422, Some("NOT_ELIGIBLE"), Some("PAUSED")),
+            "{a:?}"
+        );
+    }
+    let books = audit::books(&db, "QUEUE").await;
+    books.assert_matches_clients("QUEUE", &["q-1".to_string(), "q-2".to_string()].into());
+}
