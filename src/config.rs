@@ -97,6 +97,10 @@ pub struct LedgerSettings {
     /// Every ledger call (a merged transaction included) not answered by then fails with `503`;
     /// on PostgreSQL also each statement's and each lock wait's limit.
     pub timeout_ms: u64,
+    /// PostgreSQL: how long a call waits for a pooled connection (its health check included)
+    /// before it fails with `503`. Short, so an exhausted pool or a dead link is an outage the
+    /// breaker counts at once, not a call that holds a commit slot until its deadline.
+    pub acquire_timeout_ms: u64,
     /// Calls in a row that found the ledger unavailable before the node's circuit breaker opens
     /// (0: never).
     pub breaker_failures: u32,

@@ -6,8 +6,9 @@
 //! [`postgres::PostgresLedger`] (cluster) implement it, and so does [`model::ModelLedger`], the
 //! same semantics in memory for deterministic simulation. All three pass the same conformance
 //! suite (`tests/api/ledger.rs`). The decision of which rows of a batch win is the pure function
-//! [`plan_batch`], shared by all, so the stores cannot disagree on it; the merged transaction's
-//! decision over many batches (`merged::plan_merged`) is shared by SQLite and the model.
+//! [`plan_batch`]; SQLite and the model run it for each batch of a merged transaction
+//! (`merged::plan_merged`), and PostgreSQL runs the same rules server-side in one statement, its
+//! verdicts turned into outcomes by [`resolve_plan`] as the others' are.
 //!
 //! Lease holders are processes, each an [`Incarnation`] of its node name that beats in the
 //! ledger; [`Ledger::heartbeat`] reaps the leases of holders that stopped beating. Every call a
@@ -561,9 +562,14 @@ pub fn connect_on(
     // Opened from a plain thread that blocks on `rt`, so the pool's connections and background
     // tasks belong to it. Start-up only.
     let (url, max_connections, rt2) = (settings.url.clone(), settings.max_connections, rt.clone());
-    let timeout_ms = settings.timeout_ms;
+    let (timeout_ms, acquire_ms) = (settings.timeout_ms, settings.acquire_timeout_ms);
     let inner = std::thread::spawn(move || {
-        rt2.block_on(connect_with_timeout(&url, max_connections, timeout_ms))
+        rt2.block_on(connect_with_timeout(
+            &url,
+            max_connections,
+            timeout_ms,
+            acquire_ms,
+        ))
     })
     .join()
     .map_err(|_| anyhow::anyhow!("ledger start-up thread panicked"))??;
@@ -606,14 +612,16 @@ pub fn grouped(
 
 /// Opens the ledger a URL names: `sqlite://…` or `postgres://…`, and runs its migrations.
 pub async fn connect(url: &str, max_connections: u32) -> anyhow::Result<SharedLedger> {
-    connect_with_timeout(url, max_connections, 0).await
+    connect_with_timeout(url, max_connections, 0, 1000).await
 }
 
-/// [`connect`], with PostgreSQL's statement and lock timeouts set to `timeout_ms` (0: none).
+/// [`connect`], with PostgreSQL's statement and lock timeouts set to `timeout_ms` (0: none) and
+/// its wait for a pooled connection to `acquire_timeout_ms`.
 pub async fn connect_with_timeout(
     url: &str,
     max_connections: u32,
     timeout_ms: u64,
+    acquire_timeout_ms: u64,
 ) -> anyhow::Result<SharedLedger> {
     use anyhow::Context;
     if url.starts_with("sqlite:") {
@@ -622,9 +630,10 @@ pub async fn connect_with_timeout(
             .context("open sqlite ledger")?;
         Ok(Arc::new(l))
     } else if url.starts_with("postgres:") || url.starts_with("postgresql:") {
-        let l = postgres::PostgresLedger::connect(url, max_connections, timeout_ms)
-            .await
-            .context("open postgres ledger")?;
+        let l =
+            postgres::PostgresLedger::connect(url, max_connections, timeout_ms, acquire_timeout_ms)
+                .await
+                .context("open postgres ledger")?;
         Ok(Arc::new(l))
     } else {
         anyhow::bail!("ledger url must start with sqlite: or postgres:")

@@ -1,6 +1,7 @@
 //! The model ledger: the ledger's semantics in memory, with no database and no clock of its own
-//! (its time is the `now` each call passes in). It passes the same conformance suite as SQLite
-//! and PostgreSQL (`tests/api/ledger.rs`), so it cannot drift from them, and it is what a
+//! (its time is the `now` each call passes in, as on SQLite; PostgreSQL judges liveness on its
+//! own clock). It passes the same conformance suite as SQLite and PostgreSQL
+//! (`tests/api/ledger.rs`), which is what keeps it from drifting from them, and it is what a
 //! deterministic simulation runs the engine against: every call is a step under one lock, so
 //! calls are serializable, as the SQL ledgers' transactions are.
 //!
@@ -9,6 +10,16 @@
 //! schemas keep (vouchers with their counters, leases, reservations with their feed numbers,
 //! per-customer usage, switches, holders and their beats), so the reconciler's verdict in
 //! [`Ledger::counters`] is computed from rows exactly as the SQL ledgers compute it.
+//!
+//! Where the SQL schemas refuse a row with a CHECK constraint (DESIGN §3's last line of
+//! defence), the model asserts the same after each change and panics: there a broken constraint
+//! is a bug of the protocol or of the model, which a simulation must report, not a refusal to
+//! carry on from. A voucher the schema would refuse at creation gets `Invalid`.
+//!
+//! Known differences, none of which the engine relies on: results whose order SQL leaves open
+//! come sorted; a merged commit is one atomic step (PostgreSQL may split one into several calls
+//! of one transaction); the expiry sweep takes the oldest reservations first and numbers their
+//! events in that order; voucher rate limits are kept as given, not clamped to `i32`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Mutex, MutexGuard};
@@ -149,6 +160,7 @@ impl State {
             if let Some(v) = self.vouchers.get_mut(&r.voucher_code) {
                 v.free += r.units;
             }
+            self.assert_rows(&r.voucher_code);
         }
         restocks
     }
@@ -175,9 +187,32 @@ impl State {
             if let Some(n) = self.usage.get_mut(&(code.clone(), row.r.customer_id)) {
                 *n -= 1;
             }
+            self.assert_rows(&code);
             back.push((code, 1));
         }
         group_restocks(back)
+    }
+
+    /// The CHECK constraints of a voucher's row and of its customers' usage (see the module doc).
+    fn assert_rows(&self, code: &str) {
+        let Some(v) = self.vouchers.get(code) else {
+            return;
+        };
+        let total = v.voucher.total_limit;
+        assert!(
+            v.free >= 0 && v.reserved >= 0 && v.confirmed >= 0 && v.released >= 0,
+            "{code}: a counter went negative: {v:?}"
+        );
+        assert!(
+            v.free + v.reserved + v.confirmed <= total,
+            "{code}: free + reserved + confirmed passed the total: {v:?}"
+        );
+        for ((c, customer), used) in &self.usage {
+            assert!(
+                c != code || *used >= 0,
+                "{code}: customer {customer}'s usage went negative"
+            );
+        }
     }
 
     fn reservation(&self, code: &str, order_id: &str) -> Result<Reservation, LedgerError> {
@@ -223,6 +258,10 @@ impl State {
         for (lease_id, k) in &writes.consumed {
             if let Some(l) = self.leases.get_mut(lease_id) {
                 l.consumed += k;
+                assert!(
+                    l.consumed <= l.granted,
+                    "lease {lease_id}: consumed passed granted: {l:?}"
+                );
             }
         }
         for row in writes.rows {
@@ -252,6 +291,7 @@ impl State {
             if let Some(v) = self.vouchers.get_mut(&code) {
                 v.reserved += n;
             }
+            self.assert_rows(&code);
         }
         results
     }
@@ -294,6 +334,15 @@ impl Ledger for ModelLedger {
     }
 
     async fn create_voucher(&self, voucher: &Voucher, _now: Millis) -> Result<(), LedgerError> {
+        let v = voucher;
+        if v.discount_amount < 0
+            || v.min_order_amount < 0
+            || v.total_limit < 0
+            || v.per_user_limit < 1
+            || v.starts_at >= v.ends_at
+        {
+            return Err(LedgerError::Invalid("the schema refuses this voucher"));
+        }
         let mut s = self.state();
         if s.vouchers.contains_key(&voucher.code) {
             return Err(LedgerError::AlreadyExists);
@@ -330,6 +379,7 @@ impl Ledger for ModelLedger {
         let (next, added) = super::apply_patch(&row.voucher, patch)?;
         row.voucher = next.clone();
         row.free += added;
+        s.assert_rows(code);
         let restock = (added > 0).then(|| Restock {
             voucher_code: code.into(),
             units: added,
@@ -353,6 +403,7 @@ impl Ledger for ModelLedger {
         let ever_reserved = v.reserved + v.confirmed + v.released;
         let units = want.max(1).min(free);
         let lease = (units > 0).then(|| {
+            // `free` cannot go negative: units ≤ free.
             v.free -= units;
             Lease {
                 id: last_id + 1,
@@ -593,6 +644,7 @@ impl Ledger for ModelLedger {
             v.reserved -= 1;
             v.confirmed += 1;
         }
+        s.assert_rows(code);
         Ok(confirmed)
     }
 

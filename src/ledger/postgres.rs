@@ -146,6 +146,7 @@ impl PostgresLedger {
         url: &str,
         max_connections: u32,
         timeout_ms: u64,
+        acquire_timeout_ms: u64,
     ) -> Result<Self, sqlx::Error> {
         // Tables grow from empty within seconds of a sale starting: a generic plan cached while
         // they were tiny (a sequential scan) would stay for the life of the connection. Custom
@@ -162,12 +163,11 @@ impl PostgresLedger {
         }
         // Connections are checked before use (one short round trip per merged transaction):
         // after an outage the pool replaces broken ones instead of failing a request on each.
-        // Waiting for a connection (and that check) is part of a call, so it has the call's
-        // deadline: a slow check does not fail a batch before the ledger could answer it.
-        let acquire_ms = if timeout_ms > 0 { timeout_ms } else { 1000 };
+        // Waiting for a connection (and that check) fails fast, so the breaker sees a dead link
+        // within `acquire_timeout_ms` rather than at the end of each call's deadline.
         let pool = PgPoolOptions::new()
             .max_connections(max_connections.max(2))
-            .acquire_timeout(Duration::from_millis(acquire_ms))
+            .acquire_timeout(Duration::from_millis(acquire_timeout_ms.max(1)))
             .connect_with(options.clone())
             .await?;
         migrate(&pool).await?;

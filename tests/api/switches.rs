@@ -196,9 +196,7 @@ async fn reserves_queued_when_sales_pause_are_refused_not_batched() {
         .await
         .unwrap();
     let first = app.reserve("QUEUE", 2, "q-2");
-    let rest =
-        futures_util::future::join_all((3..=6).map(|c| app.reserve("QUEUE", c, format!("q-{c}"))));
-    let pause_then_free = async {
+    let rest_then_pause = async {
         eventually(
             "q-2's batch waits on the lease row",
             Duration::from_secs(10),
@@ -217,16 +215,23 @@ async fn reserves_queued_when_sales_pause_are_refused_not_batched() {
             },
         )
         .await;
-        eventually(
-            "the other four are queued at the actor",
-            Duration::from_secs(10),
-            || async { app.engine.reserves_in_flight() == 5 },
-        )
-        .await;
-        assert_eq!(put(&app, json!({"salesPaused": true})).await.0, 200);
-        hold.rollback().await.unwrap();
+        // Only now do the others arrive: they queue behind q-2's batch.
+        let rest = futures_util::future::join_all(
+            (3..=6).map(|c| app.reserve("QUEUE", c, format!("q-{c}"))),
+        );
+        let pause_then_free = async {
+            eventually(
+                "the other four are queued at the actor",
+                Duration::from_secs(10),
+                || async { app.engine.reserves_in_flight() == 5 },
+            )
+            .await;
+            assert_eq!(put(&app, json!({"salesPaused": true})).await.0, 200);
+            hold.rollback().await.unwrap();
+        };
+        tokio::join!(rest, pause_then_free).0
     };
-    let (first, rest, ()) = tokio::join!(first, rest, pause_then_free);
+    let (first, rest) = tokio::join!(first, rest_then_pause);
     assert_eq!(
         first.0, 201,
         "the batch in flight was taken before the pause"
