@@ -928,12 +928,33 @@ async fn losing_postgres_fails_fast_and_recovers() {
             "commits never stopped"
         );
     }
+    // Refused at the door: no actor takes them, so no batch fails on the breaker either.
+    let batch_errors = || {
+        let (c, bases) = (cluster.client.clone(), bases.clone());
+        async move {
+            let mut n = 0.0;
+            for base in &bases {
+                n += crate::helpers::metric_sum(
+                    &metrics_text(&c, base).await,
+                    "vouchers_ledger_errors_total",
+                    &["op=\"commit_batch\""],
+                );
+            }
+            n
+        }
+    };
+    let failed_batches = batch_errors().await;
     let open = flood(&cluster.client, &bases, &[1, 1], &code, 140..180, 8).await;
     refused(&open);
     assert_eq!(
         commits().await,
         tried,
         "no commit reached for the ledger while the breaker was open"
+    );
+    assert_eq!(
+        batch_errors().await,
+        failed_batches,
+        "no reserve reached an actor while the breaker was open"
     );
     proxy.restore();
     let mut next = 200;
