@@ -122,3 +122,72 @@ async fn a_warm_lease_is_kept_until_the_start_however_idle() {
         "the warm lease is still held"
     );
 }
+
+/// A warm-up that finds every unit in another holder's lease waits for them as a reserve would,
+/// but recalls nothing: only real demand takes units away from another node. A reserve then
+/// does recall them.
+#[actix_web::test]
+#[cfg_attr(no_test_redis, ignore = "needs TEST_REDIS_URL; .ci/run sets it")]
+async fn a_warm_up_recalls_nothing_but_a_waiting_reserve_does() {
+    let Some(redis) = crate::helpers::service_url("TEST_REDIS_URL") else {
+        return;
+    };
+    let app = spawn_app_with(move |s| {
+        s.redis.url = redis;
+        s.engine.recall_wait_ms = 200;
+    })
+    .await;
+    // A code of its own: Redis channels are shared with the other tests.
+    let code = format!("RECALL{}", vouchers::startup::random_hex(3).to_uppercase());
+    assert_eq!(app.create_voucher(&code, 10, 1).await.0, 201);
+    // Every unit sits, unused, in the lease of another holder.
+    let ghost = app
+        .ledger
+        .grant(&code, "ghost#1", 10, app.engine.now_ms(), 3_600_000)
+        .await
+        .unwrap();
+    assert_eq!(ghost.lease.map(|l| l.granted), Some(10));
+    let published = |kind: &'static str| {
+        let (client, base) = (app.client.clone(), app.base.clone());
+        async move {
+            let m = crate::helpers::metrics_text(&client, &base).await;
+            let kind = format!("kind=\"{kind}\"");
+            crate::helpers::metric_sum(
+                &m,
+                "vouchers_signals_total",
+                &["event=\"published\"", &kind],
+            )
+        }
+    };
+    let (recalls, warms) = (published("RECALL").await, published("WARM").await);
+    app.engine.warm(&code).await.expect("warm");
+    // The node's signals leave in order: once a later WARM is out, a RECALL of the warm-up
+    // would be out too.
+    app.engine.warm_everywhere(&code).await.expect("warm");
+    eventually(
+        "the WARM signal is out",
+        Duration::from_secs(10),
+        || async { published("WARM").await > warms },
+    )
+    .await;
+    assert_eq!(
+        published("RECALL").await,
+        recalls,
+        "a warm-up recalled units"
+    );
+    // The warm-up's wait for units has run out by the time a customer comes.
+    app.clock.advance_ms(1_000);
+    let reserve = app.reserve(&code, 1, "rc-1");
+    let recalled_then_give_up = async {
+        eventually(
+            "the reserve recalled the units",
+            Duration::from_secs(10),
+            || async { published("RECALL").await == recalls + 1.0 },
+        )
+        .await;
+        // Nobody gives the ghost's units back: past the recall wait, the reserve is refused.
+        app.clock.advance_ms(1_000);
+    };
+    let ((s, b), ()) = tokio::join!(reserve, recalled_then_give_up);
+    assert_eq!((s, b["error"].as_str()), (409, Some("OUT_OF_STOCK")), "{b}");
+}
