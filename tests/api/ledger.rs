@@ -1086,6 +1086,79 @@ async fn postgres_ledger_conforms() {
     assert_eq!(traces, 0, "refused rows left usage rows");
 }
 
+/// PostgreSQL's lock order: a return (or a reap) takes its voucher rows before its leases, as a
+/// grant does. While another transaction holds the voucher row, a return therefore waits without
+/// holding its lease, and a batch on that lease goes through. Taken the other way round (leases
+/// first), the batch would wait behind the return, and a grant holding the voucher row could
+/// deadlock with it.
+#[tokio::test]
+#[cfg_attr(
+    no_test_pg,
+    ignore = "needs TEST_DATABASE_URL (PostgreSQL); .ci/run sets it"
+)]
+async fn postgres_returns_lock_vouchers_before_leases() {
+    let Some(url) = fresh_pg_schema("order").await else {
+        return;
+    };
+    // A lock wait gives up after 10 s: a batch stuck behind the return fails instead of hanging.
+    let l = ledger::connect_with_timeout(&url, 4, 10_000, 1_000)
+        .await
+        .unwrap();
+    l.create_voucher(&voucher("LO", 10, 5), NOW).await.unwrap();
+    let lease = l
+        .grant("LO", "n1", 5, NOW, TTL)
+        .await
+        .unwrap()
+        .lease
+        .unwrap();
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let mut hold = pool.begin().await.unwrap();
+    let holder: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *hold)
+        .await
+        .unwrap();
+    sqlx::query("SELECT 1 FROM vouchers WHERE code = 'LO' FOR UPDATE")
+        .execute(&mut *hold)
+        .await
+        .unwrap();
+    let returning = {
+        let l = l.clone();
+        tokio::spawn(async move { l.return_lease(lease.id, NOW).await })
+    };
+    crate::helpers::eventually(
+        "the return waits on the voucher row",
+        std::time::Duration::from_secs(10),
+        || {
+            let pool = pool.clone();
+            async move {
+                let waiting: i64 = sqlx::query_scalar(
+                    "SELECT COUNT(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+                )
+                .bind(holder)
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+                waiting == 1
+            }
+        },
+    )
+    .await;
+    let out = l
+        .commit_batch(&batch("LO", lease.id, rows(&[("lo-1", 1)])))
+        .await
+        .expect("the batch is not stuck behind the waiting return");
+    assert!(matches!(out[0], RowOutcome::Created(_)), "{out:?}");
+    hold.rollback().await.unwrap();
+    let back = returning.await.unwrap().unwrap();
+    assert_eq!(
+        back.map(|r| r.units),
+        Some(4),
+        "the rest of the lease went back"
+    );
+    let c = balanced(&l, "LO").await;
+    assert_eq!((c.free, c.reserved, c.leased_unused), (9, 1, 0));
+}
+
 /// The whole change feed, read `page` events at a time.
 async fn whole_feed(l: &SharedLedger, page: i64) -> Vec<FeedEvent> {
     let mut all: Vec<FeedEvent> = Vec::new();
