@@ -218,3 +218,21 @@ async fn overload_is_refused_at_once_with_503_and_retry_after() {
         .await
         .assert_matches_clients("FULL", &created);
 }
+
+/// A voucher the ledger cannot write now (its writer held by another connection past SQLite's
+/// busy timeout) gets `503 UNAVAILABLE`, never `409 ALREADY_EXISTS`: only a unique violation
+/// means the code exists. Once the writer is free, the same request creates it.
+#[actix_web::test]
+async fn a_create_the_ledger_cannot_write_is_unavailable_not_a_conflict() {
+    let app = crate::helpers::spawn_app_with(|s| s.ledger.timeout_ms = 60_000).await;
+    let mut blocker = sqlx::SqliteConnection::connect(&app.db_url).await.unwrap();
+    sqlx::query("BEGIN IMMEDIATE")
+        .execute(&mut blocker)
+        .await
+        .expect("hold the writer");
+    let (s, b) = app.create_voucher("BUSY", 10, 1).await;
+    assert_eq!((s, b["error"].as_str()), (503, Some("UNAVAILABLE")), "{b}");
+    sqlx::query("ROLLBACK").execute(&mut blocker).await.unwrap();
+    assert_eq!(app.create_voucher("BUSY", 10, 1).await.0, 201);
+    assert_eq!(app.create_voucher("BUSY", 10, 1).await.0, 409);
+}

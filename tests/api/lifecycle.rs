@@ -322,3 +322,64 @@ async fn a_lease_is_kept_and_renewed_between_requests() {
     assert_eq!((after[0].0, after[0].1.as_str()), (before[0].0, "ACTIVE"));
     assert_eq!(app.reserve("KEEP", 2, "keep-2").await.0, 201);
 }
+
+/// A sold-out actor asks the ledger whether units came back once per `soldout_probe_ms` of the
+/// engine's clock, not at every tick: after a probe, it makes no further grant call until that
+/// time has passed again, however many ticks pass. The ticks are counted by a control voucher
+/// whose idle lease goes back (twice, so at least one whole tick period of every actor passed).
+#[actix_web::test]
+async fn a_sold_out_actor_probes_once_per_probe_interval_not_every_tick() {
+    let app = crate::helpers::spawn_app_with(|s| {
+        s.engine.soldout_probe_ms = 100_000;
+        s.engine.reservation_ttl_ms = 86_400_000;
+        s.engine.lease_idle_timeout_ms = 5_000;
+        s.engine.lease_ttl_ms = 86_400_000;
+        s.engine.actor_idle_stop_ms = 86_400_000;
+    })
+    .await;
+    assert_eq!(app.create_voucher("GONE", 1, 1).await.0, 201);
+    assert_eq!(app.create_voucher("TICKS", 1000, 1).await.0, 201);
+    assert_eq!(app.reserve("GONE", 1, "gone-1").await.0, 201);
+    assert_eq!(app.reserve("GONE", 2, "gone-2").await.0, 409);
+    let empty_grants = || {
+        let (client, base) = (app.client.clone(), app.base.clone());
+        async move {
+            let m = crate::helpers::metrics_text(&client, &base).await;
+            crate::helpers::metric_sum(&m, "vouchers_lease_events_total", &["event=\"empty\""])
+        }
+    };
+    let before = empty_grants().await;
+    app.clock.advance_ms(100_001);
+    crate::helpers::eventually(
+        "the probe after the interval",
+        std::time::Duration::from_secs(10),
+        || async { empty_grants().await == before + 1.0 },
+    )
+    .await;
+    let db = app.db_url.clone();
+    for round in 1..=2 {
+        assert_eq!(
+            app.reserve("TICKS", round, format!("ticks-{round}"))
+                .await
+                .0,
+            201
+        );
+        // Idle for longer than its timeout (and its demand estimate down to zero, so it does
+        // not lease again at once), still far within the probe interval.
+        app.clock.advance_ms(10_000);
+        crate::helpers::eventually(
+            "the control's idle lease goes back",
+            std::time::Duration::from_secs(10),
+            || {
+                let db = db.clone();
+                async move { crate::audit::books(&db, "TICKS").await.leased_unused == 0 }
+            },
+        )
+        .await;
+    }
+    assert_eq!(
+        empty_grants().await,
+        before + 1.0,
+        "no second probe within soldout_probe_ms"
+    );
+}
