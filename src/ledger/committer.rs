@@ -365,4 +365,24 @@ mod tests {
         let res = c.commit(batch("A", 2)).await;
         assert!(matches!(res, Err(LedgerError::Unavailable(_))), "{res:?}");
     }
+
+    /// A ledger whose answer does not match the transaction's batches one for one is not
+    /// trusted with any of them: nothing is answered as committed.
+    #[tokio::test]
+    async fn an_answer_with_the_wrong_number_of_results_answers_every_batch_unavailable() {
+        let commit: CommitFn = Arc::new(|batches: Vec<Batch>| {
+            Box::pin(async move {
+                let mut results: Vec<CommitResult> = vec![Ok(Vec::new())];
+                results.extend(
+                    batches
+                        .iter()
+                        .map(|b| Ok(vec![RowOutcome::AlreadyUsed; b.rows.len()])),
+                );
+                Ok(results)
+            })
+        });
+        let c = Committer::start(&tokio::runtime::Handle::current(), 1, 100, LONG, commit);
+        let res = c.commit(batch("A", 2)).await;
+        assert!(matches!(res, Err(LedgerError::Unavailable(_))), "{res:?}");
+    }
 }
