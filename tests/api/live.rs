@@ -75,3 +75,27 @@ async fn unit_gauges_follow_the_sale_and_hide_vouchers_not_yet_started() {
         "a voucher that has not started is not in /metrics"
     );
 }
+
+/// A voucher whose window just ended is still watched (live numbers, reconciler): its
+/// reservations can still expire for up to a reservation TTL after the end.
+#[actix_web::test]
+async fn a_voucher_that_just_ended_is_still_watched() {
+    let app = spawn_app_with(|s| s.jobs.live_numbers_interval_ms = 3_600_000).await;
+    let now = app.engine.now_ms();
+    let at = |ms: i64| {
+        chrono::DateTime::<chrono::Utc>::from_timestamp_millis(ms)
+            .expect("a valid time")
+            .to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+    };
+    let (s, b) = app
+        .create_voucher_with(json!({
+            "code": "ENDING", "discountAmount": 100, "totalLimit": 5, "perUserLimit": 1,
+            "startsAt": at(now - 60_000), "endsAt": at(now + 10_000)
+        }))
+        .await;
+    assert_eq!(s, 201, "{b}");
+    assert_eq!(app.reserve("ENDING", 1, "ending-1").await.0, 201);
+    app.clock.advance_ms(20_000);
+    assert_eq!(app.reserve("ENDING", 2, "ending-2").await.0, 422, "ended");
+    assert_eq!(app.engine.live_numbers().await.unwrap(), 1, "still watched");
+}
