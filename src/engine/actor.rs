@@ -198,6 +198,9 @@ pub(crate) struct VoucherActor {
     /// a lease may appear twice). With more than one, a second batch waits in the node's group
     /// committer for the next merged transaction while the first commits.
     committing: Vec<i64>,
+    /// Batches of this actor that landed so far. A grant answered after one of them landed may
+    /// count that batch's units as still leased; it gives no verdict (see `on_granted`).
+    landed: u64,
     granting: bool,
     renewing: bool,
     /// Warmed (by an operator or pre-heat): if the sale has not started, the lease is kept until
@@ -258,6 +261,7 @@ impl VoucherActor {
             lookups: Vec::new(),
             warm_waiters: Vec::new(),
             committing: Vec::new(),
+            landed: 0,
             granting: false,
             renewing: false,
             warmed: false,
@@ -529,6 +533,7 @@ impl VoucherActor {
         res: Result<Vec<RowOutcome>, LedgerError>,
         ctx: &mut Context<Self>,
     ) {
+        self.landed += 1;
         if let Some(i) = self.committing.iter().position(|&id| id == lease_id) {
             self.committing.swap_remove(i);
         }
@@ -616,6 +621,7 @@ impl VoucherActor {
         }
         self.granting = true;
         let epoch = self.shared.restock_epoch();
+        let landed = self.landed;
         let (ledger, code, node, ttl) = (
             self.core.ledger.clone(),
             self.code.clone(),
@@ -625,11 +631,17 @@ impl VoucherActor {
         let fut = async move { ledger.grant(&code, &node, want, now, ttl).await };
         ctx.spawn(
             fut.into_actor(self)
-                .map(move |res, act, ctx| act.on_granted(res, epoch, ctx)),
+                .map(move |res, act, ctx| act.on_granted(res, epoch, landed, ctx)),
         );
     }
 
-    fn on_granted(&mut self, res: Result<Grant, LedgerError>, epoch: u64, ctx: &mut Context<Self>) {
+    fn on_granted(
+        &mut self,
+        res: Result<Grant, LedgerError>,
+        epoch: u64,
+        landed: u64,
+        ctx: &mut Context<Self>,
+    ) {
         self.granting = false;
         match res {
             Ok(grant) => {
@@ -657,7 +669,13 @@ impl VoucherActor {
                     m::lease(LeaseEvent::Empty);
                     let now = self.now();
                     self.next_probe = now + self.core.settings.soldout_probe_ms;
-                    if grant.leased_unused > 0 {
+                    if landed != self.landed && self.room() == 0 {
+                        // A batch of ours landed while this grant was out: the ledger may
+                        // have counted its units as still leased. No verdict; the pump asks
+                        // again (a hold taken on a stale count would keep the queue waiting
+                        // for units that are already sold).
+                        self.hold = None;
+                    } else if grant.leased_unused > 0 {
                         // Units sit in other leases (other nodes', or this node's batch in
                         // flight): wait a little for them instead of refusing at once.
                         self.hold_for(Hold::Waiting, RECALL_PROBE_MS);

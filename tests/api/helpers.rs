@@ -249,6 +249,25 @@ where
     }
 }
 
+/// Waits until exactly one PostgreSQL backend is blocked by the lock of backend `holder` (a
+/// test's own transaction): the call under test is provably waiting on that lock.
+pub async fn blocked_by(pool: &sqlx::PgPool, holder: i32, what: &str) {
+    eventually(what, Duration::from_secs(10), || {
+        let pool = pool.clone();
+        async move {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT COUNT(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+            )
+            .bind(holder)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            waiting == 1
+        }
+    })
+    .await;
+}
+
 /// Counts answers by (status, error code).
 pub fn tally(answers: &[Answer]) -> std::collections::BTreeMap<String, usize> {
     let mut t = std::collections::BTreeMap::new();

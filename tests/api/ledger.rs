@@ -1125,24 +1125,7 @@ async fn postgres_returns_lock_vouchers_before_leases() {
         let l = l.clone();
         tokio::spawn(async move { l.return_lease(lease.id, NOW).await })
     };
-    crate::helpers::eventually(
-        "the return waits on the voucher row",
-        std::time::Duration::from_secs(10),
-        || {
-            let pool = pool.clone();
-            async move {
-                let waiting: i64 = sqlx::query_scalar(
-                    "SELECT COUNT(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
-                )
-                .bind(holder)
-                .fetch_one(&pool)
-                .await
-                .unwrap();
-                waiting == 1
-            }
-        },
-    )
-    .await;
+    crate::helpers::blocked_by(&pool, holder, "the return waits on the voucher row").await;
     let out = l
         .commit_batch(&batch("LO", lease.id, rows(&[("lo-1", 1)])))
         .await

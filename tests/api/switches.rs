@@ -197,24 +197,7 @@ async fn reserves_queued_when_sales_pause_are_refused_not_batched() {
         .unwrap();
     let first = app.reserve("QUEUE", 2, "q-2");
     let rest_then_pause = async {
-        eventually(
-            "q-2's batch waits on the lease row",
-            Duration::from_secs(10),
-            || {
-                let pool = pool.clone();
-                async move {
-                    let waiting: i64 = sqlx::query_scalar(
-                        "SELECT COUNT(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
-                    )
-                    .bind(holder)
-                    .fetch_one(&pool)
-                    .await
-                    .unwrap();
-                    waiting == 1
-                }
-            },
-        )
-        .await;
+        crate::helpers::blocked_by(&pool, holder, "q-2's batch waits on the lease row").await;
         // Only now do the others arrive: they queue behind q-2's batch.
         let rest = futures_util::future::join_all(
             (3..=6).map(|c| app.reserve("QUEUE", c, format!("q-{c}"))),
