@@ -733,7 +733,12 @@ impl VoucherActor {
         ctx.spawn(fut.into_actor(self).map(move |res, act, _| match res {
             Ok(won) => {
                 let limit = act.voucher.as_ref().map_or(i64::MAX, |v| v.per_user_limit);
-                if act.shared.set_sold_out(epoch, won, limit, exact_max) {
+                // Two verdicts can cross (one asked again while the first loaded its
+                // winners): the second, on the same winners, announces nothing new.
+                let same = act.shared.is_sold_out()
+                    && ever_reserved.is_some()
+                    && act.sold_out_at == ever_reserved;
+                if act.shared.set_sold_out(epoch, won, limit, exact_max) && !same {
                     act.sold_out_at = ever_reserved;
                     tracing::info!(code = %act.code, "sold out");
                     act.core.signals.publish(&act.code, Signal::SoldOut);
