@@ -234,6 +234,16 @@ pub struct Restock {
     pub units: i64,
 }
 
+impl Restock {
+    /// `units` back to `free` for `code`, if there are any.
+    pub(crate) fn of(code: &str, units: i64) -> Option<Restock> {
+        (units > 0).then(|| Restock {
+            voucher_code: code.into(),
+            units,
+        })
+    }
+}
+
 #[async_trait]
 pub trait Ledger: Send + Sync + 'static {
     /// A cheap round trip, for readiness.

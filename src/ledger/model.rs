@@ -380,11 +380,7 @@ impl Ledger for ModelLedger {
         row.voucher = next.clone();
         row.free += added;
         s.assert_rows(code);
-        let restock = (added > 0).then(|| Restock {
-            voucher_code: code.into(),
-            units: added,
-        });
-        Ok((next, restock))
+        Ok((next, Restock::of(code, added)))
     }
 
     async fn grant(

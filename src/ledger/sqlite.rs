@@ -275,11 +275,7 @@ impl Ledger for SqliteLedger {
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;
-        let restock = (added > 0).then(|| Restock {
-            voucher_code: code.into(),
-            units: added,
-        });
-        Ok((next, restock))
+        Ok((next, Restock::of(code, added)))
     }
 
     async fn grant(
