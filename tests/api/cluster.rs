@@ -156,6 +156,15 @@ async fn flood(
     .await
 }
 
+/// A metric summed over the nodes at `bases` (each node counts only what it did itself).
+async fn summed(c: &awc::Client, bases: &[String], name: &str, labels: &[&str]) -> f64 {
+    let mut n = 0.0;
+    for base in bases {
+        n += crate::helpers::metric_sum(&metrics_text(c, base).await, name, labels);
+    }
+    n
+}
+
 fn count(answers: &[(usize, String, Option<Answer>)], status: u16) -> usize {
     answers
         .iter()
@@ -223,18 +232,15 @@ async fn three_nodes_uneven_traffic_sell_every_unit_exactly_once() {
     .unwrap();
     assert_eq!(stored, 1000);
     // The nodes counted what they answered (the dashboard's outcome rates), exactly.
-    let mut by_outcome = [0.0, 0.0];
-    for base in &bases {
-        let m = metrics_text(&cluster.client, base).await;
-        for (i, outcome) in ["created", "out_of_stock"].iter().enumerate() {
-            by_outcome[i] += crate::helpers::metric_sum(
-                &m,
-                "vouchers_reservations_total",
-                &[&format!("outcome=\"{outcome}\"")],
-            );
-        }
-    }
-    assert_eq!(by_outcome, [1000.0, 4000.0]);
+    let outcome = |o: &'static str| {
+        let label = format!("outcome=\"{o}\"");
+        let (c, bases) = (&cluster.client, &bases);
+        async move { summed(c, bases, "vouchers_reservations_total", &[&label]).await }
+    };
+    assert_eq!(
+        (outcome("created").await, outcome("out_of_stock").await),
+        (1000.0, 4000.0)
+    );
 }
 
 #[actix_web::test]
@@ -906,18 +912,12 @@ async fn losing_postgres_fails_fast_and_recovers() {
     // admitted before it opened may still be finishing: wait until the count holds still for
     // longer than the ledger's deadline.
     let commits = || {
-        let (c, bases) = (cluster.client.clone(), bases.clone());
-        async move {
-            let mut n = 0.0;
-            for base in &bases {
-                n += crate::helpers::metric_sum(
-                    &metrics_text(&c, base).await,
-                    "vouchers_ledger_commits_total",
-                    &[],
-                );
-            }
-            n
-        }
+        summed(
+            &cluster.client,
+            &bases,
+            "vouchers_ledger_commits_total",
+            &[],
+        )
     };
     let mut tried = commits().await;
     let quiet = Instant::now();
@@ -938,18 +938,12 @@ async fn losing_postgres_fails_fast_and_recovers() {
     }
     // Refused at the door: no actor takes them, so no batch fails on the breaker either.
     let batch_errors = || {
-        let (c, bases) = (cluster.client.clone(), bases.clone());
-        async move {
-            let mut n = 0.0;
-            for base in &bases {
-                n += crate::helpers::metric_sum(
-                    &metrics_text(&c, base).await,
-                    "vouchers_ledger_errors_total",
-                    &["op=\"commit_batch\""],
-                );
-            }
-            n
-        }
+        summed(
+            &cluster.client,
+            &bases,
+            "vouchers_ledger_errors_total",
+            &["op=\"commit_batch\""],
+        )
     };
     let failed_batches = batch_errors().await;
     let open = flood(&cluster.client, &bases, &[1, 1], &code, 140..180, 8).await;

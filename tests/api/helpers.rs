@@ -122,6 +122,29 @@ pub async fn send(
 }
 
 impl TestApp {
+    /// Lets at least one whole tick period of every actor pass, without a sleep: twice, a
+    /// reserve on `control` (a started voucher with units) takes a lease, the clock moves
+    /// `idle_ms` on, and the control's actor gives the idle lease back at one of its ticks.
+    /// Every actor ticks at the same period, so two such rounds span one of each.
+    pub async fn two_tick_periods(&self, control: &str, idle_ms: i64) {
+        for round in 1..=2 {
+            let order = format!("{control}-tick-{round}");
+            assert_eq!(self.reserve(control, round, order).await.0, 201);
+            let db = self.db_url.clone();
+            assert!(crate::audit::books(&db, control).await.leased_unused > 0);
+            self.clock.advance_ms(idle_ms);
+            eventually(
+                "the control's idle lease goes back",
+                Duration::from_secs(10),
+                || {
+                    let db = db.clone();
+                    async move { crate::audit::books(&db, control).await.leased_unused == 0 }
+                },
+            )
+            .await;
+        }
+    }
+
     pub async fn create_voucher(&self, code: &str, total: i64, per_user: i64) -> Answer {
         self.create_voucher_with(json!({
             "code": code, "discountAmount": 100, "minOrderAmount": 1000,

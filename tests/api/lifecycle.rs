@@ -356,27 +356,9 @@ async fn a_sold_out_actor_probes_once_per_probe_interval_not_every_tick() {
         || async { empty_grants().await == before + 1.0 },
     )
     .await;
-    let db = app.db_url.clone();
-    for round in 1..=2 {
-        assert_eq!(
-            app.reserve("TICKS", round, format!("ticks-{round}"))
-                .await
-                .0,
-            201
-        );
-        // Idle for longer than its timeout (and its demand estimate down to zero, so it does
-        // not lease again at once), still far within the probe interval.
-        app.clock.advance_ms(10_000);
-        crate::helpers::eventually(
-            "the control's idle lease goes back",
-            std::time::Duration::from_secs(10),
-            || {
-                let db = db.clone();
-                async move { crate::audit::books(&db, "TICKS").await.leased_unused == 0 }
-            },
-        )
-        .await;
-    }
+    // Idle for longer than the control's timeout (and its demand estimate down to zero, so it
+    // does not lease again at once), still far within the probe interval.
+    app.two_tick_periods("TICKS", 10_000).await;
     assert_eq!(
         empty_grants().await,
         before + 1.0,

@@ -96,25 +96,8 @@ async fn a_warm_lease_is_kept_until_the_start_however_idle() {
     app.engine.warm("LATER").await.expect("warm");
     let warm = audit::books(&app.db_url, "LATER").await.leased_unused;
     assert!(warm > 0, "warmed");
-    let db = app.db_url.clone();
-    // Each round: the control takes a lease, a minute passes on the engine's clock, and the
-    // control's actor gives the lease back at one of its ticks. Two rounds span at least one
-    // tick period of every actor, the warm one's included.
-    for round in 1..=2 {
-        let order = format!("now-{round}");
-        assert_eq!(app.reserve("NOWNOW", round, order).await.0, 201);
-        assert!(audit::books(&db, "NOWNOW").await.leased_unused > 0);
-        app.clock.advance_ms(60_000);
-        eventually(
-            "the started voucher's idle lease goes back",
-            Duration::from_secs(10),
-            || {
-                let db = db.clone();
-                async move { audit::books(&db, "NOWNOW").await.leased_unused == 0 }
-            },
-        )
-        .await;
-    }
+    // A minute at a time on the engine's clock, the warm actor's ticks included.
+    app.two_tick_periods("NOWNOW", 60_000).await;
     assert!(app.engine.now_ms() < starts);
     assert_eq!(
         audit::books(&app.db_url, "LATER").await.leased_unused,
