@@ -9,6 +9,7 @@
 
 mod actor;
 mod known;
+pub(crate) mod quota;
 pub mod limits;
 pub mod sizing;
 pub mod soldout;
@@ -180,6 +181,32 @@ pub(crate) async fn settle_without_units(
             (None, None) => Err(EngineError::OutOfStock),
         })
         .collect())
+}
+
+/// The frontend's answer to a reserve from a sold-out voucher's flag (DESIGN §4's precedence,
+/// with the switches after a possible retry's `201`), or `None` when only the ledger can tell
+/// (an order that may have won, a customer who may be at their limit).
+pub(crate) fn answer_from_flag(
+    verdict: SoldOutVerdict,
+    stop: Stop,
+) -> Option<Result<Reserved, EngineError>> {
+    Some(match verdict {
+        SoldOutVerdict::NotEligible(Ineligible::MinOrderAmount) => {
+            Err(EngineError::NotEligible(Ineligible::MinOrderAmount))
+        }
+        SoldOutVerdict::NotEligible(_) | SoldOutVerdict::AlreadyUsed | SoldOutVerdict::OutOfStock
+            if stop == Stop::ReadOnly =>
+        {
+            Err(EngineError::Unavailable)
+        }
+        SoldOutVerdict::AlreadyUsed | SoldOutVerdict::OutOfStock if stop == Stop::SalesPaused => {
+            Err(EngineError::NotEligible(Ineligible::Paused))
+        }
+        SoldOutVerdict::OutOfStock => Err(EngineError::OutOfStock),
+        SoldOutVerdict::NotEligible(reason) => Err(EngineError::NotEligible(reason)),
+        SoldOutVerdict::AlreadyUsed => Err(EngineError::AlreadyUsed),
+        SoldOutVerdict::AskLedger | SoldOutVerdict::MaybeAtLimit => return None,
+    })
 }
 
 /// The "code" the `SWITCHES` signal travels under (no voucher code contains `~`).
@@ -561,27 +588,9 @@ impl EngineHandle {
     ) -> Result<Reserved, EngineError> {
         let now = self.now_ms();
         let stop = self.core.stop();
-        match shared.sold_out_verdict(now, req) {
-            // The switches come after a possible retry's 201 and before the other answers.
-            SoldOutVerdict::NotEligible(Ineligible::MinOrderAmount) => {
-                Err(EngineError::NotEligible(Ineligible::MinOrderAmount))
-            }
-            SoldOutVerdict::NotEligible(_)
-            | SoldOutVerdict::AlreadyUsed
-            | SoldOutVerdict::OutOfStock
-                if stop == Stop::ReadOnly =>
-            {
-                Err(EngineError::Unavailable)
-            }
-            SoldOutVerdict::AlreadyUsed | SoldOutVerdict::OutOfStock
-                if stop == Stop::SalesPaused =>
-            {
-                Err(EngineError::NotEligible(Ineligible::Paused))
-            }
-            SoldOutVerdict::OutOfStock => Err(EngineError::OutOfStock),
-            SoldOutVerdict::NotEligible(reason) => Err(EngineError::NotEligible(reason)),
-            SoldOutVerdict::AlreadyUsed => Err(EngineError::AlreadyUsed),
-            SoldOutVerdict::AskLedger | SoldOutVerdict::MaybeAtLimit => {
+        match answer_from_flag(shared.sold_out_verdict(now, req), stop) {
+            Some(answer) => answer,
+            None => {
                 let voucher = shared.voucher();
                 let mut answers = settle_without_units(
                     &self.core.ledger,
