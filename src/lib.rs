@@ -14,6 +14,8 @@
 //!   circuit breaker ([`ledger::breaker`]) and the heartbeats that make lease holders known
 //!   as live or dead. [`ledger::model`] is the same semantics in memory, for simulation; it
 //!   passes the conformance suite too.
+//! - [`sim`]: the deterministic simulator: the quota protocol ([`engine::quota`], sans-IO) on
+//!   simulated nodes against the model ledger, with faults, invariants checked every step.
 //! - [`jobs`]: heartbeat (which reaps dead holders' leases), expiry sweeper, lease reaper,
 //!   reconciler.
 //! - [`signals`]: Redis pub/sub hints between nodes (sold out, restock, recall, updated).
@@ -32,4 +34,5 @@ pub mod jobs;
 pub mod ledger;
 pub mod metrics;
 pub mod signals;
+pub mod sim;
 pub mod startup;

@@ -381,14 +381,6 @@ impl<R, W> VoucherCore<R, W> {
         self.out.drain(..)
     }
 
-    /// Reserves held by the core now (queued, waiting for a lookup, or in a batch in flight).
-    pub(crate) fn waiting(&self) -> usize {
-        self.pending.len()
-            + self.lookups.len()
-            + self.looking.as_ref().map_or(0, Vec::len)
-            + self.committing.iter().map(|b| b.taken.len()).sum::<usize>()
-    }
-
     /// Units this node may still sell from its leases.
     pub(crate) fn room(&self) -> i64 {
         self.leases.iter().map(LocalLease::room).sum()

@@ -1,0 +1,175 @@
+//! The invariants the simulator checks, from the ledger's rows and the answers the clients saw:
+//! never the engine's own view of itself.
+
+use std::collections::BTreeMap;
+
+use super::world::{Broken, Client, Rng};
+use super::ready;
+use crate::clock::Millis;
+use crate::domain::{Ineligible, Reservation, ReservationStatus};
+use crate::engine::quota::Reply;
+use crate::engine::EngineError;
+use crate::ledger::{Counters, SharedLedger};
+
+/// A retry counts as "of a stored order" for the refusal check only while the reservation stays
+/// live this much longer: nodes' clocks may be off by up to 20 s in the fault phase, and a node
+/// ahead rightly takes a reservation about to expire for expired.
+const SKEW_MARGIN_MS: Millis = 30_000;
+
+/// What the clients were told.
+#[derive(Default)]
+pub(super) struct Books {
+    /// Every order answered `201`: the reservation as first answered, and when.
+    acked: BTreeMap<String, (Reservation, Millis)>,
+}
+
+impl Books {
+    /// An acknowledged order of `code` that was not released, to release.
+    pub(super) fn pick_acked(&self, rng: &mut Rng, code: &str) -> Option<String> {
+        let live: Vec<&String> = self
+            .acked
+            .iter()
+            .filter(|(_, (r, _))| r.voucher_code == code && r.status != ReservationStatus::Released)
+            .map(|(o, _)| o)
+            .collect();
+        (!live.is_empty()).then(|| live[(rng.next() % live.len() as u64) as usize].clone())
+    }
+
+    /// The customer released `order`: a later refusal of it is right.
+    pub(super) fn released(&mut self, order: &str) {
+        if let Some((r, _)) = self.acked.get_mut(order) {
+            r.status = ReservationStatus::Released;
+        }
+    }
+
+    /// Every acknowledged order is in the ledger, as it was answered.
+    pub(super) fn all_durable(&self, ledger: &SharedLedger) -> Result<(), Broken> {
+        let orders: Vec<String> = self.acked.keys().cloned().collect();
+        let found = ready(ledger.find_orders(&orders)).map_err(|e| (format!("find_orders: {e}"), None))?;
+        let found: BTreeMap<&str, &Reservation> =
+            found.iter().map(|r| (r.order_id.as_str(), r)).collect();
+        for (order, (r, _)) in &self.acked {
+            match found.get(order.as_str()) {
+                Some(row) if same(row, r) => {}
+                other => {
+                    return Err((
+                        format!("durability: {order} was answered 201 as {r:?}; the ledger holds {other:?}"),
+                        Some(r.voucher_code.clone()),
+                    ))
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The same reservation (its status may have moved on).
+fn same(a: &Reservation, b: &Reservation) -> bool {
+    a.order_id == b.order_id
+        && a.voucher_code == b.voucher_code
+        && a.customer_id == b.customer_id
+        && a.expires_at == b.expires_at
+        && a.discount_amount == b.discount_amount
+}
+
+pub(super) fn counters(ledger: &SharedLedger, code: &str) -> Result<Counters, Broken> {
+    match ready(ledger.counters(code)) {
+        Ok(Some(c)) => Ok(c),
+        other => Err((format!("counters of {code}: {other:?}"), Some(code.into()))),
+    }
+}
+
+/// DESIGN §3's accounting equation, recomputed from the rows, and never more sold than the
+/// total.
+pub(super) fn balanced(ledger: &SharedLedger, code: &str) -> Result<(), Broken> {
+    let c = counters(ledger, code)?;
+    if !c.balanced || c.reserved + c.confirmed > c.total_limit {
+        return Err((format!("accounting: {code} is off: {c:?}"), Some(code.into())));
+    }
+    Ok(())
+}
+
+/// Checks one answer a client saw, `sent` being when its attempt left and `now` when the answer
+/// arrived: a `201` is durable, the same reservation as every other `201` of the order, and keeps
+/// its customer within the limit; a refusal never answers a retry of an order stored (and
+/// answered `201`) before the attempt was sent.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn answer(
+    ledger: &SharedLedger,
+    books: &mut Books,
+    client: &Client,
+    code: &str,
+    per_user: i64,
+    reply: &Reply,
+    sent: Millis,
+    now: Millis,
+) -> Result<(), Broken> {
+    let broken = |what: String| Err((what, Some(code.to_string())));
+    match reply {
+        Reply::Created(r) | Reply::Replayed(r) => {
+            if r.order_id != client.order
+                || r.customer_id != client.customer
+                || r.voucher_code != code
+            {
+                return broken(format!("{} got another order's reservation: {r:?}", client.order));
+            }
+            let stored = ready(ledger.find_orders(std::slice::from_ref(&client.order)))
+                .map_err(|e| (format!("find_orders: {e}"), None))?;
+            if !stored.iter().any(|s| same(s, r)) {
+                return broken(format!(
+                    "durability: {} answered 201 but the ledger holds {stored:?}",
+                    client.order
+                ));
+            }
+            match books.acked.get(&client.order) {
+                Some((first, _)) if !same(first, r) => {
+                    return broken(format!(
+                        "idempotency: {} answered 201 as {r:?}, before as {first:?}",
+                        client.order
+                    ))
+                }
+                Some(_) => {}
+                None => {
+                    books.acked.insert(client.order.clone(), (r.clone(), now));
+                }
+            }
+            let usage = ready(ledger.customer_usage(code, &[client.customer]))
+                .map_err(|e| (format!("customer_usage: {e}"), None))?;
+            if let Some((_, used)) = usage.iter().find(|(c, _)| *c == client.customer) {
+                if *used > per_user {
+                    return broken(format!(
+                        "limit: customer {} of {code} used it {used} times (limit {per_user})",
+                        client.customer
+                    ));
+                }
+            }
+        }
+        // A node whose clock runs behind answers 422 NOT_STARTED until its clock gets to the
+        // start (see `quota::VoucherCore::admit`): late, not wrong. 503 is always allowed.
+        Reply::Failed(EngineError::Unavailable | EngineError::NotEligible(Ineligible::NotStarted)) => {}
+        Reply::Failed(e) => {
+            let Some((r, acked_at)) = books.acked.get(&client.order) else {
+                return Ok(());
+            };
+            let live = match r.status {
+                ReservationStatus::Released => false,
+                _ => {
+                    let stored = ready(ledger.find_orders(std::slice::from_ref(&client.order)))
+                        .map_err(|e| (format!("find_orders: {e}"), None))?;
+                    stored.iter().any(|s| match s.status {
+                        ReservationStatus::Confirmed => true,
+                        ReservationStatus::Reserved => s.expires_at > now + SKEW_MARGIN_MS,
+                        ReservationStatus::Released => false,
+                    })
+                }
+            };
+            if live && *acked_at < sent && r.customer_id == client.customer {
+                return broken(format!(
+                    "replay refused: {} (stored, answered 201 at {acked_at}) got {e:?} on a retry sent at {sent}",
+                    client.order
+                ));
+            }
+        }
+    }
+    Ok(())
+}
