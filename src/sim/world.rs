@@ -190,6 +190,8 @@ pub(super) struct Client {
     /// Where its current attempt went, and when it was sent.
     pub outstanding: Option<(usize, Millis)>,
     pub done: bool,
+    /// Times it sends its order again after a `201` (a double click, a lost response).
+    pub resends: u8,
 }
 
 enum Job {
@@ -481,6 +483,9 @@ impl World {
             for _ in 0..demand {
                 let customer = self.rng.range(1, customers);
                 let c = self.new_client(v, customer);
+                if self.faults.has("copies") && self.rng.chance(15) {
+                    self.clients[c].resends = self.rng.range(1, 2) as u8;
+                }
                 let when = self.rng.range(0, fault_ms);
                 self.at(when, Job::Send(c));
                 if self.faults.has("copies") && self.rng.chance(10) {
@@ -494,6 +499,7 @@ impl World {
                         attempt: 0,
                         outstanding: None,
                         done: false,
+                        resends: 0,
                     });
                     let d = self.rng.range(0, 30);
                     self.at(when + d, Job::Send(twin));
@@ -513,6 +519,7 @@ impl World {
             attempt: 0,
             outstanding: None,
             done: false,
+            resends: 0,
         });
         c
     }
@@ -1171,6 +1178,8 @@ impl World {
         let c = check::counters(&self.ledger, &self.vouchers[v].code)?;
         if c.reserved + c.confirmed == c.total_limit {
             self.vouchers[v].sold_at = Some(self.now);
+            self.out.sold += c.total_limit;
+            self.out.offered += c.total_limit;
             return Ok(());
         }
         let sv = &mut self.vouchers[v];
@@ -1187,6 +1196,8 @@ impl World {
         for v in &self.vouchers {
             if v.sold_at.is_none() {
                 let c = check::counters(&self.ledger, &v.code)?;
+                self.out.sold += c.reserved + c.confirmed;
+                self.out.offered += c.total_limit;
                 return Err((
                     format!(
                         "liveness: {} sold {} of {} within {LIVENESS_MS} ms after faults stopped \
@@ -1238,6 +1249,11 @@ impl World {
                 let d = self.rng.range(100, 1000);
                 self.at(d, Job::Send(c));
             }
+            Reply::Created(_) | Reply::Replayed(_) if self.clients[c].resends > 0 => {
+                self.clients[c].resends -= 1;
+                let d = self.rng.range(1, 3000);
+                self.at(d, Job::Send(c));
+            }
             _ => self.clients[c].done = true,
         }
         Ok(())
@@ -1268,9 +1284,6 @@ impl World {
     fn finish(&mut self) -> Result<(), Broken> {
         for v in 0..self.vouchers.len() {
             self.check_voucher(v)?;
-            let c = check::counters(&self.ledger, &self.vouchers[v].code)?;
-            self.out.sold += c.reserved + c.confirmed;
-            self.out.offered += c.total_limit;
         }
         self.out.checks += 1;
         self.books.all_durable(&self.ledger)
