@@ -1113,3 +1113,472 @@ impl<R, W> VoucherCore<R, W> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The protocol, one rule per test: events in, commands out.
+
+    use super::*;
+    use crate::config::Settings;
+    use crate::domain::{ReservationStatus, VoucherStatus};
+    use crate::ledger::Lease;
+
+    type TestCore = VoucherCore<u32, u32>;
+    type Out = Vec<Command<u32, u32>>;
+
+    const T0: Millis = 1_000_000;
+
+    fn voucher(total: i64) -> Voucher {
+        Voucher {
+            code: "V".into(),
+            discount_amount: 10,
+            min_order_amount: 0,
+            total_limit: total,
+            per_user_limit: 1,
+            starts_at: 0,
+            ends_at: T0 * 10,
+            status: VoucherStatus::Active,
+            limits: VoucherLimits::default(),
+        }
+    }
+
+    fn req(n: u32) -> ReserveRequest {
+        ReserveRequest {
+            customer_id: n as i64,
+            order_id: format!("o{n}"),
+            order_amount: 100,
+        }
+    }
+
+    fn reservation(n: u32) -> Reservation {
+        Reservation {
+            order_id: format!("o{n}"),
+            voucher_code: "V".into(),
+            customer_id: n as i64,
+            discount_amount: 10,
+            status: ReservationStatus::Reserved,
+            expires_at: T0 + 1000,
+        }
+    }
+
+    fn lease(id: i64, granted: i64, free_after: i64) -> Result<Grant, LedgerError> {
+        Ok(Grant {
+            lease: Some(Lease {
+                id,
+                granted,
+                expires_at: T0 + 30_000,
+            }),
+            free_after,
+            leased_unused: 0,
+            ever_reserved: None,
+        })
+    }
+
+    fn empty(leased_unused: i64, ever_reserved: i64) -> Result<Grant, LedgerError> {
+        Ok(Grant {
+            lease: None,
+            free_after: 0,
+            leased_unused,
+            ever_reserved: Some(ever_reserved),
+        })
+    }
+
+    fn failed() -> LedgerError {
+        LedgerError::Unavailable(sqlx::Error::PoolTimedOut)
+    }
+
+    struct Rig {
+        core: TestCore,
+        shared: Arc<VoucherShared>,
+        now: Millis,
+        stop: Stop,
+    }
+
+    impl Rig {
+        /// A core whose voucher is loaded.
+        fn new() -> Self {
+            Self::with(|_| {})
+        }
+
+        fn with(edit: impl FnOnce(&mut EngineSettings)) -> Self {
+            let mut settings = Settings::defaults().engine;
+            edit(&mut settings);
+            let sizing = SizingParams::from(&settings);
+            let shared = Arc::new(VoucherShared::default());
+            let core = TestCore::new("V".into(), settings, sizing, shared.clone(), T0);
+            let mut rig = Self {
+                core,
+                shared,
+                now: T0,
+                stop: Stop::No,
+            };
+            let first = rig.out();
+            assert!(matches!(first[..], [Command::ReadVoucher { first: true }]));
+            rig.on(Event::VoucherRead {
+                first: true,
+                res: Ok(Some(voucher(100))),
+            });
+            rig
+        }
+
+        fn on(&mut self, event: Event<u32, u32>) -> Out {
+            self.core.handle(self.now, self.stop, event);
+            self.out()
+        }
+
+        fn out(&mut self) -> Out {
+            self.core.commands().collect()
+        }
+
+        /// A reserve, its grant of `units`: the batch it starts.
+        fn served(&mut self, n: u32, units: i64) -> (u64, Batch) {
+            let out = self.on(Event::Reserve(req(n), n));
+            assert!(matches!(out[..], [Command::Grant { .. }]), "{out:?}");
+            let out = self.on(Event::Granted(lease(7, units, 50)));
+            commit_of(out)
+        }
+    }
+
+    fn commit_of(out: Out) -> (u64, Batch) {
+        let mut commits = out.into_iter().filter_map(|c| match c {
+            Command::Commit { id, batch } => Some((id, batch)),
+            _ => None,
+        });
+        let first = commits.next().expect("a batch");
+        assert!(commits.next().is_none(), "one batch at a time");
+        first
+    }
+
+    fn answers(out: &Out) -> Vec<(u32, String)> {
+        out.iter()
+            .filter_map(|c| match c {
+                Command::Answer(n, Reply::Created(_)) => Some((*n, "201".into())),
+                Command::Answer(n, Reply::Replayed(_)) => Some((*n, "replay".into())),
+                Command::Answer(n, Reply::Failed(e)) => Some((*n, format!("{e:?}"))),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn has(out: &Out, f: impl Fn(&Command<u32, u32>) -> bool) -> bool {
+        out.iter().any(f)
+    }
+
+    #[test]
+    fn a_reserve_is_answered_only_after_its_batch_commits() {
+        let mut rig = Rig::new();
+        let (id, batch) = rig.served(1, 10);
+        assert_eq!((batch.lease_id, batch.rows.len()), (7, 1));
+        assert_eq!(batch.expires_at, T0 + rig.core.settings.reservation_ttl_ms);
+        let out = rig.on(Event::Committed {
+            id,
+            res: Ok(vec![RowOutcome::Created(reservation(1))]),
+        });
+        assert_eq!(answers(&out), [(1, "201".to_string())]);
+        assert_eq!(rig.core.room(), 9);
+    }
+
+    #[test]
+    fn reserves_arriving_during_a_commit_form_the_next_batch() {
+        let mut rig = Rig::new();
+        let (id, _) = rig.served(1, 10);
+        for n in 2..=4 {
+            let out = rig.on(Event::Reserve(req(n), n));
+            assert!(!has(&out, |c| matches!(c, Command::Commit { .. })));
+        }
+        let out = rig.on(Event::Committed {
+            id,
+            res: Ok(vec![RowOutcome::Created(reservation(1))]),
+        });
+        let (_, next) = commit_of(out);
+        let orders: Vec<&str> = next.rows.iter().map(|r| r.order_id.as_str()).collect();
+        assert_eq!(orders, ["o2", "o3", "o4"]);
+    }
+
+    #[test]
+    fn rows_that_took_no_unit_give_it_back_to_the_lease() {
+        let mut rig = Rig::new();
+        let (id, _) = rig.served(1, 10);
+        let out = rig.on(Event::Committed {
+            id,
+            res: Ok(vec![RowOutcome::Replayed(reservation(1))]),
+        });
+        assert_eq!(answers(&out), [(1, "replay".to_string())]);
+        assert_eq!(rig.core.room(), 10);
+    }
+
+    #[test]
+    fn a_fenced_batch_answers_503_and_its_lease_is_served_no_more() {
+        let mut rig = Rig::new();
+        let (id, _) = rig.served(1, 10);
+        let out = rig.on(Event::Committed {
+            id,
+            res: Err(LedgerError::Fenced),
+        });
+        assert_eq!(answers(&out), [(1, "Unavailable".to_string())]);
+        assert_eq!(rig.core.room(), 0);
+        // Still demand, and nothing to serve it from: a new lease is asked for.
+        assert!(has(&out, |c| matches!(c, Command::Grant { .. })));
+        let out = rig.on(Event::Reserve(req(2), 2));
+        assert!(!has(&out, |c| matches!(c, Command::Commit { .. })));
+    }
+
+    #[test]
+    fn a_failed_commit_answers_503_keeps_the_units_and_holds_briefly() {
+        let mut rig = Rig::new();
+        let (id, _) = rig.served(1, 10);
+        let out = rig.on(Event::Committed { id, res: Err(failed()) });
+        assert_eq!(answers(&out), [(1, "Unavailable".to_string())]);
+        assert_eq!(rig.core.room(), 10);
+        let out = rig.on(Event::Reserve(req(2), 2));
+        assert_eq!(answers(&out), [(2, "Unavailable".to_string())]);
+        rig.now += DOWN_MS;
+        let out = rig.on(Event::Reserve(req(3), 3));
+        let (_, batch) = commit_of(out);
+        assert_eq!(batch.lease_id, 7);
+    }
+
+    #[test]
+    fn a_ledger_that_answers_fewer_rows_gets_503_for_the_rest() {
+        let mut rig = Rig::new();
+        let (id, _) = rig.served(1, 10);
+        rig.on(Event::Reserve(req(2), 2));
+        let out = rig.on(Event::Committed { id, res: Ok(vec![]) });
+        assert_eq!(answers(&out), [(1, "Unavailable".to_string())]);
+    }
+
+    #[test]
+    fn an_answer_for_no_batch_in_flight_changes_nothing() {
+        let mut rig = Rig::new();
+        let (id, _) = rig.served(1, 10);
+        let out = rig.on(Event::Committed {
+            id: id + 1,
+            res: Ok(vec![RowOutcome::Created(reservation(9))]),
+        });
+        assert!(answers(&out).is_empty());
+        assert_eq!(rig.core.room(), 9);
+    }
+
+    #[test]
+    fn units_in_other_leases_keep_reserves_waiting_and_recall_them() {
+        let mut rig = Rig::new();
+        rig.on(Event::Reserve(req(1), 1));
+        let out = rig.on(Event::Granted(empty(5, 3)));
+        assert!(has(&out, |c| matches!(c, Command::Publish(Signal::Recall))));
+        assert!(answers(&out).is_empty(), "it waits for the recalled units");
+        // Asked again soon; still nothing: it waits on, and recalls at most once per repeat.
+        rig.now += RECALL_PROBE_MS;
+        let out = rig.on(Event::Tick);
+        assert!(has(&out, |c| matches!(c, Command::Grant { .. })));
+        let out = rig.on(Event::Granted(empty(5, 3)));
+        assert!(!has(&out, |c| matches!(c, Command::Publish(Signal::Recall))));
+        assert!(answers(&out).is_empty());
+        // Past its patience the reserve is settled from the ledger's orders.
+        rig.now = T0 + rig.core.settings.recall_wait_ms;
+        rig.on(Event::Tick);
+        let out = rig.on(Event::Granted(empty(5, 3)));
+        assert!(has(&out, |c| matches!(c, Command::Lookup { reqs, .. } if reqs.len() == 1)));
+    }
+
+    #[test]
+    fn nothing_anywhere_loads_the_winners_and_raises_the_flag_once() {
+        let mut rig = Rig::new();
+        rig.on(Event::Reserve(req(1), 1));
+        let out = rig.on(Event::Granted(empty(0, 7)));
+        assert!(has(&out, |c| matches!(c, Command::Lookup { .. })));
+        let verdict = out
+            .iter()
+            .find_map(|c| match c {
+                Command::LoadWinners(v) => Some(*v),
+                _ => None,
+            })
+            .expect("the winners are loaded");
+        assert_eq!(verdict.ever_reserved, Some(7));
+        let out = rig.on(Event::WinnersLoaded(verdict, Ok(vec![("o0".into(), 0)])));
+        assert!(rig.shared.is_sold_out());
+        assert!(has(&out, |c| matches!(c, Command::Publish(Signal::SoldOut))));
+        assert!(has(&out, |c| matches!(c, Command::RecountSoon)));
+        // A second verdict on the same winners announces nothing.
+        let out = rig.on(Event::WinnersLoaded(verdict, Ok(vec![("o0".into(), 0)])));
+        assert!(!has(&out, |c| matches!(c, Command::Publish(_))));
+    }
+
+    #[test]
+    fn a_restock_during_the_verdict_keeps_the_flag_down() {
+        let mut rig = Rig::new();
+        rig.on(Event::Reserve(req(1), 1));
+        let out = rig.on(Event::Granted(empty(0, 7)));
+        let verdict = out
+            .iter()
+            .find_map(|c| match c {
+                Command::LoadWinners(v) => Some(*v),
+                _ => None,
+            })
+            .expect("the winners are loaded");
+        rig.shared.restock();
+        let out = rig.on(Event::WinnersLoaded(verdict, Ok(vec![])));
+        assert!(!rig.shared.is_sold_out());
+        assert!(!has(&out, |c| matches!(c, Command::Publish(_))));
+    }
+
+    #[test]
+    fn a_grant_answered_after_our_own_batch_landed_gives_no_verdict() {
+        let mut rig = Rig::new();
+        let (id, _) = rig.served(1, 1);
+        rig.on(Event::Reserve(req(2), 2));
+        rig.core.granting = None;
+        rig.core.start_grant();
+        rig.out();
+        rig.on(Event::Committed {
+            id,
+            res: Ok(vec![RowOutcome::Created(reservation(1))]),
+        });
+        // The grant counted our batch's unit as leased: no hold, it is asked again.
+        let out = rig.on(Event::Granted(empty(1, 1)));
+        assert!(has(&out, |c| matches!(c, Command::Grant { .. })));
+        assert!(!has(&out, |c| matches!(c, Command::Publish(Signal::Recall))));
+    }
+
+    #[test]
+    fn a_recall_returns_idle_leases_but_never_one_a_batch_draws_on() {
+        let mut rig = Rig::new();
+        let (id, _) = rig.served(1, 10);
+        rig.on(Event::Reserve(req(2), 2));
+        let out = rig.on(Event::Recall);
+        assert!(!has(&out, |c| matches!(c, Command::Return { .. })));
+        let out = rig.on(Event::Committed {
+            id,
+            res: Ok(vec![RowOutcome::Created(reservation(1))]),
+        });
+        // Reserve 2 still queued: it is served first, then the lease goes.
+        let (id, _) = commit_of(out);
+        let out = rig.on(Event::Committed {
+            id,
+            res: Ok(vec![RowOutcome::Created(reservation(2))]),
+        });
+        assert!(has(&out, |c| matches!(c, Command::Return { lease_id: 7, .. })));
+        assert_eq!(rig.core.room(), 0);
+    }
+
+    #[test]
+    fn an_idle_lease_goes_back_and_an_idle_core_stops() {
+        let mut rig = Rig::new();
+        let (id, _) = rig.served(1, 10);
+        rig.on(Event::Committed {
+            id,
+            res: Ok(vec![RowOutcome::Created(reservation(1))]),
+        });
+        rig.now += rig.core.settings.lease_idle_timeout_ms - 1;
+        let out = rig.on(Event::Tick);
+        assert!(!has(&out, |c| matches!(c, Command::Return { .. })));
+        rig.now += 1;
+        let out = rig.on(Event::Tick);
+        assert!(has(&out, |c| matches!(c, Command::Return { lease_id: 7, .. })));
+        assert!(!has(&out, |c| matches!(c, Command::Stop)));
+        rig.now = T0 + rig.core.settings.actor_idle_stop_ms;
+        let out = rig.on(Event::Tick);
+        assert!(has(&out, |c| matches!(c, Command::Stop)));
+        // Stopped: every waiter is answered, nothing more starts.
+        let out = rig.on(Event::Stopped);
+        assert!(out.is_empty());
+    }
+
+    #[test]
+    fn a_lease_is_renewed_at_half_its_ttl_and_one_lost_is_served_no_more() {
+        let mut rig = Rig::new();
+        rig.served(1, 10);
+        let ttl = rig.core.settings.lease_ttl_ms;
+        rig.now = T0 + 30_000 - ttl / 2;
+        let out = rig.on(Event::Tick);
+        assert!(!has(&out, |c| matches!(c, Command::Renew { .. })));
+        rig.now += 1;
+        let out = rig.on(Event::Tick);
+        assert!(has(&out, |c| matches!(c, Command::Renew { lease_ids, .. } if lease_ids == &[7])));
+        rig.on(Event::Renewed(Ok(vec![])));
+        assert_eq!(rig.core.room(), 0, "the ledger no longer lists it as ours");
+    }
+
+    #[test]
+    fn a_renewed_lease_expires_a_ttl_after_the_renewal_was_asked() {
+        let mut rig = Rig::with(|s| s.lease_idle_timeout_ms = 60_000);
+        let (id, _) = rig.served(1, 10);
+        rig.on(Event::Committed {
+            id,
+            res: Ok(vec![RowOutcome::Created(reservation(1))]),
+        });
+        let (ttl, safety) = (rig.core.settings.lease_ttl_ms, rig.core.settings.lease_safety_ms);
+        rig.now = T0 + 30_000 - ttl / 2 + 1;
+        let asked = rig.now;
+        rig.on(Event::Tick);
+        rig.now += 100;
+        rig.on(Event::Renewed(Ok(vec![7])));
+        assert_eq!(rig.core.leases[0].expires_at, asked + ttl);
+        // Served until the renewed expiry's safety margin.
+        rig.now = asked + ttl - safety - 1;
+        let out = rig.on(Event::Reserve(req(2), 2));
+        assert!(has(&out, |c| matches!(c, Command::Commit { .. })));
+    }
+
+    #[test]
+    fn a_lease_near_its_expiry_is_handed_back_not_served() {
+        let mut rig = Rig::new();
+        let (id, _) = rig.served(1, 10);
+        rig.on(Event::Committed {
+            id,
+            res: Ok(vec![RowOutcome::Created(reservation(1))]),
+        });
+        rig.now = T0 + 30_000 - rig.core.settings.lease_safety_ms;
+        let out = rig.on(Event::Reserve(req(2), 2));
+        assert!(has(&out, |c| matches!(c, Command::Return { lease_id: 7, .. })));
+        assert!(!has(&out, |c| matches!(c, Command::Commit { .. })));
+    }
+
+    #[test]
+    fn paused_sales_send_new_reserves_to_the_ledgers_orders() {
+        let mut rig = Rig::new();
+        rig.stop = Stop::SalesPaused;
+        let out = rig.on(Event::Reserve(req(1), 1));
+        assert!(has(&out, |c| matches!(c, Command::Lookup { stop: Stop::SalesPaused, .. })));
+        assert!(!has(&out, |c| matches!(c, Command::Grant { .. })));
+    }
+
+    #[test]
+    fn a_full_queue_answers_503_at_once() {
+        let mut rig = Rig::with(|s| s.max_pending = 1);
+        rig.on(Event::Reserve(req(1), 1));
+        let out = rig.on(Event::Reserve(req(2), 2));
+        assert_eq!(answers(&out), [(2, "Unavailable".to_string())]);
+    }
+
+    #[test]
+    fn a_voucher_the_ledger_does_not_have_answers_404() {
+        let settings = Settings::defaults().engine;
+        let sizing = SizingParams::from(&settings);
+        let shared = Arc::new(VoucherShared::default());
+        let mut core = TestCore::new("V".into(), settings, sizing, shared, T0);
+        core.handle(T0, Stop::No, Event::Reserve(req(1), 1));
+        core.handle(T0, Stop::No, Event::VoucherRead { first: true, res: Ok(None) });
+        let out: Out = core.commands().collect();
+        assert_eq!(answers(&out), [(1, "NotFound".to_string())]);
+    }
+
+    #[test]
+    fn a_drained_core_answers_503_and_keeps_only_leases_in_flight() {
+        let mut rig = Rig::new();
+        rig.served(1, 10);
+        rig.on(Event::Drain);
+        let out = rig.on(Event::Reserve(req(2), 2));
+        assert_eq!(answers(&out), [(2, "Unavailable".to_string())]);
+        let out = rig.on(Event::Warm(5));
+        assert!(has(&out, |c| matches!(c, Command::AnswerWarm(5, Err(_)))));
+    }
+
+    #[test]
+    fn a_warm_up_is_answered_once_a_lease_is_held() {
+        let mut rig = Rig::new();
+        let out = rig.on(Event::Warm(5));
+        assert!(has(&out, |c| matches!(c, Command::Grant { .. })));
+        let out = rig.on(Event::Granted(lease(7, 4, 50)));
+        assert!(has(&out, |c| matches!(c, Command::AnswerWarm(5, Ok(())))));
+    }
+}
