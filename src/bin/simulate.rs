@@ -16,7 +16,11 @@ fn parse() -> Result<Options, String> {
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
-        let number = || value.parse::<u64>().map_err(|e| format!("{flag} {value}: {e}"));
+        let number = || {
+            value
+                .parse::<u64>()
+                .map_err(|e| format!("{flag} {value}: {e}"))
+        };
         match flag.as_str() {
             "--steps" => opts.steps = number()?,
             "--seed" => opts.seed = number()?,
@@ -43,12 +47,26 @@ fn main() -> ExitCode {
     let report = run(&opts);
     println!(
         "seed {}: {} rounds, {} reserves, {} faults injected, sold {} of {} units offered",
-        opts.seed, report.rounds, report.reserves, report.faults_injected, report.sold, report.offered
+        opts.seed,
+        report.rounds,
+        report.reserves,
+        report.faults_injected,
+        report.sold,
+        report.offered
     );
     for v in &report.violations {
-        println!("VIOLATION (round seed {}, faults {}, step {}, {} ms into the round):", v.round_seed, v.faults.names(), v.step, v.at_ms - 1_000_000);
+        println!(
+            "VIOLATION (round seed {}, faults {}, step {}, {} ms into the round):",
+            v.round_seed,
+            v.faults.names(),
+            v.step,
+            v.at_ms - 1_000_000
+        );
         println!("  {}", v.what);
-        println!("trace (trimmed to {}):", v.code.as_deref().unwrap_or("every voucher"));
+        println!(
+            "trace (trimmed to {}):",
+            v.code.as_deref().unwrap_or("every voucher")
+        );
         for line in &v.trace {
             println!("  {line}");
         }

@@ -15,6 +15,7 @@ use tokio::sync::oneshot;
 use super::quota::{Command, Event, Reply, VoucherCore, TICK_MS};
 use super::soldout::VoucherShared;
 use super::{error_outcome, settle_without_units, Core, EngineError};
+use crate::clock::Millis;
 use crate::domain::{ReserveRequest, Voucher};
 use crate::metrics::{self as m, Outcome};
 
@@ -53,6 +54,11 @@ pub(crate) struct SoldOutElsewhere;
 #[derive(Message)]
 #[rtype(result = "()")]
 pub(crate) struct Drain;
+
+/// A return of this lease was answered (true) or failed.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Returned(i64, bool);
 
 /// Another node ran dry while this one may hold idle units (`RECALL`).
 #[derive(Message)]
@@ -132,7 +138,10 @@ impl VoucherActor {
         F: std::future::Future<Output = T> + 'static,
         T: 'static,
     {
-        ctx.spawn(call.into_actor(self).map(move |res, act, ctx| act.feed(event(res), ctx)));
+        ctx.spawn(
+            call.into_actor(self)
+                .map(move |res, act, ctx| act.feed(event(res), ctx)),
+        );
     }
 
     fn carry_out(&mut self, ctx: &mut Context<Self>) {
@@ -159,9 +168,11 @@ impl VoucherActor {
                         m::batch(batch.rows.len(), started.elapsed());
                         res
                     };
-                    ctx.spawn(commit.into_actor(self).map(move |res, act, ctx| {
-                        act.feed(Event::Committed { id, res }, ctx)
-                    }));
+                    ctx.spawn(
+                        commit
+                            .into_actor(self)
+                            .map(move |res, act, ctx| act.feed(Event::Committed { id, res }, ctx)),
+                    );
                 }
                 Command::Grant { want, now, ttl_ms } => {
                     let node = self.engine.node_id.clone();
@@ -177,7 +188,9 @@ impl VoucherActor {
                     let renew = async move { ledger.renew(&lease_ids, &node, now, ttl_ms).await };
                     self.call(ctx, renew, Event::Renewed);
                 }
-                Command::Return { lease_id, now } => spawn_return(&self.engine, lease_id, now),
+                Command::Return { lease_id, now } => {
+                    spawn_return(&self.engine, ctx.address(), lease_id, now)
+                }
                 Command::Lookup {
                     reqs,
                     voucher,
@@ -205,16 +218,23 @@ impl VoucherActor {
     }
 }
 
-/// Hands a lease's unused units back to `free` in the background; the ledger makes it idempotent.
-fn spawn_return(core: &Arc<Core>, lease_id: i64, now: crate::clock::Millis) {
+/// Hands a lease's unused units back to `free` in the background (it outlives a stopping actor;
+/// the ledger makes it idempotent). A failure goes back to the actor, which tries again; once the
+/// actor is gone, the reaper takes the lease.
+fn spawn_return(core: &Arc<Core>, actor: Addr<VoucherActor>, lease_id: i64, now: Millis) {
     let core = core.clone();
     actix::spawn(async move {
         match core.ledger.return_lease(lease_id, now).await {
-            Ok(Some(restock)) => core.restocked(&restock.voucher_code),
-            Ok(None) => {}
+            Ok(restock) => {
+                if let Some(r) = restock {
+                    core.restocked(&r.voucher_code);
+                }
+                actor.do_send(Returned(lease_id, true));
+            }
             Err(e) => {
                 m::ledger_error("return_lease");
-                tracing::warn!(lease_id, error = %e, "lease return failed; the reaper will take it");
+                tracing::warn!(lease_id, error = %e, "lease return failed; retried at the next tick");
+                actor.do_send(Returned(lease_id, false));
             }
         }
     });
@@ -255,6 +275,7 @@ feeds! {
     Reload => |msg| Event::Reload(msg.0);
     Warm => |msg| Event::Warm(msg.0);
     Recall => |_msg| Event::Recall;
+    Returned => |msg| Event::Returned { lease_id: msg.0, ok: msg.1 };
     Drain => |_msg| Event::Drain;
     SoldOutElsewhere => |_msg| Event::SoldOutElsewhere;
 }

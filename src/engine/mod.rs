@@ -9,8 +9,8 @@
 
 mod actor;
 mod known;
-pub(crate) mod quota;
 pub mod limits;
+pub(crate) mod quota;
 pub mod sizing;
 pub mod soldout;
 
@@ -194,7 +194,9 @@ pub(crate) fn answer_from_flag(
         SoldOutVerdict::NotEligible(Ineligible::MinOrderAmount) => {
             Err(EngineError::NotEligible(Ineligible::MinOrderAmount))
         }
-        SoldOutVerdict::NotEligible(_) | SoldOutVerdict::AlreadyUsed | SoldOutVerdict::OutOfStock
+        SoldOutVerdict::NotEligible(_)
+        | SoldOutVerdict::AlreadyUsed
+        | SoldOutVerdict::OutOfStock
             if stop == Stop::ReadOnly =>
         {
             Err(EngineError::Unavailable)

@@ -144,6 +144,9 @@ pub(crate) enum Event<R, W> {
     /// Units came back to `free` (a signal, or this node's own return): the ledger is no longer
     /// taken as empty. The adapter lowers the flag ([`VoucherShared::restock`]) first.
     Restocked,
+    /// The answer to a [`Command::Return`]. One that failed leaves the lease ACTIVE with its
+    /// unused units, which nobody else serves or returns: the core tries again.
+    Returned { lease_id: i64, ok: bool },
     /// Another node ran dry while this one may hold idle units.
     Recall,
     /// Another node saw the voucher sold out.
@@ -162,20 +165,32 @@ pub(crate) enum Command<R, W> {
     Answer(R, Reply),
     AnswerWarm(W, Result<(), EngineError>),
     /// Read the voucher's definition; answer with [`Event::VoucherRead`].
-    ReadVoucher { first: bool },
+    ReadVoucher {
+        first: bool,
+    },
     /// Commit `batch` (through the node's group committer); answer with [`Event::Committed`].
-    Commit { id: u64, batch: Batch },
+    Commit {
+        id: u64,
+        batch: Batch,
+    },
     /// Ask for a lease of up to `want` units; answer with [`Event::Granted`].
-    Grant { want: i64, now: Millis, ttl_ms: i64 },
+    Grant {
+        want: i64,
+        now: Millis,
+        ttl_ms: i64,
+    },
     /// Renew these leases; answer with [`Event::Renewed`].
     Renew {
         lease_ids: Vec<i64>,
         now: Millis,
         ttl_ms: i64,
     },
-    /// Hand a lease's unused units back (no answer; a restock it makes goes to the cluster and
-    /// comes back as [`Event::Restocked`]).
-    Return { lease_id: i64, now: Millis },
+    /// Hand a lease's unused units back (a restock it makes goes to the cluster and comes back
+    /// as [`Event::Restocked`]); answer with [`Event::Returned`].
+    Return {
+        lease_id: i64,
+        now: Millis,
+    },
     /// Answer these reserves from the ledger's orders (`settle_without_units`); answer with
     /// [`Event::LookedUp`].
     Lookup {
@@ -327,6 +342,11 @@ pub(crate) struct VoucherCore<R, W> {
     recounted_at: Option<Millis>,
     /// Set when reserves went back to the queue from the lookups: the scheduler runs again.
     repump: bool,
+    /// Leases whose return is in flight: the core does not stop before they are answered.
+    returning: Vec<i64>,
+    /// Leases whose return failed: returned again at the next tick, so their units do not wait
+    /// for the reaper (up to a lease TTL) while this node lives.
+    unreturned: Vec<i64>,
 }
 
 impl<R, W> VoucherCore<R, W> {
@@ -373,6 +393,8 @@ impl<R, W> VoucherCore<R, W> {
             prestart_cap: None,
             recounted_at: None,
             repump: false,
+            returning: Vec::new(),
+            unreturned: Vec::new(),
         }
     }
 
@@ -415,6 +437,13 @@ impl<R, W> VoucherCore<R, W> {
                     self.hold = None;
                 }
                 self.free_hint = None;
+            }
+            Event::Returned { lease_id, ok } => {
+                self.returning.retain(|&id| id != lease_id);
+                if !ok && !self.stopping && !self.unreturned.contains(&lease_id) {
+                    self.unreturned.push(lease_id);
+                }
+                return;
             }
             Event::Recall => {
                 // With reserves queued here the units are in use; they go back after the batch
@@ -467,8 +496,10 @@ impl<R, W> VoucherCore<R, W> {
         self.last_activity = self.now;
         if self.pending.len() + self.lookups.len() >= self.settings.max_pending {
             m::mailbox_full();
-            self.out
-                .push(Command::Answer(reply, Reply::Failed(EngineError::Unavailable)));
+            self.out.push(Command::Answer(
+                reply,
+                Reply::Failed(EngineError::Unavailable),
+            ));
             return;
         }
         let since = self.now;
@@ -484,7 +515,8 @@ impl<R, W> VoucherCore<R, W> {
         self.last_activity = self.now;
         self.warmed = true;
         if self.missing {
-            self.out.push(Command::AnswerWarm(w, Err(EngineError::NotFound)));
+            self.out
+                .push(Command::AnswerWarm(w, Err(EngineError::NotFound)));
         } else if self.room() > 0 {
             self.out.push(Command::AnswerWarm(w, Ok(())));
         } else {
@@ -495,7 +527,9 @@ impl<R, W> VoucherCore<R, W> {
 
     /// The voucher's sale has not started at `now` (as this node's copy says).
     fn before_start(&self) -> bool {
-        self.voucher.as_ref().is_some_and(|v| self.now < v.starts_at)
+        self.voucher
+            .as_ref()
+            .is_some_and(|v| self.now < v.starts_at)
     }
 
     /// Takes a (new) definition of the voucher; the frontend's copy follows.
@@ -547,8 +581,10 @@ impl<R, W> VoucherCore<R, W> {
     fn admit(&mut self, p: Pending<R>) {
         let now = self.now;
         if self.missing {
-            self.out
-                .push(Command::Answer(p.reply, Reply::Failed(EngineError::NotFound)));
+            self.out.push(Command::Answer(
+                p.reply,
+                Reply::Failed(EngineError::NotFound),
+            ));
             return;
         }
         let Some(v) = &self.voucher else {
@@ -668,11 +704,16 @@ impl<R, W> VoucherCore<R, W> {
         self.leases = kept;
         for l in dropped.into_iter().filter(|l| l.room() > 0) {
             m::lease(event);
-            self.out.push(Command::Return {
-                lease_id: l.id,
-                now: self.now,
-            });
+            self.give_back(l.id);
         }
+    }
+
+    fn give_back(&mut self, lease_id: i64) {
+        self.returning.push(lease_id);
+        self.out.push(Command::Return {
+            lease_id,
+            now: self.now,
+        });
     }
 
     /// Sends the next batch to the node's group committer; false when there is nothing to send.
@@ -902,7 +943,9 @@ impl<R, W> VoucherCore<R, W> {
     /// The flag is already up on exactly these winners: nothing to reload or announce (two
     /// verdicts can cross, one asked again while the first loaded its winners).
     fn announced(&self, v: Verdict) -> bool {
-        self.shared.is_sold_out() && v.ever_reserved.is_some() && v.ever_reserved == self.sold_out_at
+        self.shared.is_sold_out()
+            && v.ever_reserved.is_some()
+            && v.ever_reserved == self.sold_out_at
     }
 
     /// The winners of a sold-out verdict are in: raise the flag (unless units came back
@@ -913,7 +956,11 @@ impl<R, W> VoucherCore<R, W> {
                 let limit = self.voucher.as_ref().map_or(i64::MAX, |v| v.per_user_limit);
                 let same = self.announced(verdict);
                 let exact_max = self.settings.won_set_exact_max;
-                if self.shared.set_sold_out(verdict.epoch, won, limit, exact_max) && !same {
+                if self
+                    .shared
+                    .set_sold_out(verdict.epoch, won, limit, exact_max)
+                    && !same
+                {
                     self.sold_out_at = verdict.ever_reserved;
                     tracing::info!(code = %self.code, "sold out");
                     self.out.push(Command::Publish(Signal::SoldOut));
@@ -1013,6 +1060,9 @@ impl<R, W> VoucherCore<R, W> {
         if now >= self.next_refresh && (self.voucher.is_some() || self.missing) {
             self.refresh_voucher();
         }
+        for lease_id in std::mem::take(&mut self.unreturned) {
+            self.give_back(lease_id);
+        }
         let s = &self.settings;
         let (idle_timeout, probe_ms) = (s.lease_idle_timeout_ms, s.soldout_probe_ms);
         let stop_after = if self.missing {
@@ -1053,6 +1103,8 @@ impl<R, W> VoucherCore<R, W> {
         }
         if unseen >= stop_after
             && self.leases.is_empty()
+            && self.returning.is_empty()
+            && self.unreturned.is_empty()
             && self.committing.is_empty()
             && self.granting.is_none()
             && self.looking.is_none()
@@ -1327,7 +1379,10 @@ mod tests {
     fn a_failed_commit_answers_503_keeps_the_units_and_holds_briefly() {
         let mut rig = Rig::new();
         let (id, _) = rig.served(1, 10);
-        let out = rig.on(Event::Committed { id, res: Err(failed()) });
+        let out = rig.on(Event::Committed {
+            id,
+            res: Err(failed()),
+        });
         assert_eq!(answers(&out), [(1, "Unavailable".to_string())]);
         assert_eq!(rig.core.room(), 10);
         let out = rig.on(Event::Reserve(req(2), 2));
@@ -1343,7 +1398,10 @@ mod tests {
         let mut rig = Rig::new();
         let (id, _) = rig.served(1, 10);
         rig.on(Event::Reserve(req(2), 2));
-        let out = rig.on(Event::Committed { id, res: Ok(vec![]) });
+        let out = rig.on(Event::Committed {
+            id,
+            res: Ok(vec![]),
+        });
         assert_eq!(answers(&out), [(1, "Unavailable".to_string())]);
     }
 
@@ -1371,13 +1429,19 @@ mod tests {
         let out = rig.on(Event::Tick);
         assert!(has(&out, |c| matches!(c, Command::Grant { .. })));
         let out = rig.on(Event::Granted(empty(5, 3)));
-        assert!(!has(&out, |c| matches!(c, Command::Publish(Signal::Recall))));
+        assert!(!has(&out, |c| matches!(
+            c,
+            Command::Publish(Signal::Recall)
+        )));
         assert!(answers(&out).is_empty());
         // Past its patience the reserve is settled from the ledger's orders.
         rig.now = T0 + rig.core.settings.recall_wait_ms;
         rig.on(Event::Tick);
         let out = rig.on(Event::Granted(empty(5, 3)));
-        assert!(has(&out, |c| matches!(c, Command::Lookup { reqs, .. } if reqs.len() == 1)));
+        assert!(has(
+            &out,
+            |c| matches!(c, Command::Lookup { reqs, .. } if reqs.len() == 1)
+        ));
     }
 
     #[test]
@@ -1396,7 +1460,10 @@ mod tests {
         assert_eq!(verdict.ever_reserved, Some(7));
         let out = rig.on(Event::WinnersLoaded(verdict, Ok(vec![("o0".into(), 0)])));
         assert!(rig.shared.is_sold_out());
-        assert!(has(&out, |c| matches!(c, Command::Publish(Signal::SoldOut))));
+        assert!(has(&out, |c| matches!(
+            c,
+            Command::Publish(Signal::SoldOut)
+        )));
         assert!(has(&out, |c| matches!(c, Command::RecountSoon)));
         // A second verdict on the same winners announces nothing.
         let out = rig.on(Event::WinnersLoaded(verdict, Ok(vec![("o0".into(), 0)])));
@@ -1436,7 +1503,10 @@ mod tests {
         // The grant counted our batch's unit as leased: no hold, it is asked again.
         let out = rig.on(Event::Granted(empty(1, 1)));
         assert!(has(&out, |c| matches!(c, Command::Grant { .. })));
-        assert!(!has(&out, |c| matches!(c, Command::Publish(Signal::Recall))));
+        assert!(!has(&out, |c| matches!(
+            c,
+            Command::Publish(Signal::Recall)
+        )));
     }
 
     #[test]
@@ -1456,7 +1526,10 @@ mod tests {
             id,
             res: Ok(vec![RowOutcome::Created(reservation(2))]),
         });
-        assert!(has(&out, |c| matches!(c, Command::Return { lease_id: 7, .. })));
+        assert!(has(&out, |c| matches!(
+            c,
+            Command::Return { lease_id: 7, .. }
+        )));
         assert_eq!(rig.core.room(), 0);
     }
 
@@ -1473,7 +1546,10 @@ mod tests {
         assert!(!has(&out, |c| matches!(c, Command::Return { .. })));
         rig.now += 1;
         let out = rig.on(Event::Tick);
-        assert!(has(&out, |c| matches!(c, Command::Return { lease_id: 7, .. })));
+        assert!(has(&out, |c| matches!(
+            c,
+            Command::Return { lease_id: 7, .. }
+        )));
         assert!(!has(&out, |c| matches!(c, Command::Stop)));
         rig.now = T0 + rig.core.settings.actor_idle_stop_ms;
         let out = rig.on(Event::Tick);
@@ -1493,7 +1569,10 @@ mod tests {
         assert!(!has(&out, |c| matches!(c, Command::Renew { .. })));
         rig.now += 1;
         let out = rig.on(Event::Tick);
-        assert!(has(&out, |c| matches!(c, Command::Renew { lease_ids, .. } if lease_ids == &[7])));
+        assert!(has(
+            &out,
+            |c| matches!(c, Command::Renew { lease_ids, .. } if lease_ids == &[7])
+        ));
         rig.on(Event::Renewed(Ok(vec![])));
         assert_eq!(rig.core.room(), 0, "the ledger no longer lists it as ours");
     }
@@ -1506,7 +1585,10 @@ mod tests {
             id,
             res: Ok(vec![RowOutcome::Created(reservation(1))]),
         });
-        let (ttl, safety) = (rig.core.settings.lease_ttl_ms, rig.core.settings.lease_safety_ms);
+        let (ttl, safety) = (
+            rig.core.settings.lease_ttl_ms,
+            rig.core.settings.lease_safety_ms,
+        );
         rig.now = T0 + 30_000 - ttl / 2 + 1;
         let asked = rig.now;
         rig.on(Event::Tick);
@@ -1529,7 +1611,10 @@ mod tests {
         });
         rig.now = T0 + 30_000 - rig.core.settings.lease_safety_ms;
         let out = rig.on(Event::Reserve(req(2), 2));
-        assert!(has(&out, |c| matches!(c, Command::Return { lease_id: 7, .. })));
+        assert!(has(&out, |c| matches!(
+            c,
+            Command::Return { lease_id: 7, .. }
+        )));
         assert!(!has(&out, |c| matches!(c, Command::Commit { .. })));
     }
 
@@ -1538,7 +1623,13 @@ mod tests {
         let mut rig = Rig::new();
         rig.stop = Stop::SalesPaused;
         let out = rig.on(Event::Reserve(req(1), 1));
-        assert!(has(&out, |c| matches!(c, Command::Lookup { stop: Stop::SalesPaused, .. })));
+        assert!(has(&out, |c| matches!(
+            c,
+            Command::Lookup {
+                stop: Stop::SalesPaused,
+                ..
+            }
+        )));
         assert!(!has(&out, |c| matches!(c, Command::Grant { .. })));
     }
 
@@ -1557,7 +1648,14 @@ mod tests {
         let shared = Arc::new(VoucherShared::default());
         let mut core = TestCore::new("V".into(), settings, sizing, shared, T0);
         core.handle(T0, Stop::No, Event::Reserve(req(1), 1));
-        core.handle(T0, Stop::No, Event::VoucherRead { first: true, res: Ok(None) });
+        core.handle(
+            T0,
+            Stop::No,
+            Event::VoucherRead {
+                first: true,
+                res: Ok(None),
+            },
+        );
         let out: Out = core.commands().collect();
         assert_eq!(answers(&out), [(1, "NotFound".to_string())]);
     }

@@ -113,6 +113,18 @@ pub struct ModelLedger {
 }
 
 impl ModelLedger {
+    /// The ACTIVE leases of `code` with units left: `(id, holder, unused, expires_at)`, for a
+    /// simulation's diagnosis of where units sit.
+    pub fn unused_leases(&self, code: &str) -> Vec<(i64, String, i64, Millis)> {
+        self.state()
+            .leases
+            .iter()
+            .filter(|(_, l)| l.voucher_code == code && l.state == LeaseState::Active)
+            .filter(|(_, l)| l.granted > l.consumed)
+            .map(|(id, l)| (*id, l.holder.clone(), l.granted - l.consumed, l.expires_at))
+            .collect()
+    }
+
     /// An empty ledger whose feed calls itself `origin`.
     pub fn new(origin: &str) -> Self {
         Self {

@@ -3,8 +3,8 @@
 
 use std::collections::BTreeMap;
 
-use super::world::{Broken, Client, Rng};
 use super::ready;
+use super::world::{Broken, Client, Rng};
 use crate::clock::Millis;
 use crate::domain::{Ineligible, Reservation, ReservationStatus};
 use crate::engine::quota::Reply;
@@ -45,18 +45,19 @@ impl Books {
     /// Every acknowledged order is in the ledger, as it was answered.
     pub(super) fn all_durable(&self, ledger: &SharedLedger) -> Result<(), Broken> {
         let orders: Vec<String> = self.acked.keys().cloned().collect();
-        let found = ready(ledger.find_orders(&orders)).map_err(|e| (format!("find_orders: {e}"), None))?;
+        let found =
+            ready(ledger.find_orders(&orders)).map_err(|e| (format!("find_orders: {e}"), None))?;
         let found: BTreeMap<&str, &Reservation> =
             found.iter().map(|r| (r.order_id.as_str(), r)).collect();
         for (order, (r, _)) in &self.acked {
             match found.get(order.as_str()) {
                 Some(row) if same(row, r) => {}
-                other => {
-                    return Err((
-                        format!("durability: {order} was answered 201 as {r:?}; the ledger holds {other:?}"),
-                        Some(r.voucher_code.clone()),
-                    ))
-                }
+                other => return Err((
+                    format!(
+                        "durability: {order} was answered 201 as {r:?}; the ledger holds {other:?}"
+                    ),
+                    Some(r.voucher_code.clone()),
+                )),
             }
         }
         Ok(())
@@ -84,7 +85,10 @@ pub(super) fn counters(ledger: &SharedLedger, code: &str) -> Result<Counters, Br
 pub(super) fn balanced(ledger: &SharedLedger, code: &str) -> Result<(), Broken> {
     let c = counters(ledger, code)?;
     if !c.balanced || c.reserved + c.confirmed > c.total_limit {
-        return Err((format!("accounting: {code} is off: {c:?}"), Some(code.into())));
+        return Err((
+            format!("accounting: {code} is off: {c:?}"),
+            Some(code.into()),
+        ));
     }
     Ok(())
 }
@@ -111,7 +115,10 @@ pub(super) fn answer(
                 || r.customer_id != client.customer
                 || r.voucher_code != code
             {
-                return broken(format!("{} got another order's reservation: {r:?}", client.order));
+                return broken(format!(
+                    "{} got another order's reservation: {r:?}",
+                    client.order
+                ));
             }
             let stored = ready(ledger.find_orders(std::slice::from_ref(&client.order)))
                 .map_err(|e| (format!("find_orders: {e}"), None))?;
@@ -146,7 +153,9 @@ pub(super) fn answer(
         }
         // A node whose clock runs behind answers 422 NOT_STARTED until its clock gets to the
         // start (see `quota::VoucherCore::admit`): late, not wrong. 503 is always allowed.
-        Reply::Failed(EngineError::Unavailable | EngineError::NotEligible(Ineligible::NotStarted)) => {}
+        Reply::Failed(
+            EngineError::Unavailable | EngineError::NotEligible(Ineligible::NotStarted),
+        ) => {}
         Reply::Failed(e) => {
             let Some((r, acked_at)) = books.acked.get(&client.order) else {
                 return Ok(());
