@@ -179,6 +179,11 @@ impl VoucherActor {
                     let grant = async move { ledger.grant(&code, &node, want, now, ttl_ms).await };
                     self.call(ctx, grant, Event::Granted);
                 }
+                Command::FindLeases => {
+                    let node = self.engine.node_id.clone();
+                    let find = async move { ledger.active_leases(&code, &node).await };
+                    self.call(ctx, find, Event::Found);
+                }
                 Command::Renew {
                     lease_ids,
                     now,

@@ -76,6 +76,8 @@ pub(crate) const RECALL_PROBE_MS: Millis = 50;
 const RECALL_REPEAT_MS: Millis = 100;
 /// How long a failed ledger call holds new batches and grants.
 const DOWN_MS: Millis = 200;
+/// How long after a failed grant the core looks for a lease it may have been given anyway.
+const ORPHAN_CHECK_MS: Millis = 1000;
 /// Least time between two recounts of a voucher's books on its sell-outs, per node.
 const SOLD_OUT_RECOUNT_MS: Millis = 10_000;
 
@@ -135,6 +137,8 @@ pub(crate) enum Event<R, W> {
     },
     /// The answer to [`Command::Grant`].
     Granted(Result<Grant, LedgerError>),
+    /// The answer to [`Command::FindLeases`]: this node's ACTIVE leases of the voucher.
+    Found(Result<Vec<i64>, LedgerError>),
     /// The answer to [`Command::Renew`]: the leases still ACTIVE and ours.
     Renewed(Result<Vec<i64>, LedgerError>),
     /// The answer to [`Command::Lookup`], one per request in order.
@@ -179,6 +183,8 @@ pub(crate) enum Command<R, W> {
         now: Millis,
         ttl_ms: i64,
     },
+    /// List this node's ACTIVE leases of the voucher; answer with [`Event::Found`].
+    FindLeases,
     /// Renew these leases; answer with [`Event::Renewed`].
     Renew {
         lease_ids: Vec<i64>,
@@ -240,11 +246,18 @@ struct LocalLease {
     /// Units committed or in a batch in flight.
     used: i64,
     expires_at: Millis,
+    /// The ledger no longer lists it as ours (a renewal said so): units a batch in flight gives
+    /// back when it lands do not make it servable again.
+    lost: bool,
 }
 
 impl LocalLease {
     fn room(&self) -> i64 {
-        self.granted - self.used
+        if self.lost {
+            0
+        } else {
+            self.granted - self.used
+        }
     }
 }
 
@@ -342,6 +355,11 @@ pub(crate) struct VoucherCore<R, W> {
     recounted_at: Option<Millis>,
     /// Set when reserves went back to the queue from the lookups: the scheduler runs again.
     repump: bool,
+    /// A grant failed: it may have applied with its answer lost, leaving a lease no core
+    /// serves. At this time the core lists its ACTIVE leases and returns any it does not know.
+    orphan_check: Option<Millis>,
+    /// That listing is in flight.
+    finding: bool,
     /// Leases whose return is in flight: the core does not stop before they are answered.
     returning: Vec<i64>,
     /// Leases whose return failed: returned again at the next tick, so their units do not wait
@@ -393,6 +411,8 @@ impl<R, W> VoucherCore<R, W> {
             prestart_cap: None,
             recounted_at: None,
             repump: false,
+            orphan_check: None,
+            finding: false,
             returning: Vec::new(),
             unreturned: Vec::new(),
         }
@@ -427,6 +447,10 @@ impl<R, W> VoucherCore<R, W> {
             Event::Committed { id, res } => self.on_committed(id, res),
             Event::Granted(res) => self.on_granted(res),
             Event::Renewed(res) => self.on_renewed(res),
+            Event::Found(res) => {
+                self.on_found(res);
+                return;
+            }
             Event::LookedUp(res) => self.on_looked_up(res),
             Event::WinnersLoaded(verdict, res) => {
                 self.on_winners(verdict, res);
@@ -542,10 +566,14 @@ impl<R, W> VoucherCore<R, W> {
     }
 
     /// Answers every waiting reserve and warm-up with `err` (batches in flight answer when they
-    /// land).
+    /// land, and so does the lookup in flight unless the core stops: a retry of a stored order
+    /// in it gets its 201).
     fn fail_all(&mut self, err: EngineError) {
         let lookups = self.lookups.drain(..).map(|(p, _)| p);
-        let looking = self.looking.take().unwrap_or_default();
+        let looking = match self.stopping {
+            true => self.looking.take().unwrap_or_default(),
+            false => Vec::new(),
+        };
         for p in self.pending.drain(..).chain(lookups).chain(looking) {
             self.out
                 .push(Command::Answer(p.reply, Reply::Failed(err.clone())));
@@ -818,8 +846,13 @@ impl<R, W> VoucherCore<R, W> {
                     self.out.push(Command::Answer(p.reply, reply));
                 }
                 if matches!(e, LedgerError::Fenced) {
-                    // The lease is gone in the ledger: stop serving from it.
+                    // The lease is gone in the ledger, or holds fewer units than this node
+                    // thought (a batch whose answer was lost did commit): stop serving from it
+                    // and hand back whatever it still holds (a no-op if it was reaped).
                     self.leases.retain(|l| l.id != lease_id);
+                    if !self.committing.iter().any(|b| b.lease_id == lease_id) {
+                        self.give_back(lease_id);
+                    }
                     m::lease(LeaseEvent::Fenced);
                     tracing::warn!(code = %self.code, lease_id, "batch fenced: lease no longer active");
                 } else {
@@ -883,6 +916,7 @@ impl<R, W> VoucherCore<R, W> {
                         granted: lease.granted,
                         used: 0,
                         expires_at: lease.expires_at,
+                        lost: false,
                     });
                     self.hold = None;
                     if self.shared.is_sold_out() {
@@ -932,6 +966,7 @@ impl<R, W> VoucherCore<R, W> {
                 m::ledger_error("grant");
                 tracing::warn!(code = %self.code, error = %e, "lease grant failed");
                 self.hold_for(Hold::Down, DOWN_MS);
+                self.orphan_check = Some(self.now + ORPHAN_CHECK_MS);
                 for w in self.warm_waiters.drain(..) {
                     self.out
                         .push(Command::AnswerWarm(w, Err(EngineError::Unavailable)));
@@ -1063,6 +1098,10 @@ impl<R, W> VoucherCore<R, W> {
         for lease_id in std::mem::take(&mut self.unreturned) {
             self.give_back(lease_id);
         }
+        if self.orphan_check.is_some_and(|t| now >= t) && self.granting.is_none() && !self.finding {
+            self.finding = true;
+            self.out.push(Command::FindLeases);
+        }
         let s = &self.settings;
         let (idle_timeout, probe_ms) = (s.lease_idle_timeout_ms, s.soldout_probe_ms);
         let stop_after = if self.missing {
@@ -1105,6 +1144,8 @@ impl<R, W> VoucherCore<R, W> {
             && self.leases.is_empty()
             && self.returning.is_empty()
             && self.unreturned.is_empty()
+            && self.orphan_check.is_none()
+            && !self.finding
             && self.committing.is_empty()
             && self.granting.is_none()
             && self.looking.is_none()
@@ -1140,6 +1181,36 @@ impl<R, W> VoucherCore<R, W> {
         self.renewing = Some((due, now));
     }
 
+    /// This node's ACTIVE leases, listed after a failed grant: one the core neither serves,
+    /// nor commits on, nor is returning is the lost grant's; it goes back.
+    fn on_found(&mut self, res: Result<Vec<i64>, LedgerError>) {
+        self.finding = false;
+        match res {
+            // A grant asked since the listing may be among them: look again later.
+            Ok(_) if self.granting.is_some() => {
+                self.orphan_check = Some(self.now + ORPHAN_CHECK_MS);
+            }
+            Ok(ids) => {
+                self.orphan_check = None;
+                for id in ids {
+                    let known = self.leases.iter().any(|l| l.id == id)
+                        || self.committing.iter().any(|b| b.lease_id == id)
+                        || self.returning.contains(&id)
+                        || self.unreturned.contains(&id);
+                    if !known {
+                        tracing::warn!(code = %self.code, lease_id = id, "returning a lease whose grant answer was lost");
+                        m::lease(LeaseEvent::Returned);
+                        self.give_back(id);
+                    }
+                }
+            }
+            Err(_) => {
+                m::ledger_error("active_leases");
+                self.orphan_check = Some(self.now + ORPHAN_CHECK_MS);
+            }
+        }
+    }
+
     fn on_renewed(&mut self, res: Result<Vec<i64>, LedgerError>) {
         let Some((due, asked_at)) = self.renewing.take() else {
             return;
@@ -1154,7 +1225,7 @@ impl<R, W> VoucherCore<R, W> {
                     } else {
                         // Reaped or returned behind our back: stop serving from it.
                         m::lease(LeaseEvent::Lost);
-                        l.granted = l.used;
+                        l.lost = true;
                     }
                 }
             }
@@ -1551,7 +1622,24 @@ mod tests {
             Command::Return { lease_id: 7, .. }
         )));
         assert!(!has(&out, |c| matches!(c, Command::Stop)));
+        // Not while the return is unanswered: a failed one is tried again at the next tick.
         rig.now = T0 + rig.core.settings.actor_idle_stop_ms;
+        let out = rig.on(Event::Tick);
+        assert!(!has(&out, |c| matches!(c, Command::Stop)));
+        rig.on(Event::Returned {
+            lease_id: 7,
+            ok: false,
+        });
+        let out = rig.on(Event::Tick);
+        assert!(has(&out, |c| matches!(
+            c,
+            Command::Return { lease_id: 7, .. }
+        )));
+        assert!(!has(&out, |c| matches!(c, Command::Stop)));
+        rig.on(Event::Returned {
+            lease_id: 7,
+            ok: true,
+        });
         let out = rig.on(Event::Tick);
         assert!(has(&out, |c| matches!(c, Command::Stop)));
         // Stopped: every waiter is answered, nothing more starts.

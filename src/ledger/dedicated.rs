@@ -144,6 +144,12 @@ impl Ledger for Dedicated {
             .await
     }
 
+    async fn active_leases(&self, code: &str, node: &str) -> Result<Vec<i64>, LedgerError> {
+        let (code, node) = (code.to_string(), node.to_string());
+        self.run(move |l| async move { l.active_leases(&code, &node).await })
+            .await
+    }
+
     async fn return_lease(
         &self,
         lease_id: i64,

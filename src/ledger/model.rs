@@ -461,6 +461,16 @@ impl Ledger for ModelLedger {
         Ok(renewed)
     }
 
+    async fn active_leases(&self, code: &str, node: &str) -> Result<Vec<i64>, LedgerError> {
+        let s = self.state();
+        Ok(s.leases
+            .iter()
+            .filter(|(_, l)| l.voucher_code == code && l.holder == node)
+            .filter(|(_, l)| l.state == LeaseState::Active)
+            .map(|(id, _)| *id)
+            .collect())
+    }
+
     async fn return_lease(
         &self,
         lease_id: i64,

@@ -401,6 +401,17 @@ impl Ledger for PostgresLedger {
         .await?)
     }
 
+    async fn active_leases(&self, code: &str, node: &str) -> Result<Vec<i64>, LedgerError> {
+        Ok(sqlx::query_scalar(
+            "SELECT id FROM leases WHERE voucher_code = $1 AND node_id = $2 AND state = 'ACTIVE' \
+             ORDER BY id",
+        )
+        .bind(code)
+        .bind(node)
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
     async fn return_lease(
         &self,
         lease_id: i64,

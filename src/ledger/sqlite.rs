@@ -309,6 +309,17 @@ impl Ledger for SqliteLedger {
         Ok(ids)
     }
 
+    async fn active_leases(&self, code: &str, node: &str) -> Result<Vec<i64>, LedgerError> {
+        Ok(sqlx::query_scalar(
+            "SELECT id FROM leases WHERE voucher_code = ? AND node_id = ? AND state = 'ACTIVE' \
+             ORDER BY id",
+        )
+        .bind(code)
+        .bind(node)
+        .fetch_all(&self.writer)
+        .await?)
+    }
+
     async fn return_lease(
         &self,
         lease_id: i64,

@@ -9,18 +9,15 @@ use crate::clock::Millis;
 use crate::domain::{Ineligible, Reservation, ReservationStatus};
 use crate::engine::quota::Reply;
 use crate::engine::EngineError;
-use crate::ledger::{Counters, SharedLedger};
+use crate::ledger::{Counters, LedgerError, RowOutcome, SharedLedger};
 
-/// A retry counts as "of a stored order" for the refusal check only while the reservation stays
-/// live this much longer: nodes' clocks may be off by up to 20 s in the fault phase, and a node
-/// ahead rightly takes a reservation about to expire for expired.
-const SKEW_MARGIN_MS: Millis = 30_000;
-
-/// What the clients were told.
+/// What the clients were told, and when the ledger stored each order.
 #[derive(Default)]
 pub(super) struct Books {
     /// Every order answered `201`: the reservation as first answered, and when.
     acked: BTreeMap<String, (Reservation, Millis)>,
+    /// Every order the ledger created, and when (whether or not its answer reached anyone).
+    stored_at: BTreeMap<String, Millis>,
 }
 
 impl Books {
@@ -42,6 +39,15 @@ impl Books {
         }
     }
 
+    /// Records the orders a commit created at `now`.
+    pub(super) fn stored(&mut self, res: &Result<Vec<RowOutcome>, LedgerError>, now: Millis) {
+        for o in res.iter().flatten() {
+            if let RowOutcome::Created(r) = o {
+                self.stored_at.entry(r.order_id.clone()).or_insert(now);
+            }
+        }
+    }
+
     /// Every acknowledged order is in the ledger, as it was answered.
     pub(super) fn all_durable(&self, ledger: &SharedLedger) -> Result<(), Broken> {
         let orders: Vec<String> = self.acked.keys().cloned().collect();
@@ -52,12 +58,14 @@ impl Books {
         for (order, (r, _)) in &self.acked {
             match found.get(order.as_str()) {
                 Some(row) if same(row, r) => {}
-                other => return Err((
-                    format!(
+                other => {
+                    return Err((
+                        format!(
                         "durability: {order} was answered 201 as {r:?}; the ledger holds {other:?}"
                     ),
-                    Some(r.voucher_code.clone()),
-                )),
+                        Some(r.voucher_code.clone()),
+                    ))
+                }
             }
         }
         Ok(())
@@ -95,8 +103,10 @@ pub(super) fn balanced(ledger: &SharedLedger, code: &str) -> Result<(), Broken> 
 
 /// Checks one answer a client saw, `sent` being when its attempt left and `now` when the answer
 /// arrived: a `201` is durable, the same reservation as every other `201` of the order, and keeps
-/// its customer within the limit; a refusal never answers a retry of an order stored (and
-/// answered `201`) before the attempt was sent.
+/// its customer within the limit (counted in live reservation rows); a refusal never answers a
+/// retry of an order the ledger stored before the attempt was sent and still holds live, with
+/// `skew` for how far the nodes' clocks may be off (a node ahead rightly takes a reservation
+/// about to expire for expired).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn answer(
     ledger: &SharedLedger,
@@ -107,8 +117,13 @@ pub(super) fn answer(
     reply: &Reply,
     sent: Millis,
     now: Millis,
+    skew: Millis,
 ) -> Result<(), Broken> {
     let broken = |what: String| Err((what, Some(code.to_string())));
+    let stored = |ledger: &SharedLedger| {
+        ready(ledger.find_orders(std::slice::from_ref(&client.order)))
+            .map_err(|e| (format!("find_orders: {e}"), None))
+    };
     match reply {
         Reply::Created(r) | Reply::Replayed(r) => {
             if r.order_id != client.order
@@ -120,11 +135,10 @@ pub(super) fn answer(
                     client.order
                 ));
             }
-            let stored = ready(ledger.find_orders(std::slice::from_ref(&client.order)))
-                .map_err(|e| (format!("find_orders: {e}"), None))?;
-            if !stored.iter().any(|s| same(s, r)) {
+            let rows = stored(ledger)?;
+            if !rows.iter().any(|s| same(s, r)) {
                 return broken(format!(
-                    "durability: {} answered 201 but the ledger holds {stored:?}",
+                    "durability: {} answered 201 but the ledger holds {rows:?}",
                     client.order
                 ));
             }
@@ -140,41 +154,45 @@ pub(super) fn answer(
                     books.acked.insert(client.order.clone(), (r.clone(), now));
                 }
             }
-            let usage = ready(ledger.customer_usage(code, &[client.customer]))
-                .map_err(|e| (format!("customer_usage: {e}"), None))?;
-            if let Some((_, used)) = usage.iter().find(|(c, _)| *c == client.customer) {
-                if *used > per_user {
-                    return broken(format!(
-                        "limit: customer {} of {code} used it {used} times (limit {per_user})",
-                        client.customer
-                    ));
-                }
+            let won =
+                ready(ledger.won_orders(code)).map_err(|e| (format!("won_orders: {e}"), None))?;
+            let live = won.iter().filter(|(_, c)| *c == client.customer).count() as i64;
+            if live > per_user {
+                return broken(format!(
+                    "limit: customer {} holds {live} live reservations of {code} (limit {per_user})",
+                    client.customer
+                ));
             }
         }
         // A node whose clock runs behind answers 422 NOT_STARTED until its clock gets to the
-        // start (see `quota::VoucherCore::admit`): late, not wrong. 503 is always allowed.
+        // start (see `quota::VoucherCore::admit`): late, not wrong. 503 is checked by the world.
         Reply::Failed(
             EngineError::Unavailable | EngineError::NotEligible(Ineligible::NotStarted),
         ) => {}
         Reply::Failed(e) => {
-            let Some((r, acked_at)) = books.acked.get(&client.order) else {
+            let Some(&stored_at) = books.stored_at.get(&client.order) else {
                 return Ok(());
             };
-            let live = match r.status {
-                ReservationStatus::Released => false,
-                _ => {
-                    let stored = ready(ledger.find_orders(std::slice::from_ref(&client.order)))
-                        .map_err(|e| (format!("find_orders: {e}"), None))?;
-                    stored.iter().any(|s| match s.status {
-                        ReservationStatus::Confirmed => true,
-                        ReservationStatus::Reserved => s.expires_at > now + SKEW_MARGIN_MS,
-                        ReservationStatus::Released => false,
-                    })
-                }
-            };
-            if live && *acked_at < sent && r.customer_id == client.customer {
+            if stored_at >= sent {
+                return Ok(());
+            }
+            let released = books
+                .acked
+                .get(&client.order)
+                .is_some_and(|(r, _)| r.status == ReservationStatus::Released);
+            let live = !released
+                && stored(ledger)?.iter().any(|s| {
+                    s.customer_id == client.customer
+                        && s.voucher_code == code
+                        && match s.status {
+                            ReservationStatus::Confirmed => true,
+                            ReservationStatus::Reserved => s.expires_at > now + skew,
+                            ReservationStatus::Released => false,
+                        }
+                });
+            if live {
                 return broken(format!(
-                    "replay refused: {} (stored, answered 201 at {acked_at}) got {e:?} on a retry sent at {sent}",
+                    "replay refused: {} (stored at {stored_at}) got {e:?} on a retry sent at {sent}",
                     client.order
                 ));
             }

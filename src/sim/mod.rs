@@ -49,10 +49,6 @@ fn ready<F: Future>(f: F) -> F::Output {
 }
 
 /// In the calm phase every voucher must sell out within this much simulated time.
-///
-/// Rounds that lose ledger answers get a lease TTL more: a grant that applied but whose answer
-/// was lost leaves a lease no core knows of, whose units come back only when it expires (a known
-/// gap, named in the README).
 pub const LIVENESS_MS: Millis = 10_000;
 
 /// What to run.

@@ -56,7 +56,7 @@ impl Rng {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Faults(u32);
 
-const KINDS: [(&str, u32); 14] = [
+const KINDS: [(&str, u32); 15] = [
     ("crash", 1),
     ("pause", 1 << 1),
     ("clock", 1 << 2),
@@ -71,6 +71,7 @@ const KINDS: [(&str, u32); 14] = [
     ("switches", 1 << 11),
     ("raise", 1 << 12),
     ("release", 1 << 13),
+    ("confirm", 1 << 14),
 ];
 
 impl Faults {
@@ -155,10 +156,15 @@ type Core = VoucherCore<Tag, ()>;
 const REQUEST_TIMEOUT_MS: Millis = 5000;
 const HEARTBEAT_MS: Millis = 250;
 const DEAD_AFTER_MS: Millis = 1500;
+/// After faults stop (and the last pause ends), every answer is final by then: no 503.
+const CALM_GRACE_MS: Millis = 3000;
 
 struct Slot {
     core: Core,
     shared: Arc<VoucherShared>,
+    /// Tells this core apart from a successor on the same node: a ledger answer goes to the
+    /// core that asked (the actor's futures die with it).
+    id: u64,
 }
 
 struct Node {
@@ -216,6 +222,7 @@ enum Job {
         node: usize,
         inc: i64,
         voucher: usize,
+        core: u64,
         event: Event<Tag, ()>,
     },
     /// A core's call reaches the ledger.
@@ -223,6 +230,7 @@ enum Job {
         node: usize,
         inc: i64,
         voucher: usize,
+        core: u64,
         call: Command<Tag, ()>,
     },
     Signal {
@@ -251,6 +259,11 @@ enum Job {
     Restart(usize),
     Pause(usize),
     Jump(usize),
+    /// A batch whose caller was already answered 503 reaches the ledger.
+    LateCommit {
+        voucher: usize,
+        batch: crate::ledger::Batch,
+    },
     Admin,
     RedisDown,
     Calm,
@@ -316,6 +329,12 @@ pub(super) struct World {
     books: Books,
     calm_at: Millis,
     calm: bool,
+    /// The largest clock error any node had in the fault phase.
+    max_skew: Millis,
+    /// Cores created so far (each one's id).
+    cores_made: u64,
+    /// When the calm phase is quiet: faults stopped and the last pause ended.
+    quiet_at: Millis,
     redis_down_until: Millis,
     order_amount: i64,
     pub out: RoundOutcome,
@@ -336,7 +355,10 @@ pub fn run_round(seed: u64, faults: Faults, trace: bool) -> RoundOutcome {
                 .cloned()
                 .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
                 .unwrap_or_else(|| "panic".into());
-            Some((format!("the model ledger panicked: {what}"), None))
+            Some((
+                format!("panicked (a CHECK constraint of the model, or the core): {what}"),
+                None,
+            ))
         }
     };
     let mut out = std::mem::take(&mut world.out);
@@ -389,6 +411,9 @@ impl World {
             books: Books::default(),
             calm_at: 0,
             calm: false,
+            quiet_at: Millis::MAX / 2,
+            cores_made: 0,
+            max_skew: 0,
             redis_down_until: 0,
             order_amount: 1000,
             out: RoundOutcome::default(),
@@ -488,12 +513,14 @@ impl World {
             for _ in 0..demand {
                 let customer = self.rng.range(1, customers);
                 let c = self.new_client(v, customer);
-                if self.faults.has("copies") && self.rng.chance(15) {
-                    self.clients[c].resends = self.rng.range(1, 2) as u8;
+                let resends = self.draw(1, 2) as u8;
+                if self.fault("copies", 15) {
+                    self.clients[c].resends = resends;
                 }
                 let when = self.rng.range(0, fault_ms);
                 self.at(when, Job::Send(c));
-                if self.faults.has("copies") && self.rng.chance(10) {
+                let d = self.draw(0, 30);
+                if self.fault("copies", 10) {
                     // The same order sent again, to any node, at about the same time.
                     let twin = self.clients.len();
                     let order = self.clients[c].order.clone();
@@ -506,7 +533,6 @@ impl World {
                         done: false,
                         resends: 0,
                     });
-                    let d = self.rng.range(0, 30);
                     self.at(when + d, Job::Send(twin));
                 }
             }
@@ -532,8 +558,9 @@ impl World {
     fn schedule_faults(&mut self, fault_ms: Millis) {
         let n = self.nodes.len();
         let per = |rng: &mut Rng, name: &str, faults: Faults| {
+            let n = rng.range(1, 4);
             if faults.has(name) {
-                rng.range(1, 4)
+                n
             } else {
                 0
             }
@@ -557,7 +584,7 @@ impl World {
                 self.at(when, job);
             }
         }
-        if ["switches", "raise", "release"]
+        if ["switches", "raise", "release", "confirm"]
             .iter()
             .any(|k| faults.has(k))
         {
@@ -566,8 +593,17 @@ impl World {
         }
     }
 
-    fn ledger_faults_on(&self) -> bool {
-        !self.calm
+    /// Whether fault `kind` strikes now (`percent` odds, in the fault phase, when the round
+    /// injects that kind). It draws from the RNG either way, so a round with a kind turned off
+    /// (when shrinking) keeps the same draws for everything else.
+    fn fault(&mut self, kind: &str, percent: u64) -> bool {
+        let hit = self.rng.chance(percent);
+        hit && !self.calm && self.faults.has(kind)
+    }
+
+    /// A draw in `lo..=hi` made whether or not it is used (see [`World::fault`]).
+    fn draw(&mut self, lo: i64, hi: i64) -> i64 {
+        self.rng.range(lo, hi)
     }
 
     /// Runs jobs until the round ends.
@@ -613,9 +649,14 @@ impl World {
                 node,
                 inc,
                 voucher,
+                core,
                 event,
             } => {
-                if self.nodes[node].inc == inc && self.nodes[node].up {
+                let asked = self.nodes[node]
+                    .cores
+                    .get(&voucher)
+                    .is_some_and(|s| s.id == core);
+                if self.nodes[node].inc == inc && self.nodes[node].up && asked {
                     self.feed(node, voucher, event);
                 }
             }
@@ -623,8 +664,9 @@ impl World {
                 node,
                 inc,
                 voucher,
+                core,
                 call,
-            } => self.at_ledger(node, inc, voucher, call)?,
+            } => self.at_ledger(node, inc, core, voucher, call)?,
             Job::Signal {
                 node,
                 voucher,
@@ -671,6 +713,7 @@ impl World {
                     self.note(|| format!("node {n} clock jumps {by} ms"));
                     let node = &mut self.nodes[n];
                     node.skew = (node.skew + by).clamp(-20_000, 20_000);
+                    self.max_skew = self.max_skew.max(node.skew.abs());
                 }
             }
             Job::RedisDown => {
@@ -680,6 +723,13 @@ impl World {
                     self.note(|| format!("redis down for {ms} ms (every node)"));
                     self.redis_down_until = self.now + ms;
                 }
+            }
+            Job::LateCommit { voucher, batch } => {
+                let res = ready(self.ledger.commit_batch(&batch));
+                let code = batch.voucher_code.clone();
+                self.note(|| format!("{code} late commit on lease {}: {res:?}", batch.lease_id));
+                self.books.stored(&res, self.now);
+                self.check_voucher(voucher)?;
             }
             Job::Admin => self.admin()?,
             Job::Calm => self.calm_down(),
@@ -729,7 +779,9 @@ impl World {
             shared.clone(),
             self.node_now(n),
         );
-        self.nodes[n].cores.insert(v, Slot { core, shared });
+        self.cores_made += 1;
+        let id = self.cores_made;
+        self.nodes[n].cores.insert(v, Slot { core, shared, id });
         self.carry_out(n, v);
     }
 
@@ -822,6 +874,7 @@ impl World {
             let Some(slot) = self.nodes[n].cores.get_mut(&v) else {
                 return;
             };
+            let slot_id = slot.id;
             let commands: Vec<_> = slot.core.commands().collect();
             if commands.is_empty() {
                 break;
@@ -861,6 +914,7 @@ impl World {
                                 node: n,
                                 inc,
                                 voucher: v,
+                                core: slot_id,
                                 call,
                             },
                         );
@@ -880,17 +934,22 @@ impl World {
         &mut self,
         n: usize,
         inc: i64,
+        core: u64,
         v: usize,
         call: Command<Tag, ()>,
     ) -> Result<(), Broken> {
-        let faulty = self.ledger_faults_on();
-        let fail_before = faulty && self.faults.has("ledger-fail") && self.rng.chance(2);
-        let lose_answer = faulty && self.faults.has("ledger-lost") && self.rng.chance(2);
+        let fail_before = self.fault("ledger-fail", 2);
+        let lose_answer = self.fault("ledger-lost", 2);
         let mut delay = self.hop();
-        if faulty && self.faults.has("ledger-slow") && self.rng.chance(3) {
-            delay += self.rng.range(50, 3000);
+        let slow = self.draw(50, 3000);
+        let late = self.fault("ledger-slow", 3);
+        if late {
+            delay += slow;
         }
-        if fail_before || lose_answer {
+        // The committer's deadline passes while the transaction runs: the batch is answered
+        // 503 at once and commits later (or is fenced then).
+        let late_commit = self.fault("ledger-slow", 2);
+        if fail_before || lose_answer || late || late_commit {
             self.out.faults_injected += 1;
         }
         let failed = || LedgerError::Unavailable(sqlx::Error::PoolTimedOut);
@@ -906,18 +965,32 @@ impl World {
                     ready(ledger.voucher(&code))
                 },
             },
+            Command::Commit { id, batch } if late_commit && !fail_before => {
+                self.at(slow, Job::LateCommit { voucher: v, batch });
+                Event::Committed {
+                    id,
+                    res: Err(failed()),
+                }
+            }
             Command::Commit { id, batch } => Event::Committed {
                 id,
                 res: if fail_before {
                     Err(failed())
                 } else {
-                    ready(ledger.commit_batch(&batch))
+                    let res = ready(ledger.commit_batch(&batch));
+                    self.books.stored(&res, self.now);
+                    res
                 },
             },
             Command::Grant { want, now, ttl_ms } => Event::Granted(if fail_before {
                 Err(failed())
             } else {
                 ready(ledger.grant(&code, &holder, want, now, ttl_ms))
+            }),
+            Command::FindLeases => Event::Found(if fail_before {
+                Err(failed())
+            } else {
+                ready(ledger.active_leases(&code, &holder))
             }),
             Command::Renew {
                 lease_ids,
@@ -979,6 +1052,7 @@ impl World {
                 node: n,
                 inc,
                 voucher: v,
+                core,
                 event,
             },
         );
@@ -1008,24 +1082,21 @@ impl World {
 
     /// A signal through Redis to every other node: dropped, late, doubled, as the faults say.
     fn publish(&mut self, from: usize, v: usize, signal: Signal) {
-        let faulty = !self.calm;
-        if faulty && self.now < self.redis_down_until {
+        if !self.calm && self.now < self.redis_down_until {
             return;
         }
         for node in (0..self.nodes.len()).filter(|&m| m != from) {
-            if faulty && self.faults.has("signal-drop") && self.rng.chance(5) {
+            let dropped = self.fault("signal-drop", 5);
+            let copies = if self.fault("signal-dup", 5) { 2 } else { 1 };
+            if dropped {
                 self.out.faults_injected += 1;
                 continue;
             }
-            let copies = if faulty && self.faults.has("signal-dup") && self.rng.chance(5) {
-                2
-            } else {
-                1
-            };
             for _ in 0..copies {
                 let mut d = self.rng.range(1, 5);
-                if faulty && self.faults.has("signal-delay") && self.rng.chance(10) {
-                    d += self.rng.range(50, 1500);
+                let late = self.draw(50, 1500);
+                if self.fault("signal-delay", 10) {
+                    d += late;
                 }
                 self.at(
                     d,
@@ -1060,19 +1131,29 @@ impl World {
 
     /// The node's jobs: its heartbeat (reaping the dead holders it reports), the lease reaper
     /// and the expiry sweep.
+    /// As on PostgreSQL: liveness is judged on the ledger's clock, and the node's clock follows
+    /// the ledger's at every beat (a clock that jumped is right again after one beat, unless
+    /// beats fail or the process is paused).
     fn beat(&mut self, n: usize) -> Result<(), Broken> {
-        let now = self.node_now(n);
         let holder = holder_name(&self.nodes[n].name, self.nodes[n].inc);
         if let Ok(switches) = ready(self.ledger.switches()) {
             self.apply_switches(n, switches);
         }
         let mut restocks = Vec::new();
-        if let Ok(beat) = ready(self.ledger.heartbeat(&holder, now, DEAD_AFTER_MS)) {
+        if self.fault("ledger-fail", 5) {
+            // The beat's call failed: this holder looks silent for one beat more.
+            self.out.faults_injected += 1;
+            return Ok(());
+        }
+        if let Ok(beat) = ready(self.ledger.heartbeat(&holder, self.now, DEAD_AFTER_MS)) {
+            self.nodes[n].skew = beat.ledger_ms - self.now;
+            let now = self.node_now(n);
             for dead in beat.dead {
                 self.note(|| format!("node {n} reaps {dead}"));
                 restocks.extend(ready(self.ledger.reap_holder(&dead, now)).unwrap_or_default());
             }
         }
+        let now = self.node_now(n);
         restocks.extend(ready(self.ledger.reap_expired(now)).unwrap_or_default());
         restocks.extend(ready(self.ledger.expire_due(now, 100)).unwrap_or_default());
         for r in restocks {
@@ -1156,7 +1237,7 @@ impl World {
         let n = self.rng.pick(self.nodes.len());
         let v = self.rng.pick(self.vouchers.len());
         let code = self.vouchers[v].code.clone();
-        match self.rng.pick(3) {
+        match self.rng.pick(4) {
             0 if self.faults.has("switches") => {
                 let paused = self.rng.chance(50);
                 let patch = SwitchesPatch {
@@ -1208,6 +1289,16 @@ impl World {
                 }
                 self.check_voucher(v)?;
             }
+            3 if self.faults.has("confirm") => {
+                let Some(order) = self.books.pick_acked(&mut self.rng, &code) else {
+                    return Ok(());
+                };
+                let now = self.node_now(n);
+                if ready(self.ledger.confirm(&code, &order, now)).is_ok() {
+                    self.note(|| format!("{code} {order} confirmed"));
+                }
+                self.check_voucher(v)?;
+            }
             _ => {}
         }
         let next = self.rng.range(100, 2000);
@@ -1246,14 +1337,8 @@ impl World {
             .max()
             .unwrap_or(0)
             .max(self.now);
-        // Known gap: a grant that applied but whose answer was lost leaves a lease no core
-        // knows of; its units come back only when it expires (a lease TTL).
-        let stranded = if self.faults.has("ledger-lost") {
-            self.settings.lease_ttl_ms
-        } else {
-            0
-        };
-        self.at(quiet - self.now + LIVENESS_MS + stranded, Job::Liveness);
+        self.quiet_at = quiet;
+        self.at(quiet - self.now + LIVENESS_MS, Job::Liveness);
     }
 
     /// A new customer for voucher `v`, until it sells out.
@@ -1312,6 +1397,11 @@ impl World {
         let v = self.clients[c].voucher;
         let (code, per_user) = (self.vouchers[v].code.clone(), self.vouchers[v].per_user);
         self.out.checks += 1;
+        // How far a node's clock may have been off when it decided, plus a tick.
+        let skew = match sent >= self.calm_at {
+            true => 0,
+            false => self.max_skew,
+        } + TICK_MS;
         let verdict = check::answer(
             &self.ledger,
             &mut self.books,
@@ -1321,7 +1411,18 @@ impl World {
             &reply,
             sent,
             self.now,
+            skew,
         );
+        if self.calm
+            && sent >= self.quiet_at + CALM_GRACE_MS
+            && matches!(reply, Reply::Failed(EngineError::Unavailable))
+        {
+            let order = self.clients[c].order.clone();
+            return Err((
+                format!("liveness: {order} answered 503 after faults stopped"),
+                Some(code),
+            ));
+        }
         if self.trace.is_some() {
             let order = self.clients[c].order.clone();
             self.note(|| format!("client {code} {order} gets {}", reply_name(&reply)));
@@ -1399,6 +1500,11 @@ fn lost(event: Event<Tag, ()>) -> Event<Tag, ()> {
         },
         Event::Granted(_) => Event::Granted(Err(failed())),
         Event::Renewed(_) => Event::Renewed(Err(failed())),
+        Event::Found(_) => Event::Found(Err(failed())),
+        Event::Returned { lease_id, .. } => Event::Returned {
+            lease_id,
+            ok: false,
+        },
         Event::LookedUp(_) => Event::LookedUp(Err(failed())),
         Event::WinnersLoaded(v, _) => Event::WinnersLoaded(v, Err(failed())),
         other => other,

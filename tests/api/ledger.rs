@@ -430,7 +430,16 @@ async fn returns_and_reaps_give_units_back_once(l: &SharedLedger) {
     l.commit_batch(&batch("R", a.id, rows(&[("r1", 1)])))
         .await
         .unwrap();
+    // A node finds its own ACTIVE leases of a voucher (a grant whose answer it lost), only its own.
+    assert_eq!(l.active_leases("R", "n1").await.unwrap(), vec![a.id]);
+    assert_eq!(l.active_leases("R", "n2").await.unwrap(), vec![b.id]);
+    assert!(l.active_leases("R", "n3").await.unwrap().is_empty());
+    assert!(l.active_leases("other", "n1").await.unwrap().is_empty());
     let back = l.return_lease(a.id, NOW).await.unwrap();
+    assert!(
+        l.active_leases("R", "n1").await.unwrap().is_empty(),
+        "a returned lease is not active"
+    );
     assert_eq!(back.map(|r| r.units), Some(3));
     assert_eq!(
         l.return_lease(a.id, NOW).await.unwrap(),
