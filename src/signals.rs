@@ -103,6 +103,10 @@ impl Publisher {
 
 /// What a node does with a signal from another node.
 pub type Handler = Arc<dyn Fn(&str, Signal) + Send + Sync>;
+/// Told `true` each time the subscription is (re)established and `false` each time it ends:
+/// signals published while it was down are lost, so what they would have said must be
+/// re-learned from the ledger.
+pub type LinkHandler = Arc<dyn Fn(bool) + Send + Sync>;
 
 /// The background tasks of the Redis side.
 pub struct RedisSignals {
@@ -206,12 +210,13 @@ pub(crate) async fn connect(
 }
 
 /// Subscribes to every voucher's channel and hands other nodes' signals to `handler`,
-/// reconnecting after any failure.
+/// reconnecting after any failure; `on_link` hears when the subscription is up and when it ends.
 pub fn subscribe(
     url: &str,
     node_id: &str,
     keepalive: Duration,
     handler: Handler,
+    on_link: LinkHandler,
 ) -> Result<tokio::task::JoinHandle<()>, redis::RedisError> {
     let client = redis::Client::open(url)?;
     let node_id = node_id.to_string();
@@ -222,6 +227,7 @@ pub fn subscribe(
                     Ok(()) => {
                         m::redis_up(true);
                         tracing::info!("subscribed to cluster signals");
+                        on_link(true);
                         let mut stream = pubsub.on_message();
                         loop {
                             let msg = match tokio::time::timeout(keepalive, stream.next()).await {
@@ -262,6 +268,7 @@ pub fn subscribe(
                 Err(_) => tracing::warn!("redis connect timed out"),
             }
             m::redis_up(false);
+            on_link(false);
             tokio::time::sleep(BACKOFF).await;
         }
     }))

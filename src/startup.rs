@@ -275,8 +275,10 @@ impl Application {
         if !settings.redis.url.is_empty() {
             let e = engine.clone();
             let handler: signals::Handler = Arc::new(move |code, signal| e.on_signal(code, signal));
+            let e = engine.clone();
+            let on_link: signals::LinkHandler = Arc::new(move |up| e.signals_link(up));
             signal_tasks.push(
-                signals::subscribe(&settings.redis.url, &node_id, keepalive, handler)
+                signals::subscribe(&settings.redis.url, &node_id, keepalive, handler, on_link)
                     .context("redis url")?,
             );
         }

@@ -297,6 +297,10 @@ pub(crate) struct Core {
     registry: DashMap<String, Entry>,
     shards: Vec<ArbiterHandle>,
     next_generation: AtomicU64,
+    /// The node hears other nodes' signals now (always, without Redis: there are no other
+    /// nodes). A sold-out flag answers from memory only then: a missed `RESTOCK` could otherwise
+    /// refuse the retry of an order another node sold from the restocked units.
+    signals_up: AtomicBool,
     /// A task is reaping dead holders' leases: the next beat does not start another.
     reaping: AtomicBool,
     /// Vouchers that sold out here since the live numbers last ran: their books are recounted
@@ -420,6 +424,7 @@ impl EngineHandle {
             settings.shards
         };
         let arbiters: Vec<Arbiter> = (0..n).map(|_| Arbiter::new()).collect();
+        let alone = !signals.enabled();
         let core = Core {
             known: KnownCodes::new(settings.known_codes_refresh_ms),
             in_flight: AtomicUsize::new(0),
@@ -438,6 +443,8 @@ impl EngineHandle {
             recount: std::sync::Mutex::new(HashSet::new()),
             shards: arbiters.iter().map(Arbiter::handle).collect(),
             next_generation: AtomicU64::new(0),
+            // Without Redis there is nobody to miss a signal from.
+            signals_up: AtomicBool::new(alone),
             reaping: AtomicBool::new(false),
         };
         (
@@ -533,7 +540,7 @@ impl EngineHandle {
                 // The actor stopped: its successor's row.
                 *entry = self.core.entry(code);
             }
-            if entry.shared.is_sold_out() {
+            if entry.shared.is_sold_out() && self.core.signals_up.load(Ordering::Acquire) {
                 m::sold_out_short_circuit();
                 entry.shared.count_short_circuit(self.now_ms());
                 let res = self.answer_sold_out(code, &req, &entry.shared).await;
@@ -785,6 +792,19 @@ impl EngineHandle {
         match tokio::time::timeout(self.core.request_timeout, rx).await {
             Ok(Ok(res)) => res,
             _ => Err(EngineError::Unavailable),
+        }
+    }
+
+    /// The subscription to cluster signals came up (`true`) or ended. While it is down a
+    /// `RESTOCK` can be missed, so no sold-out flag answers for the ledger; when it comes back
+    /// every flag goes down and each actor asks the ledger again (one grant per voucher).
+    pub fn signals_link(&self, up: bool) {
+        self.core.signals_up.store(up, Ordering::Release);
+        if up {
+            for e in self.core.registry.iter() {
+                e.shared.restock();
+                let _ = e.addr.try_send(Restocked);
+            }
         }
     }
 

@@ -118,6 +118,7 @@ pub(super) fn answer(
     sent: Millis,
     now: Millis,
     skew: Millis,
+    excused: bool,
 ) -> Result<(), Broken> {
     let broken = |what: String| Err((what, Some(code.to_string())));
     let stored = |ledger: &SharedLedger| {
@@ -169,6 +170,10 @@ pub(super) fn answer(
         Reply::Failed(
             EngineError::Unavailable | EngineError::NotEligible(Ineligible::NotStarted),
         ) => {}
+        // A sold-out flag answered while a RESTOCK was on its way to its node: signals are
+        // asynchronous, and until one arrives (or the next probe) the flag may not know the
+        // order that won the restocked unit elsewhere.
+        Reply::Failed(_) if excused => {}
         Reply::Failed(e) => {
             let Some(&stored_at) = books.stored_at.get(&client.order) else {
                 return Ok(());

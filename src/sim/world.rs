@@ -175,6 +175,9 @@ struct Node {
     paused_until: Millis,
     skew: Millis,
     stop: Stop,
+    /// Its subscription to signals is up (`EngineHandle::signals_link`): only then does a
+    /// sold-out flag answer from memory.
+    linked: bool,
     /// The version of the switches applied: an older read never undoes a newer one.
     switch_version: i64,
     cores: BTreeMap<usize, Slot>,
@@ -212,6 +215,9 @@ enum Job {
         client: usize,
         attempt: u32,
         reply: Reply,
+        /// Answered from a sold-out flag while a `RESTOCK` for it was on its way to the node:
+        /// the design's window (signals are asynchronous), not a bug; a refusal then is excused.
+        excused: bool,
     },
     Deadline {
         client: usize,
@@ -266,6 +272,8 @@ enum Job {
     },
     Admin,
     RedisDown,
+    /// A node's subscription to signals is up again.
+    Relink(usize),
     Calm,
     Demand(usize),
     Liveness,
@@ -329,6 +337,8 @@ pub(super) struct World {
     books: Books,
     calm_at: Millis,
     calm: bool,
+    /// Until when a `RESTOCK` of voucher `v` is on its way to node `n`.
+    restock_on_way: BTreeMap<(usize, usize), Millis>,
     /// The largest clock error any node had in the fault phase.
     max_skew: Millis,
     /// Cores created so far (each one's id).
@@ -414,6 +424,7 @@ impl World {
             quiet_at: Millis::MAX / 2,
             cores_made: 0,
             max_skew: 0,
+            restock_on_way: BTreeMap::new(),
             redis_down_until: 0,
             order_amount: 1000,
             out: RoundOutcome::default(),
@@ -465,6 +476,7 @@ impl World {
                 skew: 0,
                 stop: Stop::No,
                 switch_version: 0,
+                linked: true,
                 cores: BTreeMap::new(),
             });
             let (t, b) = (self.rng.range(0, TICK_MS), self.rng.range(0, HEARTBEAT_MS));
@@ -643,7 +655,8 @@ impl World {
                 client,
                 attempt,
                 reply,
-            } => self.answered(client, attempt, reply)?,
+                excused,
+            } => self.answered(client, attempt, reply, excused)?,
             Job::Deadline { client, attempt } => self.deadline(client, attempt)?,
             Job::Deliver {
                 node,
@@ -722,8 +735,12 @@ impl World {
                     self.out.faults_injected += 1;
                     self.note(|| format!("redis down for {ms} ms (every node)"));
                     self.redis_down_until = self.now + ms;
+                    for n in 0..self.nodes.len() {
+                        self.unlink(n, ms);
+                    }
                 }
             }
+            Job::Relink(n) => self.relink(n),
             Job::LateCommit { voucher, batch } => {
                 let res = ready(self.ledger.commit_batch(&batch));
                 let code = batch.voucher_code.clone();
@@ -794,12 +811,14 @@ impl World {
         if !self.nodes[n].up {
             let d = self.hop();
             let reply = Reply::Failed(EngineError::Unavailable);
+            let excused = false;
             self.at(
                 d,
                 Job::Answer {
                     client: c,
                     attempt,
                     reply,
+                    excused,
                 },
             );
             return Ok(());
@@ -812,7 +831,7 @@ impl World {
         self.slot(n, v);
         let (now, stop) = (self.node_now(n), self.nodes[n].stop);
         let shared = self.nodes[n].cores[&v].shared.clone();
-        if shared.is_sold_out() {
+        if shared.is_sold_out() && self.nodes[n].linked {
             shared.count_short_circuit(now);
             let answer = match answer_from_flag(shared.sold_out_verdict(now, &req), stop) {
                 Some(a) => a,
@@ -835,6 +854,7 @@ impl World {
             let reply = reply_of(answer);
             let code = self.vouchers[v].code.clone();
             self.note(|| format!("node {n} {code}: {} answered from the flag", req.order_id));
+            let excused = self.now < self.restock_on_way.get(&(n, v)).copied().unwrap_or(0);
             let d = self.hop();
             self.at(
                 d,
@@ -842,6 +862,7 @@ impl World {
                     client: c,
                     attempt,
                     reply,
+                    excused,
                 },
             );
             return Ok(());
@@ -894,6 +915,7 @@ impl World {
                                 client,
                                 attempt,
                                 reply,
+                                excused: false,
                             },
                         );
                     }
@@ -1088,8 +1110,12 @@ impl World {
         for node in (0..self.nodes.len()).filter(|&m| m != from) {
             let dropped = self.fault("signal-drop", 5);
             let copies = if self.fault("signal-dup", 5) { 2 } else { 1 };
+            let gap = self.draw(10, 500);
             if dropped {
+                // Pub/sub loses messages only when a subscriber's link breaks (a full output
+                // buffer, a reset): the receiver notices, and links again.
                 self.out.faults_injected += 1;
+                self.unlink(node, gap);
                 continue;
             }
             for _ in 0..copies {
@@ -1097,6 +1123,10 @@ impl World {
                 let late = self.draw(50, 1500);
                 if self.fault("signal-delay", 10) {
                     d += late;
+                }
+                if signal == Signal::Restock {
+                    let until = self.restock_on_way.entry((node, v)).or_insert(0);
+                    *until = (*until).max(self.now + d);
                 }
                 self.at(
                     d,
@@ -1165,6 +1195,31 @@ impl World {
         Ok(())
     }
 
+    /// Node `n`'s subscription ends; it is back after `ms`.
+    fn unlink(&mut self, n: usize, ms: Millis) {
+        self.note(|| format!("node {n} loses its signal link"));
+        self.nodes[n].linked = false;
+        self.at(ms, Job::Relink(n));
+    }
+
+    /// What `EngineHandle::signals_link(true)` does: every flag down, every core told.
+    fn relink(&mut self, n: usize) {
+        if !self.nodes[n].up || self.nodes[n].linked {
+            return;
+        }
+        if self.now < self.redis_down_until && !self.calm {
+            let wait = self.redis_down_until - self.now;
+            self.at(wait, Job::Relink(n));
+            return;
+        }
+        self.note(|| format!("node {n} links again"));
+        self.nodes[n].linked = true;
+        let vouchers: Vec<usize> = self.nodes[n].cores.keys().copied().collect();
+        for v in vouchers {
+            self.apply_restock(n, v);
+        }
+    }
+
     /// What `Core::apply_switches` does: a read older than what the node holds changes nothing.
     fn apply_switches(&mut self, n: usize, s: Switches) {
         let node = &mut self.nodes[n];
@@ -1209,6 +1264,9 @@ impl World {
         let node = &mut self.nodes[n];
         node.inc = inc.number;
         node.up = true;
+        node.linked = false;
+        self.at(0, Job::Relink(n));
+        let node = &mut self.nodes[n];
         node.switch_version = 0;
         if let Ok(s) = ready(self.ledger.switches()) {
             self.apply_switches(n, s);
@@ -1387,7 +1445,13 @@ impl World {
         Ok(())
     }
 
-    fn answered(&mut self, c: usize, attempt: u32, reply: Reply) -> Result<(), Broken> {
+    fn answered(
+        &mut self,
+        c: usize,
+        attempt: u32,
+        reply: Reply,
+        excused: bool,
+    ) -> Result<(), Broken> {
         let client = &self.clients[c];
         let Some((_, sent)) = client.outstanding.filter(|_| client.attempt == attempt) else {
             // An answer after its deadline: the frontend had already answered 503.
@@ -1412,6 +1476,7 @@ impl World {
             sent,
             self.now,
             skew,
+            excused,
         );
         if self.calm
             && sent >= self.quiet_at + CALM_GRACE_MS
@@ -1464,7 +1529,7 @@ impl World {
                 Some(code),
             ));
         }
-        self.answered(c, attempt, Reply::Failed(EngineError::Unavailable))
+        self.answered(c, attempt, Reply::Failed(EngineError::Unavailable), false)
     }
 
     /// The round's last checks: every acknowledged order still in the ledger as it was
