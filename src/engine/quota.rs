@@ -360,6 +360,11 @@ pub(crate) struct VoucherCore<R, W> {
     orphan_check: Option<Millis>,
     /// That listing is in flight.
     finding: bool,
+    /// Grants that failed so far: one that fails while the listing is out may apply after it
+    /// was read, so it gets a listing of its own.
+    failed_grants: u64,
+    /// [`Self::failed_grants`] when the listing in flight was asked.
+    found_after: u64,
     /// Leases whose return is in flight: the core does not stop before they are answered.
     returning: Vec<i64>,
     /// Leases whose return failed: returned again at the next tick, so their units do not wait
@@ -413,6 +418,8 @@ impl<R, W> VoucherCore<R, W> {
             repump: false,
             orphan_check: None,
             finding: false,
+            failed_grants: 0,
+            found_after: 0,
             returning: Vec::new(),
             unreturned: Vec::new(),
         }
@@ -594,6 +601,12 @@ impl<R, W> VoucherCore<R, W> {
             Ok(None) => {
                 self.missing = true;
                 self.fail_all(EngineError::NotFound);
+            }
+            // A reload (signal or edit) already gave the definition, and the core may be
+            // serving from it (a grant in flight): carry on with it. Stopping now would leave
+            // the grant's lease to the reaper.
+            Err(_) if self.voucher.is_some() => {
+                m::ledger_error("load_voucher");
             }
             Err(e) => {
                 tracing::warn!(code = %self.code, error = %e, "load voucher");
@@ -966,6 +979,7 @@ impl<R, W> VoucherCore<R, W> {
                 m::ledger_error("grant");
                 tracing::warn!(code = %self.code, error = %e, "lease grant failed");
                 self.hold_for(Hold::Down, DOWN_MS);
+                self.failed_grants += 1;
                 self.orphan_check = Some(self.now + ORPHAN_CHECK_MS);
                 for w in self.warm_waiters.drain(..) {
                     self.out
@@ -1100,6 +1114,7 @@ impl<R, W> VoucherCore<R, W> {
         }
         if self.orphan_check.is_some_and(|t| now >= t) && self.granting.is_none() && !self.finding {
             self.finding = true;
+            self.found_after = self.failed_grants;
             self.out.push(Command::FindLeases);
         }
         let s = &self.settings;
@@ -1191,7 +1206,8 @@ impl<R, W> VoucherCore<R, W> {
                 self.orphan_check = Some(self.now + ORPHAN_CHECK_MS);
             }
             Ok(ids) => {
-                self.orphan_check = None;
+                self.orphan_check =
+                    (self.failed_grants != self.found_after).then_some(self.now + ORPHAN_CHECK_MS);
                 for id in ids {
                     let known = self.leases.iter().any(|l| l.id == id)
                         || self.committing.iter().any(|b| b.lease_id == id)
