@@ -1783,4 +1783,152 @@ mod tests {
         let out = rig.on(Event::Granted(lease(7, 4, 50)));
         assert!(has(&out, |c| matches!(c, Command::AnswerWarm(5, Ok(())))));
     }
+
+    #[test]
+    fn a_failed_grant_is_followed_by_a_listing_and_an_unknown_lease_goes_back() {
+        let mut rig = Rig::new();
+        let (id, _) = rig.served(1, 10);
+        rig.on(Event::Committed {
+            id,
+            res: Ok(vec![RowOutcome::Created(reservation(1))]),
+        });
+        rig.core.start_grant();
+        rig.out();
+        rig.on(Event::Granted(Err(failed())));
+        rig.now += ORPHAN_CHECK_MS - 1;
+        let out = rig.on(Event::Tick);
+        assert!(!has(&out, |c| matches!(c, Command::FindLeases)));
+        rig.now += 1;
+        let out = rig.on(Event::Tick);
+        assert!(has(&out, |c| matches!(c, Command::FindLeases)));
+        // Lease 7 is served here; 99 is the lost grant's.
+        let out = rig.on(Event::Found(Ok(vec![7, 99])));
+        assert!(has(&out, |c| matches!(
+            c,
+            Command::Return { lease_id: 99, .. }
+        )));
+        assert!(!has(&out, |c| matches!(
+            c,
+            Command::Return { lease_id: 7, .. }
+        )));
+        // Done: no more listings.
+        rig.now += 10 * ORPHAN_CHECK_MS;
+        let out = rig.on(Event::Tick);
+        assert!(!has(&out, |c| matches!(c, Command::FindLeases)));
+    }
+
+    #[test]
+    fn a_listing_answered_while_a_grant_is_out_returns_nothing_and_looks_again() {
+        let mut rig = Rig::new();
+        rig.core.start_grant();
+        rig.out();
+        rig.on(Event::Granted(Err(failed())));
+        rig.now += ORPHAN_CHECK_MS;
+        rig.on(Event::Tick);
+        rig.core.start_grant();
+        rig.out();
+        let out = rig.on(Event::Found(Ok(vec![99])));
+        assert!(!has(&out, |c| matches!(c, Command::Return { .. })));
+        rig.on(Event::Granted(lease(99, 5, 10)));
+        rig.now += ORPHAN_CHECK_MS;
+        let out = rig.on(Event::Tick);
+        assert!(has(&out, |c| matches!(c, Command::FindLeases)));
+        let out = rig.on(Event::Found(Ok(vec![99])));
+        assert!(
+            !has(&out, |c| matches!(c, Command::Return { .. })),
+            "99 is served now"
+        );
+    }
+
+    #[test]
+    fn a_grant_failing_while_the_listing_is_out_gets_a_listing_of_its_own() {
+        let mut rig = Rig::new();
+        rig.core.start_grant();
+        rig.out();
+        rig.on(Event::Granted(Err(failed())));
+        rig.now += ORPHAN_CHECK_MS;
+        let out = rig.on(Event::Tick);
+        assert!(has(&out, |c| matches!(c, Command::FindLeases)));
+        rig.core.start_grant();
+        rig.out();
+        rig.on(Event::Granted(Err(failed())));
+        rig.on(Event::Found(Ok(vec![])));
+        rig.now += ORPHAN_CHECK_MS;
+        let out = rig.on(Event::Tick);
+        assert!(has(&out, |c| matches!(c, Command::FindLeases)));
+    }
+
+    #[test]
+    fn a_fenced_lease_is_handed_back() {
+        let mut rig = Rig::new();
+        let (id, _) = rig.served(1, 10);
+        let out = rig.on(Event::Committed {
+            id,
+            res: Err(LedgerError::Fenced),
+        });
+        assert!(has(&out, |c| matches!(
+            c,
+            Command::Return { lease_id: 7, .. }
+        )));
+    }
+
+    #[test]
+    fn a_lease_found_lost_stays_unservable_when_its_batch_gives_units_back() {
+        let mut rig = Rig::with(|s| s.lease_idle_timeout_ms = 60_000);
+        let (id, _) = rig.served(1, 10);
+        let ttl = rig.core.settings.lease_ttl_ms;
+        rig.now = T0 + 30_000 - ttl / 2 + 1;
+        rig.on(Event::Tick);
+        rig.on(Event::Renewed(Ok(vec![])));
+        rig.on(Event::Committed {
+            id,
+            res: Ok(vec![RowOutcome::Replayed(reservation(1))]),
+        });
+        assert_eq!(rig.core.room(), 0);
+        let out = rig.on(Event::Reserve(req(2), 2));
+        assert!(!has(&out, |c| matches!(c, Command::Commit { .. })));
+    }
+
+    #[test]
+    fn a_first_read_failing_after_a_reload_does_not_stop_the_core() {
+        let settings = Settings::defaults().engine;
+        let sizing = SizingParams::from(&settings);
+        let shared = Arc::new(VoucherShared::default());
+        let mut core = TestCore::new("V".into(), settings, sizing, shared, T0);
+        core.handle(T0, Stop::No, Event::Reload(voucher(100)));
+        core.handle(T0, Stop::No, Event::Reserve(req(1), 1));
+        let out: Out = core.commands().collect();
+        assert!(has(&out, |c| matches!(c, Command::Grant { .. })));
+        core.handle(
+            T0,
+            Stop::No,
+            Event::VoucherRead {
+                first: true,
+                res: Err(failed()),
+            },
+        );
+        let out: Out = core.commands().collect();
+        assert!(!has(&out, |c| matches!(c, Command::Stop)));
+        assert!(answers(&out).is_empty());
+    }
+
+    #[test]
+    fn a_failed_first_read_without_a_definition_stops_and_answers_503() {
+        let settings = Settings::defaults().engine;
+        let sizing = SizingParams::from(&settings);
+        let shared = Arc::new(VoucherShared::default());
+        let mut core = TestCore::new("V".into(), settings, sizing, shared, T0);
+        core.handle(T0, Stop::No, Event::Reserve(req(1), 1));
+        core.handle(
+            T0,
+            Stop::No,
+            Event::VoucherRead {
+                first: true,
+                res: Err(failed()),
+            },
+        );
+        let out: Out = core.commands().collect();
+        assert!(has(&out, |c| matches!(c, Command::Stop)));
+        assert_eq!(answers(&out), [(1, "Unavailable".to_string())]);
+    }
 }
