@@ -437,6 +437,9 @@ impl<R, W> VoucherCore<R, W> {
 
     /// Handles one event at `now`, with the switches as the node reads them.
     pub(crate) fn handle(&mut self, now: Millis, stop: Stop, event: Event<R, W>) {
+        if now < self.now {
+            self.clock_went_back(now);
+        }
         self.now = now;
         self.stop = stop;
         match event {
@@ -521,6 +524,33 @@ impl<R, W> VoucherCore<R, W> {
         while std::mem::take(&mut self.repump) {
             self.pump();
         }
+    }
+
+    /// The node's clock jumped back (it follows the ledger's again, or was set back): no timer
+    /// may now lie further ahead than its own length, or a 200 ms hold would last as long as the
+    /// jump (every reserve answered 503 meanwhile).
+    fn clock_went_back(&mut self, now: Millis) {
+        let probe = self.settings.soldout_probe_ms;
+        if let Some((hold, until)) = &mut self.hold {
+            let length = match hold {
+                Hold::Down if self.draining => Millis::MAX / 4,
+                Hold::Down => DOWN_MS,
+                Hold::Waiting => RECALL_PROBE_MS,
+                Hold::Dry => probe,
+            };
+            *until = (*until).min(now.saturating_add(length));
+        }
+        self.next_probe = self.next_probe.min(now + probe);
+        self.next_refresh = self.next_refresh.min(now + VOUCHER_REFRESH_MS);
+        self.next_recall = self.next_recall.min(now + RECALL_REPEAT_MS);
+        if let Some(t) = &mut self.orphan_check {
+            *t = (*t).min(now + ORPHAN_CHECK_MS);
+        }
+        // Waiting reserves keep their patience: it counts from no later than now.
+        for p in &mut self.pending {
+            p.since = p.since.min(now);
+        }
+        self.last_activity = self.last_activity.min(now);
     }
 
     fn on_reserve(&mut self, req: ReserveRequest, reply: R) {
@@ -1930,5 +1960,23 @@ mod tests {
         let out: Out = core.commands().collect();
         assert!(has(&out, |c| matches!(c, Command::Stop)));
         assert_eq!(answers(&out), [(1, "Unavailable".to_string())]);
+    }
+
+    #[test]
+    fn a_clock_that_jumps_back_does_not_stretch_a_hold() {
+        let mut rig = Rig::new();
+        let (id, _) = rig.served(1, 10);
+        rig.now += 8000;
+        rig.on(Event::Committed {
+            id,
+            res: Err(failed()),
+        });
+        // The clock is right again: 8 s back.
+        rig.now -= 8000;
+        let out = rig.on(Event::Reserve(req(2), 2));
+        assert_eq!(answers(&out), [(2, "Unavailable".to_string())]);
+        rig.now += DOWN_MS;
+        let out = rig.on(Event::Reserve(req(3), 3));
+        assert!(has(&out, |c| matches!(c, Command::Commit { .. })));
     }
 }

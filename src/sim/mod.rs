@@ -274,6 +274,13 @@ mod tests {
             ),
             // With Redis down, a sold-out flag that missed a RESTOCK refused a winner's retry.
             (3432157241784470725, "redis-down,copies", "stale flag while unlinked"),
+            // A clock 8 s ahead set a 200 ms hold; the clock came back and the hold lasted 8 s
+            // (every reserve 503). Timers are now clamped to their length when time goes back.
+            (
+                6850249337611827211,
+                "pause,clock,ledger-fail,ledger-slow,raise",
+                "backward clock jump stretched a hold",
+            ),
         ] {
             let faults = Faults::parse(faults).expect("fault kinds");
             let out = world::run_round(seed, faults, false);

@@ -1295,7 +1295,15 @@ impl World {
         let n = self.rng.pick(self.nodes.len());
         let v = self.rng.pick(self.vouchers.len());
         let code = self.vouchers[v].code.clone();
-        match self.rng.pick(4) {
+        let op = self.rng.pick(4);
+        let next = self.rng.range(100, 2000);
+        self.at(next, Job::Admin);
+        // An operator's or customer's call goes through a running process (HTTP): a crashed
+        // or paused one takes none.
+        if !self.nodes[n].up || self.nodes[n].paused_until > self.now {
+            return Ok(());
+        }
+        match op {
             0 if self.faults.has("switches") => {
                 let paused = self.rng.chance(50);
                 let patch = SwitchesPatch {
@@ -1359,8 +1367,6 @@ impl World {
             }
             _ => {}
         }
-        let next = self.rng.range(100, 2000);
-        self.at(next, Job::Admin);
         Ok(())
     }
 
