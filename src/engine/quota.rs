@@ -40,9 +40,16 @@
 //! - **Renew.** Leases whose expiry is nearer than half the TTL are renewed in one call; one the
 //!   ledger no longer lists as ours is served no more.
 //! - **Return.** Units go back to `free` ([`Command::Return`]) when a lease is idle for
-//!   `lease_idle_timeout_ms`, nears its expiry, on a `RECALL` (after the batch in flight, if
-//!   reserves queue), on drain and on stop. A lease a batch in flight draws on is never returned
-//!   before the batch lands.
+//!   `lease_idle_timeout_ms`, nears its expiry, is fenced, on a `RECALL` (after the batch in
+//!   flight, if reserves queue), on drain and on stop. A lease a batch in flight draws on is
+//!   never returned before the batch lands. Returns are answered ([`Event::Returned`]); a failed
+//!   one is tried again at the next tick, and the core does not stop while one is out.
+//! - **Lost answers.** A grant that failed may have applied (its answer lost): after
+//!   [`ORPHAN_CHECK_MS`] the core lists the node's ACTIVE leases of the voucher
+//!   ([`Command::FindLeases`]) and returns any it neither serves, commits on, nor returns (none
+//!   while a grant is out; a grant failing meanwhile gets a listing of its own). A commit that
+//!   failed may have applied too: its units go back to the lease's room, and the ledger's fence
+//!   refuses the batch that would overdraw it (the lease is then handed back).
 //! - **Sold out.** The flag goes up only if no restock happened since the grant that found the
 //!   ledger empty (the restock epoch), and a verdict on the same winners announces nothing. A
 //!   flagged or empty-handed node probes the ledger every `soldout_probe_ms` with a grant; units
@@ -50,8 +57,14 @@
 //! - **Stop.** An actor with nothing held, nothing in flight and no traffic for
 //!   `actor_idle_stop_ms` stops ([`Command::Stop`]); every waiter then gets `503`.
 //!
+//! - **The flag's trust.** The frontend answers from the sold-out flag only while the node's
+//!   signal link is up (`EngineHandle::signals_link`); a link that comes back lowers every flag
+//!   ([`Event::Restocked`]), since a `RESTOCK` may have been missed.
+//!
 //! The core never decides from a wall clock: every event carries `now` (and the switches as the
-//! node reads them), and [`Event::Tick`] must arrive at least every [`TICK_MS`].
+//! node reads them), and [`Event::Tick`] must arrive at least every [`TICK_MS`]. When `now` goes
+//! back (the node's clock follows the ledger's again), no timer stays further ahead than its own
+//! length.
 
 use std::collections::VecDeque;
 use std::sync::Arc;

@@ -7,21 +7,27 @@
 //! run's): a fresh ledger, 1–4 nodes, 1–3 vouchers, and customers sending reserves through the
 //! frontend's path (the sold-out flag first, then the voucher's core). A round has two phases:
 //!
-//! - **Faults** (a few simulated seconds to a minute): nodes crash (memory lost) and restart as
-//!   a new incarnation, pause past their lease TTL, their clocks skew and jump; ledger calls fail
-//!   before they apply, apply but lose their answer, or come back late; signals are dropped,
-//!   delayed (so reordered), duplicated, or Redis is down for a while; clients retry and send
-//!   copies of one order to two nodes; operators pause sales, raise totals; customers release;
-//!   reservations expire. Which faults a round injects is drawn from its seed.
+//! - **Faults** (3 to 40 simulated seconds): nodes crash (memory lost) and restart as a new
+//!   incarnation, pause past their lease TTL, their clocks jump (and follow the ledger's clock
+//!   again at their next beat, as on PostgreSQL); ledger calls fail before they apply, apply but
+//!   lose their answer, come back late, or commit after their caller was answered 503 (the
+//!   committer's deadline); heartbeats fail; signals are dropped (the receiver's link breaks and
+//!   comes back), delayed (so reordered), duplicated, or Redis is down for a while; clients retry,
+//!   send copies of one order to two nodes and resend after a 201; operators pause sales and
+//!   raise totals through a running node; customers release and confirm; reservations expire.
+//!   Which faults a round injects is drawn from its seed.
 //! - **Calm**: faults stop (nodes up, clocks right, network clean) and new customers keep
 //!   coming until every voucher sells out.
 //!
 //! Checked after every step (see [`check`]): the accounting equation of DESIGN §3 on every
 //! voucher the step touched (the reconciler's verdict, recomputed from the model's rows); never
 //! more units sold than the total; every `201` the clients saw is in the ledger, as the same
-//! reservation every time (idempotency by order id); no customer over their limit; a retry of a
-//! stored, live order is never refused. And liveness: in the calm phase every voucher sells
-//! 100 % within [`LIVENESS_MS`] of simulated time, and no reserve waits past its deadline.
+//! reservation every time (idempotency by order id); no customer holding more live reservations
+//! than the limit; a retry of an order the ledger stored before the retry was sent, still live,
+//! is never refused (one case excused: a sold-out flag answering while a `RESTOCK` for it was on
+//! its way, the design's asynchronous window). And liveness: in the calm phase every voucher
+//! sells 100 % within [`LIVENESS_MS`] of simulated time, no reserve waits past its deadline, and
+//! none is answered 503 after a short grace.
 //!
 //! A round that breaks an invariant (or makes the model ledger panic on a CHECK constraint)
 //! stops there. The runner then **shrinks** it: it turns off each fault kind in turn and keeps
