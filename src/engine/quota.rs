@@ -1412,6 +1412,14 @@ mod tests {
             self.core.commands().collect()
         }
 
+        /// Batch `id` lands with order `n` created.
+        fn created(&mut self, id: u64, n: u32) -> Out {
+            self.on(Event::Committed {
+                id,
+                res: Ok(vec![RowOutcome::Created(reservation(n))]),
+            })
+        }
+
         /// A reserve, its grant of `units`: the batch it starts.
         fn served(&mut self, n: u32, units: i64) -> (u64, Batch) {
             let out = self.on(Event::Reserve(req(n), n));
@@ -1419,6 +1427,22 @@ mod tests {
             let out = self.on(Event::Granted(lease(7, units, 50)));
             commit_of(out)
         }
+    }
+
+    /// A core whose voucher is not read yet.
+    fn bare() -> TestCore {
+        let settings = Settings::defaults().engine;
+        let sizing = SizingParams::from(&settings);
+        let shared = Arc::new(VoucherShared::default());
+        TestCore::new("V".into(), settings, sizing, shared, T0)
+    }
+
+    /// A reserve reaches a new core, then its first read of the voucher answers `res`.
+    fn reserve_then_first_read(res: Result<Option<Voucher>, LedgerError>) -> Out {
+        let mut core = bare();
+        core.handle(T0, Stop::No, Event::Reserve(req(1), 1));
+        core.handle(T0, Stop::No, Event::VoucherRead { first: true, res });
+        core.commands().collect()
     }
 
     fn commit_of(out: Out) -> (u64, Batch) {
@@ -1452,10 +1476,7 @@ mod tests {
         let (id, batch) = rig.served(1, 10);
         assert_eq!((batch.lease_id, batch.rows.len()), (7, 1));
         assert_eq!(batch.expires_at, T0 + rig.core.settings.reservation_ttl_ms);
-        let out = rig.on(Event::Committed {
-            id,
-            res: Ok(vec![RowOutcome::Created(reservation(1))]),
-        });
+        let out = rig.created(id, 1);
         assert_eq!(answers(&out), [(1, "201".to_string())]);
         assert_eq!(rig.core.room(), 9);
     }
@@ -1468,10 +1489,7 @@ mod tests {
             let out = rig.on(Event::Reserve(req(n), n));
             assert!(!has(&out, |c| matches!(c, Command::Commit { .. })));
         }
-        let out = rig.on(Event::Committed {
-            id,
-            res: Ok(vec![RowOutcome::Created(reservation(1))]),
-        });
+        let out = rig.created(id, 1);
         let (_, next) = commit_of(out);
         let orders: Vec<&str> = next.rows.iter().map(|r| r.order_id.as_str()).collect();
         assert_eq!(orders, ["o2", "o3", "o4"]);
@@ -1626,10 +1644,7 @@ mod tests {
         rig.core.granting = None;
         rig.core.start_grant();
         rig.out();
-        rig.on(Event::Committed {
-            id,
-            res: Ok(vec![RowOutcome::Created(reservation(1))]),
-        });
+        rig.created(id, 1);
         // The grant counted our batch's unit as leased: no hold, it is asked again.
         let out = rig.on(Event::Granted(empty(1, 1)));
         assert!(has(&out, |c| matches!(c, Command::Grant { .. })));
@@ -1646,16 +1661,10 @@ mod tests {
         rig.on(Event::Reserve(req(2), 2));
         let out = rig.on(Event::Recall);
         assert!(!has(&out, |c| matches!(c, Command::Return { .. })));
-        let out = rig.on(Event::Committed {
-            id,
-            res: Ok(vec![RowOutcome::Created(reservation(1))]),
-        });
+        let out = rig.created(id, 1);
         // Reserve 2 still queued: it is served first, then the lease goes.
         let (id, _) = commit_of(out);
-        let out = rig.on(Event::Committed {
-            id,
-            res: Ok(vec![RowOutcome::Created(reservation(2))]),
-        });
+        let out = rig.created(id, 2);
         assert!(has(&out, |c| matches!(
             c,
             Command::Return { lease_id: 7, .. }
@@ -1667,10 +1676,7 @@ mod tests {
     fn an_idle_lease_goes_back_and_an_idle_core_stops() {
         let mut rig = Rig::new();
         let (id, _) = rig.served(1, 10);
-        rig.on(Event::Committed {
-            id,
-            res: Ok(vec![RowOutcome::Created(reservation(1))]),
-        });
+        rig.created(id, 1);
         rig.now += rig.core.settings.lease_idle_timeout_ms - 1;
         let out = rig.on(Event::Tick);
         assert!(!has(&out, |c| matches!(c, Command::Return { .. })));
@@ -1728,10 +1734,7 @@ mod tests {
     fn a_renewed_lease_expires_a_ttl_after_the_renewal_was_asked() {
         let mut rig = Rig::with(|s| s.lease_idle_timeout_ms = 60_000);
         let (id, _) = rig.served(1, 10);
-        rig.on(Event::Committed {
-            id,
-            res: Ok(vec![RowOutcome::Created(reservation(1))]),
-        });
+        rig.created(id, 1);
         let (ttl, safety) = (
             rig.core.settings.lease_ttl_ms,
             rig.core.settings.lease_safety_ms,
@@ -1752,10 +1755,7 @@ mod tests {
     fn a_lease_near_its_expiry_is_handed_back_not_served() {
         let mut rig = Rig::new();
         let (id, _) = rig.served(1, 10);
-        rig.on(Event::Committed {
-            id,
-            res: Ok(vec![RowOutcome::Created(reservation(1))]),
-        });
+        rig.created(id, 1);
         rig.now = T0 + 30_000 - rig.core.settings.lease_safety_ms;
         let out = rig.on(Event::Reserve(req(2), 2));
         assert!(has(&out, |c| matches!(
@@ -1790,20 +1790,7 @@ mod tests {
 
     #[test]
     fn a_voucher_the_ledger_does_not_have_answers_404() {
-        let settings = Settings::defaults().engine;
-        let sizing = SizingParams::from(&settings);
-        let shared = Arc::new(VoucherShared::default());
-        let mut core = TestCore::new("V".into(), settings, sizing, shared, T0);
-        core.handle(T0, Stop::No, Event::Reserve(req(1), 1));
-        core.handle(
-            T0,
-            Stop::No,
-            Event::VoucherRead {
-                first: true,
-                res: Ok(None),
-            },
-        );
-        let out: Out = core.commands().collect();
+        let out = reserve_then_first_read(Ok(None));
         assert_eq!(answers(&out), [(1, "NotFound".to_string())]);
     }
 
@@ -1831,10 +1818,7 @@ mod tests {
     fn a_failed_grant_is_followed_by_a_listing_and_an_unknown_lease_goes_back() {
         let mut rig = Rig::new();
         let (id, _) = rig.served(1, 10);
-        rig.on(Event::Committed {
-            id,
-            res: Ok(vec![RowOutcome::Created(reservation(1))]),
-        });
+        rig.created(id, 1);
         rig.core.start_grant();
         rig.out();
         rig.on(Event::Granted(Err(failed())));
@@ -1934,10 +1918,7 @@ mod tests {
 
     #[test]
     fn a_first_read_failing_after_a_reload_does_not_stop_the_core() {
-        let settings = Settings::defaults().engine;
-        let sizing = SizingParams::from(&settings);
-        let shared = Arc::new(VoucherShared::default());
-        let mut core = TestCore::new("V".into(), settings, sizing, shared, T0);
+        let mut core = bare();
         core.handle(T0, Stop::No, Event::Reload(voucher(100)));
         core.handle(T0, Stop::No, Event::Reserve(req(1), 1));
         let out: Out = core.commands().collect();
@@ -1957,20 +1938,7 @@ mod tests {
 
     #[test]
     fn a_failed_first_read_without_a_definition_stops_and_answers_503() {
-        let settings = Settings::defaults().engine;
-        let sizing = SizingParams::from(&settings);
-        let shared = Arc::new(VoucherShared::default());
-        let mut core = TestCore::new("V".into(), settings, sizing, shared, T0);
-        core.handle(T0, Stop::No, Event::Reserve(req(1), 1));
-        core.handle(
-            T0,
-            Stop::No,
-            Event::VoucherRead {
-                first: true,
-                res: Err(failed()),
-            },
-        );
-        let out: Out = core.commands().collect();
+        let out = reserve_then_first_read(Err(failed()));
         assert!(has(&out, |c| matches!(c, Command::Stop)));
         assert_eq!(answers(&out), [(1, "Unavailable".to_string())]);
     }

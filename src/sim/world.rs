@@ -809,18 +809,7 @@ impl World {
             (cl.voucher, cl.customer, cl.order.clone())
         };
         if !self.nodes[n].up {
-            let d = self.hop();
-            let reply = Reply::Failed(EngineError::Unavailable);
-            let excused = false;
-            self.at(
-                d,
-                Job::Answer {
-                    client: c,
-                    attempt,
-                    reply,
-                    excused,
-                },
-            );
+            self.reply(c, attempt, Reply::Failed(EngineError::Unavailable), false);
             return Ok(());
         }
         let req = ReserveRequest {
@@ -855,20 +844,25 @@ impl World {
             let code = self.vouchers[v].code.clone();
             self.note(|| format!("node {n} {code}: {} answered from the flag", req.order_id));
             let excused = self.now < self.restock_on_way.get(&(n, v)).copied().unwrap_or(0);
-            let d = self.hop();
-            self.at(
-                d,
-                Job::Answer {
-                    client: c,
-                    attempt,
-                    reply,
-                    excused,
-                },
-            );
+            self.reply(c, attempt, reply, excused);
             return Ok(());
         }
         self.feed(n, v, Event::Reserve(req, (c, attempt)));
         Ok(())
+    }
+
+    /// Sends an answer back to the client, one hop away.
+    fn reply(&mut self, client: usize, attempt: u32, reply: Reply, excused: bool) {
+        let d = self.hop();
+        self.at(
+            d,
+            Job::Answer {
+                client,
+                attempt,
+                reply,
+                excused,
+            },
+        );
     }
 
     /// Hands an event to a core and carries out its commands.
@@ -908,16 +902,7 @@ impl World {
                 }
                 match command {
                     Command::Answer((client, attempt), reply) => {
-                        let d = self.hop();
-                        self.at(
-                            d,
-                            Job::Answer {
-                                client,
-                                attempt,
-                                reply,
-                                excused: false,
-                            },
-                        );
+                        self.reply(client, attempt, reply, false)
                     }
                     Command::AnswerWarm(..) | Command::RecountSoon | Command::Limits(_) => {}
                     Command::Publish(signal) => self.publish(n, v, signal),
