@@ -1,7 +1,10 @@
 //! Cluster signals over Redis pub/sub: `SOLD_OUT`, `RESTOCK`, `RECALL`, `UPDATED`, `WARM`, and
 //! `SWITCHES` (on `vouchers:{~switches}:signal`).
 //!
-//! Signals are hints that make the cluster converge faster; correctness never depends on them.
+//! Signals are hints that make the cluster converge faster; no unit and no stored order depends
+//! on them. The one answer that leans on them is the sold-out flag's: a node trusts its flag
+//! only while its subscription is up (see [`LinkHandler`]) and within two probe intervals of the
+//! ledger last confirming it, so a lost `RESTOCK` costs at most that long.
 //! Publishing never blocks the caller: a bounded queue feeds one background publisher, and a full
 //! queue or a Redis outage drops the signal (counted). The subscriber reconnects by itself. Nodes
 //! learn the same facts later from the ledger (sold-out probes, dry-hold expiry, lease grants).

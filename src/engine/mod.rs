@@ -297,9 +297,9 @@ pub(crate) struct Core {
     registry: DashMap<String, Entry>,
     shards: Vec<ArbiterHandle>,
     next_generation: AtomicU64,
-    /// The node hears other nodes' signals now (always, without Redis: there are no other
-    /// nodes). A sold-out flag answers from memory only then: a missed `RESTOCK` could otherwise
-    /// refuse the retry of an order another node sold from the restocked units.
+    /// The node hears other nodes' signals now (always without Redis, where flags rest on the
+    /// probes alone). A sold-out flag answers from memory only then: a missed `RESTOCK` could
+    /// otherwise refuse the retry of an order another node sold from the restocked units.
     signals_up: AtomicBool,
     /// A task is reaping dead holders' leases: the next beat does not start another.
     reaping: AtomicBool,
@@ -443,7 +443,7 @@ impl EngineHandle {
             recount: std::sync::Mutex::new(HashSet::new()),
             shards: arbiters.iter().map(Arbiter::handle).collect(),
             next_generation: AtomicU64::new(0),
-            // Without Redis there is nobody to miss a signal from.
+            // Without Redis no signal can be missed: flags rest on the probes (two intervals).
             signals_up: AtomicBool::new(alone),
             reaping: AtomicBool::new(false),
         };
@@ -540,7 +540,10 @@ impl EngineHandle {
                 // The actor stopped: its successor's row.
                 *entry = self.core.entry(code);
             }
-            if entry.shared.is_sold_out() && self.core.signals_up.load(Ordering::Acquire) {
+            let window = 2 * self.core.settings.soldout_probe_ms;
+            if entry.shared.trusted(self.now_ms(), window)
+                && self.core.signals_up.load(Ordering::Acquire)
+            {
                 m::sold_out_short_circuit();
                 entry.shared.count_short_circuit(self.now_ms());
                 let res = self.answer_sold_out(code, &req, &entry.shared).await;
@@ -797,15 +800,15 @@ impl EngineHandle {
 
     /// The subscription to cluster signals came up (`true`) or ended. While it is down a
     /// `RESTOCK` can be missed, so no sold-out flag answers for the ledger; when it comes back
-    /// every flag goes down and each actor asks the ledger again (one grant per voucher).
+    /// every flag stays unconfirmed until its actor's next probe finds the same winners (the
+    /// winners stay: a flapping link costs one grant per sold-out voucher and probe interval).
     pub fn signals_link(&self, up: bool) {
-        self.core.signals_up.store(up, Ordering::Release);
         if up {
             for e in self.core.registry.iter() {
-                e.shared.restock();
-                let _ = e.addr.try_send(Restocked);
+                e.shared.unverify();
             }
         }
+        self.core.signals_up.store(up, Ordering::Release);
     }
 
     /// Acts on a signal another node published.

@@ -46,8 +46,9 @@
 //!   one is tried again at the next tick, and the core does not stop while one is out.
 //! - **Lost answers.** A grant that failed may have applied (its answer lost): after
 //!   [`ORPHAN_CHECK_MS`] the core lists the node's ACTIVE leases of the voucher
-//!   ([`Command::FindLeases`]) and returns any it neither serves, commits on, nor returns (none
-//!   while a grant is out; a grant failing meanwhile gets a listing of its own). A commit that
+//!   ([`Command::FindLeases`]) and returns any it neither serves, commits on, nor returns (with
+//!   a grant out, once that grant answers, sparing the lease it gives; a grant failing meanwhile
+//!   gets a listing of its own). A commit that
 //!   failed may have applied too: its units go back to the lease's room, and the ledger's fence
 //!   refuses the batch that would overdraw it (the lease is then handed back).
 //! - **Sold out.** The flag goes up only if no restock happened since the grant that found the
@@ -58,8 +59,10 @@
 //!   `actor_idle_stop_ms` stops ([`Command::Stop`]); every waiter then gets `503`.
 //!
 //! - **The flag's trust.** The frontend answers from the sold-out flag only while the node's
-//!   signal link is up (`EngineHandle::signals_link`); a link that comes back lowers every flag
-//!   ([`Event::Restocked`]), since a `RESTOCK` may have been missed.
+//!   signal link is up (`EngineHandle::signals_link`) and within two probe intervals of the
+//!   ledger last confirming it (the verdict that raised it, or a probe finding the same
+//!   winners). A link that comes back leaves every flag unconfirmed until its next probe, since
+//!   a `RESTOCK` may have been missed; so does a probe that finds units in other leases.
 //!
 //! The core never decides from a wall clock: every event carries `now` (and the switches as the
 //! node reads them), and [`Event::Tick`] must arrive at least every [`TICK_MS`]. When `now` goes
@@ -378,6 +381,10 @@ pub(crate) struct VoucherCore<R, W> {
     failed_grants: u64,
     /// [`Self::failed_grants`] when the listing in flight was asked.
     found_after: u64,
+    /// Unknown leases a listing found while a grant was out: settled when that grant answers.
+    suspects: Vec<i64>,
+    /// Leases fenced while another batch on them was still in flight: handed back when it lands.
+    fenced: Vec<i64>,
     /// Leases whose return is in flight: the core does not stop before they are answered.
     returning: Vec<i64>,
     /// Leases whose return failed: returned again at the next tick, so their units do not wait
@@ -433,6 +440,8 @@ impl<R, W> VoucherCore<R, W> {
             finding: false,
             failed_grants: 0,
             found_after: 0,
+            suspects: Vec::new(),
+            fenced: Vec::new(),
             returning: Vec::new(),
             unreturned: Vec::new(),
         }
@@ -466,7 +475,7 @@ impl<R, W> VoucherCore<R, W> {
                 }
                 return;
             }
-            Event::Reload(v) => self.set_voucher(v),
+            Event::Reload(v) => self.take_definition(v),
             Event::Committed { id, res } => self.on_committed(id, res),
             Event::Granted(res) => self.on_granted(res),
             Event::Renewed(res) => self.on_renewed(res),
@@ -564,6 +573,10 @@ impl<R, W> VoucherCore<R, W> {
             p.since = p.since.min(now);
         }
         self.last_activity = self.last_activity.min(now);
+        self.rate.clock_went_back(now);
+        if let Some(t) = &mut self.recounted_at {
+            *t = (*t).min(now);
+        }
     }
 
     fn on_reserve(&mut self, req: ReserveRequest, reply: R) {
@@ -615,6 +628,18 @@ impl<R, W> VoucherCore<R, W> {
         self.voucher = Some(v);
     }
 
+    /// Takes a definition; the first one also admits the reserves queued before it (they were
+    /// not checked for eligibility yet), whether it came from the first read or a reload.
+    fn take_definition(&mut self, v: Voucher) {
+        let first = self.voucher.is_none();
+        self.set_voucher(v);
+        if first {
+            for p in std::mem::take(&mut self.pending) {
+                self.admit(p);
+            }
+        }
+    }
+
     /// Answers every waiting reserve and warm-up with `err` (batches in flight answer when they
     /// land, and so does the lookup in flight unless the core stops: a retry of a stored order
     /// in it gets its 201).
@@ -635,12 +660,7 @@ impl<R, W> VoucherCore<R, W> {
 
     fn on_loaded(&mut self, res: Result<Option<Voucher>, LedgerError>) {
         match res {
-            Ok(Some(v)) => {
-                self.set_voucher(v);
-                for p in std::mem::take(&mut self.pending) {
-                    self.admit(p);
-                }
-            }
+            Ok(Some(v)) => self.take_definition(v),
             Ok(None) => {
                 self.missing = true;
                 self.fail_all(EngineError::NotFound);
@@ -853,6 +873,14 @@ impl<R, W> VoucherCore<R, W> {
         } = self.committing.swap_remove(i);
         self.landed += 1;
         let n = taken.len() as i64;
+        // A lease fenced while this batch was also on it goes back once its last batch lands.
+        let last_on_lease = !self.committing.iter().any(|b| b.lease_id == lease_id);
+        if last_on_lease && self.fenced.contains(&lease_id) {
+            self.fenced.retain(|&id| id != lease_id);
+            if !matches!(res, Err(LedgerError::Fenced)) {
+                self.give_back(lease_id);
+            }
+        }
         match res {
             Ok(outcomes) => {
                 let mut consumed = 0;
@@ -906,7 +934,9 @@ impl<R, W> VoucherCore<R, W> {
                     // thought (a batch whose answer was lost did commit): stop serving from it
                     // and hand back whatever it still holds (a no-op if it was reaped).
                     self.leases.retain(|l| l.id != lease_id);
-                    if !self.committing.iter().any(|b| b.lease_id == lease_id) {
+                    if self.committing.iter().any(|b| b.lease_id == lease_id) {
+                        self.fenced.push(lease_id);
+                    } else {
                         self.give_back(lease_id);
                     }
                     m::lease(LeaseEvent::Fenced);
@@ -955,6 +985,14 @@ impl<R, W> VoucherCore<R, W> {
         let Some(asked) = self.granting.take() else {
             return;
         };
+        // Leases a listing found while this grant was out: all but this grant's own are orphans.
+        let suspects = std::mem::take(&mut self.suspects);
+        if let Ok(Grant { lease: Some(l), .. }) = &res {
+            let mine = l.id;
+            self.return_orphans(suspects.into_iter().filter(|&id| id != mine).collect());
+        } else {
+            self.return_orphans(suspects);
+        }
         match res {
             Ok(grant) => {
                 self.free_hint = Some(grant.free_after);
@@ -1004,7 +1042,10 @@ impl<R, W> VoucherCore<R, W> {
                             epoch: asked.epoch,
                             ever_reserved: grant.ever_reserved,
                         };
-                        if self.room() == 0 && !self.announced(verdict) {
+                        if self.announced(verdict) {
+                            // A probe found the same winners: the flag is right as it stands.
+                            self.shared.verify(self.now);
+                        } else if self.room() == 0 {
                             self.out.push(Command::LoadWinners(verdict));
                         }
                     }
@@ -1048,11 +1089,13 @@ impl<R, W> VoucherCore<R, W> {
                 let limit = self.voucher.as_ref().map_or(i64::MAX, |v| v.per_user_limit);
                 let same = self.announced(verdict);
                 let exact_max = self.settings.won_set_exact_max;
-                if self
+                let raised = self
                     .shared
-                    .set_sold_out(verdict.epoch, won, limit, exact_max)
-                    && !same
-                {
+                    .set_sold_out(verdict.epoch, won, limit, exact_max);
+                if raised {
+                    self.shared.verify(self.now);
+                }
+                if raised && !same {
                     self.sold_out_at = verdict.ever_reserved;
                     tracing::info!(code = %self.code, "sold out");
                     self.out.push(Command::Publish(Signal::SoldOut));
@@ -1239,33 +1282,44 @@ impl<R, W> VoucherCore<R, W> {
         self.renewing = Some((due, now));
     }
 
-    /// This node's ACTIVE leases, listed after a failed grant: one the core neither serves,
-    /// nor commits on, nor is returning is the lost grant's; it goes back.
+    /// This node's ACTIVE leases with units left, listed after a failed grant: one the core
+    /// neither serves, nor commits on, nor is returning is the lost grant's (or one it stopped
+    /// serving without a return, e.g. on drain); either way it goes back.
     fn on_found(&mut self, res: Result<Vec<i64>, LedgerError>) {
         self.finding = false;
         match res {
-            // A grant asked since the listing may be among them: look again later.
-            Ok(_) if self.granting.is_some() => {
-                self.orphan_check = Some(self.now + ORPHAN_CHECK_MS);
-            }
             Ok(ids) => {
                 self.orphan_check =
                     (self.failed_grants != self.found_after).then_some(self.now + ORPHAN_CHECK_MS);
-                for id in ids {
-                    let known = self.leases.iter().any(|l| l.id == id)
-                        || self.committing.iter().any(|b| b.lease_id == id)
-                        || self.returning.contains(&id)
-                        || self.unreturned.contains(&id);
-                    if !known {
-                        tracing::warn!(code = %self.code, lease_id = id, "returning a lease whose grant answer was lost");
-                        m::lease(LeaseEvent::Returned);
-                        self.give_back(id);
-                    }
+                let unknown: Vec<i64> = ids.into_iter().filter(|&id| !self.knows(id)).collect();
+                if self.granting.is_some() {
+                    // The grant out now may be one of them: decided when it answers.
+                    self.suspects = unknown;
+                } else {
+                    self.return_orphans(unknown);
                 }
             }
             Err(_) => {
                 m::ledger_error("active_leases");
                 self.orphan_check = Some(self.now + ORPHAN_CHECK_MS);
+            }
+        }
+    }
+
+    /// The core serves, commits on or is returning lease `id`.
+    fn knows(&self, id: i64) -> bool {
+        self.leases.iter().any(|l| l.id == id)
+            || self.committing.iter().any(|b| b.lease_id == id)
+            || self.returning.contains(&id)
+            || self.unreturned.contains(&id)
+    }
+
+    fn return_orphans(&mut self, ids: Vec<i64>) {
+        for id in ids {
+            if !self.knows(id) {
+                tracing::warn!(code = %self.code, lease_id = id, "returning a lease no grant answer gave");
+                m::lease(LeaseEvent::Returned);
+                self.give_back(id);
             }
         }
     }
@@ -1845,7 +1899,7 @@ mod tests {
     }
 
     #[test]
-    fn a_listing_answered_while_a_grant_is_out_returns_nothing_and_looks_again() {
+    fn a_listing_answered_while_a_grant_is_out_is_settled_when_the_grant_answers() {
         let mut rig = Rig::new();
         rig.core.start_grant();
         rig.out();
@@ -1854,17 +1908,22 @@ mod tests {
         rig.on(Event::Tick);
         rig.core.start_grant();
         rig.out();
-        let out = rig.on(Event::Found(Ok(vec![99])));
+        // 99 may be the grant's that is out: nothing goes back yet.
+        let out = rig.on(Event::Found(Ok(vec![98, 99])));
         assert!(!has(&out, |c| matches!(c, Command::Return { .. })));
-        rig.on(Event::Granted(lease(99, 5, 10)));
+        // It was: 98 is the lost one.
+        let out = rig.on(Event::Granted(lease(99, 5, 10)));
+        assert!(has(&out, |c| matches!(
+            c,
+            Command::Return { lease_id: 98, .. }
+        )));
+        assert!(!has(&out, |c| matches!(
+            c,
+            Command::Return { lease_id: 99, .. }
+        )));
         rig.now += ORPHAN_CHECK_MS;
         let out = rig.on(Event::Tick);
-        assert!(has(&out, |c| matches!(c, Command::FindLeases)));
-        let out = rig.on(Event::Found(Ok(vec![99])));
-        assert!(
-            !has(&out, |c| matches!(c, Command::Return { .. })),
-            "99 is served now"
-        );
+        assert!(!has(&out, |c| matches!(c, Command::FindLeases)));
     }
 
     #[test]
@@ -1959,5 +2018,41 @@ mod tests {
         rig.now += DOWN_MS;
         let out = rig.on(Event::Reserve(req(3), 3));
         assert!(has(&out, |c| matches!(c, Command::Commit { .. })));
+    }
+
+    #[test]
+    fn a_lease_fenced_under_a_second_batch_goes_back_when_that_batch_lands() {
+        let mut rig = Rig::with(|s| s.batches_in_flight = 2);
+        let (first, _) = rig.served(1, 10);
+        let (second, _) = commit_of(rig.on(Event::Reserve(req(2), 2)));
+        let out = rig.on(Event::Committed {
+            id: first,
+            res: Err(LedgerError::Fenced),
+        });
+        assert!(!has(&out, |c| matches!(c, Command::Return { .. })));
+        let out = rig.created(second, 2);
+        assert!(has(&out, |c| matches!(
+            c,
+            Command::Return { lease_id: 7, .. }
+        )));
+    }
+
+    #[test]
+    fn reserves_queued_before_a_reload_gave_the_first_definition_are_checked() {
+        let mut core = bare();
+        let mut small = req(1);
+        small.order_amount = 1;
+        core.handle(T0, Stop::No, Event::Reserve(small, 1));
+        let mut v = voucher(100);
+        v.min_order_amount = 50;
+        core.handle(T0, Stop::No, Event::Reload(v));
+        let out: Out = core.commands().collect();
+        assert_eq!(
+            answers(&out),
+            [(
+                1,
+                format!("{:?}", EngineError::NotEligible(Ineligible::MinOrderAmount))
+            )]
+        );
     }
 }

@@ -75,6 +75,11 @@ impl RateEstimator {
         }
     }
 
+    /// The clock went back to `now`: the current window starts no later than it.
+    pub fn clock_went_back(&mut self, now: Millis) {
+        self.start = self.start.min(now);
+    }
+
     fn roll(&mut self, now: Millis) {
         let elapsed = now - self.start;
         if elapsed >= self.window_ms {

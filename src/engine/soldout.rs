@@ -29,6 +29,10 @@ pub struct VoucherShared {
     short_circuits: AtomicU64,
     /// When the last of them was answered: the actor counts them as traffic (idle stop).
     last_short_circuit: AtomicI64,
+    /// When the ledger last confirmed the flag and its winners (the verdict that raised it, or a
+    /// probe that found the same winners): the frontend trusts the flag only for a while after
+    /// (see [`VoucherShared::trusted`]), so a missed `RESTOCK` cannot keep it answering.
+    verified_at: AtomicI64,
     /// The voucher's own rate limiters, when it sets any (the node's defaults apply otherwise).
     own_limits: RwLock<Option<Arc<OwnLimits>>>,
     /// Reserves of this voucher answered on this node, by outcome (`Outcome::index`): the
@@ -121,6 +125,22 @@ impl VoucherShared {
 
     pub fn is_sold_out(&self) -> bool {
         self.sold_out.load(Ordering::Acquire)
+    }
+
+    /// The flag is up and the ledger confirmed it within `window_ms` of `now`.
+    pub fn trusted(&self, now: Millis, window_ms: Millis) -> bool {
+        self.is_sold_out() && now - self.verified_at.load(Ordering::Acquire) <= window_ms
+    }
+
+    /// The ledger confirmed the flag and its winners at `now`.
+    pub fn verify(&self, now: Millis) {
+        self.verified_at.fetch_max(now, Ordering::AcqRel);
+    }
+
+    /// The flag may have missed a `RESTOCK` (the signal link broke): not trusted until the
+    /// ledger confirms it again; the winners stay.
+    pub fn unverify(&self) {
+        self.verified_at.store(Millis::MIN / 2, Ordering::Release);
     }
 
     pub fn restock_epoch(&self) -> u64 {

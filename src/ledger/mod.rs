@@ -279,9 +279,9 @@ pub trait Ledger: Send + Sync + 'static {
         now: Millis,
         ttl_ms: i64,
     ) -> Result<Vec<i64>, LedgerError>;
-    /// The ids of `node`'s ACTIVE leases of `code`: after a grant whose answer was lost, the
-    /// node finds the lease it may have been given (and returns it) instead of leaving its units
-    /// to the reaper.
+    /// The ids of `node`'s ACTIVE leases of `code` with units left: after a grant whose answer
+    /// was lost, the node finds the lease it may have been given (and returns it) instead of
+    /// leaving its units to the reaper.
     async fn active_leases(&self, code: &str, node: &str) -> Result<Vec<i64>, LedgerError>;
     /// Gives the unused part of a lease back to `free` and marks it RETURNED; a no-op (0) twice.
     async fn return_lease(

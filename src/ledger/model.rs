@@ -466,7 +466,7 @@ impl Ledger for ModelLedger {
         Ok(s.leases
             .iter()
             .filter(|(_, l)| l.voucher_code == code && l.holder == node)
-            .filter(|(_, l)| l.state == LeaseState::Active)
+            .filter(|(_, l)| l.state == LeaseState::Active && l.consumed < l.granted)
             .map(|(id, _)| *id)
             .collect())
     }

@@ -404,7 +404,7 @@ impl Ledger for PostgresLedger {
     async fn active_leases(&self, code: &str, node: &str) -> Result<Vec<i64>, LedgerError> {
         Ok(sqlx::query_scalar(
             "SELECT id FROM leases WHERE voucher_code = $1 AND node_id = $2 AND state = 'ACTIVE' \
-             ORDER BY id",
+             AND consumed < granted ORDER BY id",
         )
         .bind(code)
         .bind(node)

@@ -312,11 +312,11 @@ impl Ledger for SqliteLedger {
     async fn active_leases(&self, code: &str, node: &str) -> Result<Vec<i64>, LedgerError> {
         Ok(sqlx::query_scalar(
             "SELECT id FROM leases WHERE voucher_code = ? AND node_id = ? AND state = 'ACTIVE' \
-             ORDER BY id",
+             AND consumed < granted ORDER BY id",
         )
         .bind(code)
         .bind(node)
-        .fetch_all(&self.writer)
+        .fetch_all(&self.reader)
         .await?)
     }
 

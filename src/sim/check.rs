@@ -39,6 +39,11 @@ impl Books {
         }
     }
 
+    /// When the ledger stored `order`, if it did.
+    pub(super) fn stored_at(&self, order: &str) -> Option<Millis> {
+        self.stored_at.get(order).copied()
+    }
+
     /// Records the orders a commit created at `now`.
     pub(super) fn stored(&mut self, res: &Result<Vec<RowOutcome>, LedgerError>, now: Millis) {
         for o in res.iter().flatten() {
@@ -170,10 +175,10 @@ pub(super) fn answer(
         Reply::Failed(
             EngineError::Unavailable | EngineError::NotEligible(Ineligible::NotStarted),
         ) => {}
-        // A sold-out flag answered while a RESTOCK was on its way to its node: signals are
-        // asynchronous, and until one arrives (or the next probe) the flag may not know the
-        // order that won the restocked unit elsewhere.
-        Reply::Failed(_) if excused => {}
+        // A sold-out flag answered OUT_OF_STOCK while a RESTOCK published before the order was
+        // stored was on its way to its node: signals are asynchronous, and until one arrives
+        // (or the next probe) the flag cannot know the order that won the restocked unit.
+        Reply::Failed(EngineError::OutOfStock) if excused => {}
         Reply::Failed(e) => {
             let Some(&stored_at) = books.stored_at.get(&client.order) else {
                 return Ok(());

@@ -24,8 +24,9 @@
 //! more units sold than the total; every `201` the clients saw is in the ledger, as the same
 //! reservation every time (idempotency by order id); no customer holding more live reservations
 //! than the limit; a retry of an order the ledger stored before the retry was sent, still live,
-//! is never refused (one case excused: a sold-out flag answering while a `RESTOCK` for it was on
-//! its way, the design's asynchronous window). And liveness: in the calm phase every voucher
+//! is never refused (one case excused: a sold-out flag answering `OUT_OF_STOCK` while a `RESTOCK`
+//! published before that order was stored was on its way to the node, the design's
+//! asynchronous window). And liveness: in the calm phase every voucher
 //! sells 100 % within [`LIVENESS_MS`] of simulated time, no reserve waits past its deadline, and
 //! none is answered 503 after a short grace.
 //!
@@ -280,6 +281,14 @@ mod tests {
             ),
             // With Redis down, a sold-out flag that missed a RESTOCK refused a winner's retry.
             (3432157241784470725, "redis-down,copies", "stale flag while unlinked"),
+            // Under steady demand a grant was nearly always out when the lease listing came
+            // back, so the listing was thrown away again and again and a lost grant's lease
+            // waited for its TTL. The listing is now settled when that grant answers.
+            (
+                9358027812662690846,
+                "crash,ledger-lost,ledger-slow,signal-drop,copies,release",
+                "listing discarded while grants were out",
+            ),
             // A clock 8 s ahead set a 200 ms hold; the clock came back and the hold lasted 8 s
             // (every reserve 503). Timers are now clamped to their length when time goes back.
             (

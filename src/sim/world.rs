@@ -202,6 +202,8 @@ pub(super) struct Client {
     pub done: bool,
     /// Times it sends its order again after a `201` (a double click, a lost response).
     pub resends: u8,
+    /// How far the clock of the node its current attempt reached was off then.
+    pub arrive_skew: Millis,
 }
 
 enum Job {
@@ -218,6 +220,8 @@ enum Job {
         /// Answered from a sold-out flag while a `RESTOCK` for it was on its way to the node:
         /// the design's window (signals are asynchronous), not a bug; a refusal then is excused.
         excused: bool,
+        /// How far the answering node's clock was off.
+        skew: Millis,
     },
     Deadline {
         client: usize,
@@ -338,9 +342,7 @@ pub(super) struct World {
     calm_at: Millis,
     calm: bool,
     /// Until when a `RESTOCK` of voucher `v` is on its way to node `n`.
-    restock_on_way: BTreeMap<(usize, usize), Millis>,
-    /// The largest clock error any node had in the fault phase.
-    max_skew: Millis,
+    restock_on_way: BTreeMap<(usize, usize), (Millis, Millis)>,
     /// Cores created so far (each one's id).
     cores_made: u64,
     /// When the calm phase is quiet: faults stopped and the last pause ended.
@@ -423,7 +425,6 @@ impl World {
             calm: false,
             quiet_at: Millis::MAX / 2,
             cores_made: 0,
-            max_skew: 0,
             restock_on_way: BTreeMap::new(),
             redis_down_until: 0,
             order_amount: 1000,
@@ -544,6 +545,7 @@ impl World {
                         outstanding: None,
                         done: false,
                         resends: 0,
+                        arrive_skew: 0,
                     });
                     self.at(when + d, Job::Send(twin));
                 }
@@ -563,6 +565,7 @@ impl World {
             outstanding: None,
             done: false,
             resends: 0,
+            arrive_skew: 0,
         });
         c
     }
@@ -656,7 +659,8 @@ impl World {
                 attempt,
                 reply,
                 excused,
-            } => self.answered(client, attempt, reply, excused)?,
+                skew,
+            } => self.answered(client, attempt, reply, excused, skew)?,
             Job::Deadline { client, attempt } => self.deadline(client, attempt)?,
             Job::Deliver {
                 node,
@@ -726,7 +730,6 @@ impl World {
                     self.note(|| format!("node {n} clock jumps {by} ms"));
                     let node = &mut self.nodes[n];
                     node.skew = (node.skew + by).clamp(-20_000, 20_000);
-                    self.max_skew = self.max_skew.max(node.skew.abs());
                 }
             }
             Job::RedisDown => {
@@ -809,9 +812,16 @@ impl World {
             (cl.voucher, cl.customer, cl.order.clone())
         };
         if !self.nodes[n].up {
-            self.reply(c, attempt, Reply::Failed(EngineError::Unavailable), false);
+            self.reply(
+                n,
+                c,
+                attempt,
+                Reply::Failed(EngineError::Unavailable),
+                false,
+            );
             return Ok(());
         }
+        self.clients[c].arrive_skew = self.nodes[n].skew.abs();
         let req = ReserveRequest {
             customer_id: customer,
             order_id: order,
@@ -820,7 +830,8 @@ impl World {
         self.slot(n, v);
         let (now, stop) = (self.node_now(n), self.nodes[n].stop);
         let shared = self.nodes[n].cores[&v].shared.clone();
-        if shared.is_sold_out() && self.nodes[n].linked {
+        let window = 2 * self.settings.soldout_probe_ms;
+        if shared.trusted(now, window) && self.nodes[n].linked {
             shared.count_short_circuit(now);
             let answer = match answer_from_flag(shared.sold_out_verdict(now, &req), stop) {
                 Some(a) => a,
@@ -843,8 +854,20 @@ impl World {
             let reply = reply_of(answer);
             let code = self.vouchers[v].code.clone();
             self.note(|| format!("node {n} {code}: {} answered from the flag", req.order_id));
-            let excused = self.now < self.restock_on_way.get(&(n, v)).copied().unwrap_or(0);
-            self.reply(c, attempt, reply, excused);
+            // A RESTOCK was on its way here, published before the order was stored: the flag
+            // could not know the unit it was sold from.
+            let excused = matches!(reply, Reply::Failed(EngineError::OutOfStock))
+                && self
+                    .restock_on_way
+                    .get(&(n, v))
+                    .is_some_and(|&(until, since)| {
+                        self.now < until
+                            && self
+                                .books
+                                .stored_at(&self.clients[c].order)
+                                .is_some_and(|t| t >= since)
+                    });
+            self.reply(n, c, attempt, reply, excused);
             return Ok(());
         }
         self.feed(n, v, Event::Reserve(req, (c, attempt)));
@@ -852,8 +875,9 @@ impl World {
     }
 
     /// Sends an answer back to the client, one hop away.
-    fn reply(&mut self, client: usize, attempt: u32, reply: Reply, excused: bool) {
+    fn reply(&mut self, n: usize, client: usize, attempt: u32, reply: Reply, excused: bool) {
         let d = self.hop();
+        let skew = self.nodes[n].skew.abs();
         self.at(
             d,
             Job::Answer {
@@ -861,6 +885,7 @@ impl World {
                 attempt,
                 reply,
                 excused,
+                skew,
             },
         );
     }
@@ -902,7 +927,7 @@ impl World {
                 }
                 match command {
                     Command::Answer((client, attempt), reply) => {
-                        self.reply(client, attempt, reply, false)
+                        self.reply(n, client, attempt, reply, false)
                     }
                     Command::AnswerWarm(..) | Command::RecountSoon | Command::Limits(_) => {}
                     Command::Publish(signal) => self.publish(n, v, signal),
@@ -1097,8 +1122,9 @@ impl World {
             let copies = if self.fault("signal-dup", 5) { 2 } else { 1 };
             let gap = self.draw(10, 500);
             if dropped {
-                // Pub/sub loses messages only when a subscriber's link breaks (a full output
-                // buffer, a reset): the receiver notices, and links again.
+                // Lost at the receiver: its link broke (a full output buffer, a reset), it
+                // notices and links again. (Lost at the sender, no one notices: flags rest on
+                // their probes then; not simulated.)
                 self.out.faults_injected += 1;
                 self.unlink(node, gap);
                 continue;
@@ -1110,8 +1136,12 @@ impl World {
                     d += late;
                 }
                 if signal == Signal::Restock {
-                    let until = self.restock_on_way.entry((node, v)).or_insert(0);
-                    *until = (*until).max(self.now + d);
+                    let now = self.now;
+                    let (until, since) = self.restock_on_way.entry((node, v)).or_insert((0, 0));
+                    if *until <= now {
+                        *since = now;
+                    }
+                    *until = (*until).max(now + d);
                 }
                 self.at(
                     d,
@@ -1187,7 +1217,7 @@ impl World {
         self.at(ms, Job::Relink(n));
     }
 
-    /// What `EngineHandle::signals_link(true)` does: every flag down, every core told.
+    /// What `EngineHandle::signals_link(true)` does: every flag unconfirmed until its probe.
     fn relink(&mut self, n: usize) {
         if !self.nodes[n].up || self.nodes[n].linked {
             return;
@@ -1198,11 +1228,10 @@ impl World {
             return;
         }
         self.note(|| format!("node {n} links again"));
-        self.nodes[n].linked = true;
-        let vouchers: Vec<usize> = self.nodes[n].cores.keys().copied().collect();
-        for v in vouchers {
-            self.apply_restock(n, v);
+        for slot in self.nodes[n].cores.values() {
+            slot.shared.unverify();
         }
+        self.nodes[n].linked = true;
     }
 
     /// What `Core::apply_switches` does: a read older than what the node holds changes nothing.
@@ -1442,6 +1471,7 @@ impl World {
         attempt: u32,
         reply: Reply,
         excused: bool,
+        skew: Millis,
     ) -> Result<(), Broken> {
         let client = &self.clients[c];
         let Some((_, sent)) = client.outstanding.filter(|_| client.attempt == attempt) else {
@@ -1452,11 +1482,9 @@ impl World {
         let v = self.clients[c].voucher;
         let (code, per_user) = (self.vouchers[v].code.clone(), self.vouchers[v].per_user);
         self.out.checks += 1;
-        // How far a node's clock may have been off when it decided, plus a tick.
-        let skew = match sent >= self.calm_at {
-            true => 0,
-            false => self.max_skew,
-        } + TICK_MS;
+        // How far the node's clock may have been off when it decided (when the reserve arrived,
+        // or when it answered), plus a tick.
+        let skew = skew.max(self.clients[c].arrive_skew) + TICK_MS;
         let verdict = check::answer(
             &self.ledger,
             &mut self.books,
@@ -1520,7 +1548,13 @@ impl World {
                 Some(code),
             ));
         }
-        self.answered(c, attempt, Reply::Failed(EngineError::Unavailable), false)
+        self.answered(
+            c,
+            attempt,
+            Reply::Failed(EngineError::Unavailable),
+            false,
+            0,
+        )
     }
 
     /// The round's last checks: every acknowledged order still in the ledger as it was
