@@ -2055,4 +2055,125 @@ mod tests {
             )]
         );
     }
+
+    #[test]
+    fn reserves_a_switch_diverted_go_back_to_units_when_it_is_off_before_their_lookup() {
+        let mut rig = Rig::new();
+        rig.stop = Stop::SalesPaused;
+        let out = rig.on(Event::Reserve(req(1), 1));
+        assert!(has(&out, |c| matches!(c, Command::Lookup { .. })));
+        // A second one waits for the next lookup; sales resume meanwhile.
+        rig.on(Event::Reserve(req(2), 2));
+        rig.stop = Stop::No;
+        let out = rig.on(Event::LookedUp(Ok(vec![Err(EngineError::NotEligible(
+            Ineligible::Paused,
+        ))])));
+        assert!(!has(&out, |c| matches!(c, Command::Lookup { .. })));
+        assert!(has(&out, |c| matches!(c, Command::Grant { .. })));
+    }
+
+    #[test]
+    fn an_empty_handed_core_probes_the_ledger_before_its_flag_is_up() {
+        let mut rig = Rig::new();
+        rig.on(Event::Reserve(req(1), 1));
+        rig.on(Event::Granted(empty(0, 7)));
+        assert!(!rig.shared.is_sold_out(), "the winners are still loading");
+        rig.now += rig.core.settings.soldout_probe_ms;
+        let out = rig.on(Event::Tick);
+        assert!(has(&out, |c| matches!(c, Command::Grant { .. })));
+    }
+
+    #[test]
+    fn a_drained_core_keeps_only_the_lease_a_batch_is_on() {
+        let mut rig = Rig::new();
+        rig.served(1, 10);
+        rig.core.start_grant();
+        rig.out();
+        rig.on(Event::Granted(lease(8, 5, 0)));
+        assert_eq!(rig.core.room(), 9 + 5);
+        rig.on(Event::Drain);
+        assert_eq!(
+            rig.core.room(),
+            9,
+            "lease 7 (batch in flight) stays, 8 goes"
+        );
+    }
+
+    #[test]
+    fn the_pre_start_cap_is_a_share_of_what_the_first_grant_saw() {
+        let mut rig = Rig::new();
+        let mut later = voucher(100);
+        later.starts_at = T0 + 60_000;
+        rig.on(Event::Reload(later));
+        rig.on(Event::Warm(5));
+        rig.on(Event::Granted(lease(7, 4, 96)));
+        let p = rig.core.sizing;
+        let cap = (100 / p.endgame_divisor).max(p.min_block).min(p.max_block);
+        assert_eq!(rig.core.prestart_cap, Some(cap));
+    }
+
+    #[test]
+    fn a_batch_landing_with_no_room_left_does_not_lift_a_down_hold() {
+        let mut rig = Rig::new();
+        let (id, _) = rig.served(1, 1);
+        // The lease is used up; the next grant fails: hold Down.
+        rig.core.start_grant();
+        rig.out();
+        rig.on(Event::Granted(Err(failed())));
+        rig.created(id, 1);
+        assert_eq!(rig.core.room(), 0);
+        let out = rig.on(Event::Reserve(req(2), 2));
+        assert_eq!(answers(&out), [(2, "Unavailable".to_string())]);
+        assert!(!has(&out, |c| matches!(c, Command::Grant { .. })));
+    }
+
+    #[test]
+    fn sold_out_elsewhere_asks_the_ledger_only_when_this_node_has_no_flag() {
+        let mut rig = Rig::new();
+        rig.shared
+            .set_sold_out(rig.shared.restock_epoch(), vec![], 1, 16);
+        let out = rig.on(Event::SoldOutElsewhere);
+        assert!(!has(&out, |c| matches!(c, Command::Grant { .. })));
+        rig.shared.restock();
+        let out = rig.on(Event::SoldOutElsewhere);
+        assert!(has(&out, |c| matches!(c, Command::Grant { .. })));
+    }
+
+    #[test]
+    fn a_clock_that_jumps_back_does_not_postpone_the_sold_out_probe() {
+        let mut rig = Rig::new();
+        let probe = rig.core.settings.soldout_probe_ms;
+        rig.shared
+            .set_sold_out(rig.shared.restock_epoch(), vec![], 1, 16);
+        // Under a clock 8 s ahead, a probe sets the next one 8 s too far.
+        rig.now += 8000;
+        let out = rig.on(Event::Tick);
+        assert!(has(&out, |c| matches!(c, Command::Grant { .. })));
+        rig.on(Event::Granted(empty(0, 0)));
+        rig.now -= 8000;
+        rig.on(Event::Tick);
+        rig.now += probe;
+        let out = rig.on(Event::Tick);
+        assert!(has(&out, |c| matches!(c, Command::Grant { .. })));
+    }
+
+    #[test]
+    fn only_a_warmed_voucher_counts_pre_start_requests_as_demand() {
+        let mut rig = Rig::new();
+        let mut later = voucher(100);
+        later.starts_at = T0 + 60_000;
+        rig.on(Event::Reload(later));
+        for n in 1..=5 {
+            let out = rig.on(Event::Reserve(req(n), n));
+            assert_eq!(answers(&out).len(), 1, "422 NOT_STARTED at once");
+        }
+        rig.now += 1000;
+        assert_eq!(rig.core.rate.per_sec(rig.now), 0.0);
+        rig.on(Event::Warm(9));
+        for n in 6..=10 {
+            rig.on(Event::Reserve(req(n), n));
+        }
+        rig.now += 1000;
+        assert!(rig.core.rate.per_sec(rig.now) > 0.0);
+    }
 }

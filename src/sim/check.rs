@@ -9,6 +9,7 @@ use crate::clock::Millis;
 use crate::domain::{Ineligible, Reservation, ReservationStatus};
 use crate::engine::quota::Reply;
 use crate::engine::EngineError;
+use crate::ledger::model::ModelLedger;
 use crate::ledger::{Counters, LedgerError, RowOutcome, SharedLedger};
 
 /// What the clients were told, and when the ledger stored each order.
@@ -94,12 +95,30 @@ pub(super) fn counters(ledger: &SharedLedger, code: &str) -> Result<Counters, Br
 }
 
 /// DESIGN §3's accounting equation, recomputed from the rows, and never more sold than the
-/// total.
-pub(super) fn balanced(ledger: &SharedLedger, code: &str) -> Result<(), Broken> {
+/// total; the ACTIVE leases with units left add up to the counters' unused units.
+pub(super) fn balanced(
+    ledger: &SharedLedger,
+    code: &str,
+    model: &ModelLedger,
+) -> Result<(), Broken> {
     let c = counters(ledger, code)?;
     if !c.balanced || c.reserved + c.confirmed > c.total_limit {
         return Err((
             format!("accounting: {code} is off: {c:?}"),
+            Some(code.into()),
+        ));
+    }
+    let leases = model.unused_leases(code);
+    let unused: i64 = leases.iter().map(|(_, _, u, _)| u).sum();
+    let odd = leases
+        .iter()
+        .any(|(id, h, u, _)| *id < 1 || h.is_empty() || *u < 1);
+    if unused != c.leased_unused || odd {
+        return Err((
+            format!(
+                "accounting: {code}'s leases {leases:?} do not add up to {} unused",
+                c.leased_unused
+            ),
             Some(code.into()),
         ));
     }

@@ -1093,7 +1093,7 @@ impl World {
 
     fn check_voucher(&mut self, v: usize) -> Result<(), Broken> {
         self.out.checks += 1;
-        check::balanced(&self.ledger, &self.vouchers[v].code)
+        check::balanced(&self.ledger, &self.vouchers[v].code, &self.model)
     }
 
     /// Units went back to `free` on node `n`: its own flag comes down, and the cluster hears.

@@ -66,8 +66,51 @@ pub async fn conformance(l: SharedLedger) {
     merged_batches_settle_each_batch_on_its_own(&l).await;
     an_order_id_is_not_taken_by_a_row_that_never_inserts(&l).await;
     holders_that_stop_beating_are_reaped_at_once(&l).await;
+    pre_heat_finds_active_vouchers_starting_within_the_window(&l).await;
+    a_voucher_the_schema_refuses_is_not_created(&l).await;
     // Last: it checks the feed of every change the checks above made.
     the_feed_tells_every_change_once_in_order(&l).await;
+}
+
+/// `starting_between(from, to)`: active vouchers whose sale starts after `from`, no later than
+/// `to`; a paused one is not warmed.
+async fn pre_heat_finds_active_vouchers_starting_within_the_window(l: &SharedLedger) {
+    let starts = NOW + 7_777_000;
+    let mut soon = voucher("SOON", 5, 1);
+    soon.starts_at = starts;
+    let mut paused = voucher("SOON-PAUSED", 5, 1);
+    paused.starts_at = starts;
+    paused.status = VoucherStatus::Paused;
+    l.create_voucher(&soon, NOW).await.unwrap();
+    l.create_voucher(&paused, NOW).await.unwrap();
+    let found = |from, to| async move { l.starting_between(from, to).await.unwrap() };
+    assert_eq!(found(starts - 1, starts).await, vec!["SOON".to_string()]);
+    assert!(
+        found(starts, starts + 1000).await.is_empty(),
+        "starts after `from`"
+    );
+    assert!(
+        found(starts - 1000, starts - 1).await.is_empty(),
+        "no later than `to`"
+    );
+}
+
+/// Each rule of a voucher's row on its own (one bad field, the rest right) refuses the whole
+/// voucher, and nothing is created.
+async fn a_voucher_the_schema_refuses_is_not_created(l: &SharedLedger) {
+    type Spoil = fn(&mut Voucher);
+    let bad: [(&str, Spoil); 4] = [
+        ("BAD-DISCOUNT", |v| v.discount_amount = -1),
+        ("BAD-MIN", |v| v.min_order_amount = -1),
+        ("BAD-TOTAL", |v| v.total_limit = -1),
+        ("BAD-LIMIT", |v| v.per_user_limit = 0),
+    ];
+    for (code, spoil) in bad {
+        let mut v = voucher(code, 5, 1);
+        spoil(&mut v);
+        assert!(l.create_voucher(&v, NOW).await.is_err(), "{code}");
+        assert!(l.voucher(code).await.unwrap().is_none(), "{code}");
+    }
 }
 
 /// Wall-clock milliseconds: liveness is judged on the ledger's clock, which on PostgreSQL is the
