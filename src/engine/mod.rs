@@ -540,13 +540,15 @@ impl EngineHandle {
                 // The actor stopped: its successor's row.
                 *entry = self.core.entry(code);
             }
-            let window = 2 * self.core.settings.soldout_probe_ms;
-            if entry.shared.trusted(self.now_ms(), window)
-                && self.core.signals_up.load(Ordering::Acquire)
+            let now = self.now_ms();
+            if self.core.signals_up.load(Ordering::Acquire)
+                && entry
+                    .shared
+                    .trusted(now, self.core.settings.soldout_probe_ms)
             {
                 m::sold_out_short_circuit();
-                entry.shared.count_short_circuit(self.now_ms());
-                let res = self.answer_sold_out(code, &req, &entry.shared).await;
+                entry.shared.count_short_circuit(now);
+                let res = self.answer_sold_out(code, &req, &entry.shared, now).await;
                 m::reservation(outcome_of(&res));
                 return res;
             }
@@ -597,8 +599,8 @@ impl EngineHandle {
         code: &str,
         req: &ReserveRequest,
         shared: &VoucherShared,
+        now: Millis,
     ) -> Result<Reserved, EngineError> {
-        let now = self.now_ms();
         let stop = self.core.stop();
         match answer_from_flag(shared.sold_out_verdict(now, req), stop) {
             Some(answer) => answer,

@@ -127,9 +127,10 @@ impl VoucherShared {
         self.sold_out.load(Ordering::Acquire)
     }
 
-    /// The flag is up and the ledger confirmed it within `window_ms` of `now`.
-    pub fn trusted(&self, now: Millis, window_ms: Millis) -> bool {
-        self.is_sold_out() && now - self.verified_at.load(Ordering::Acquire) <= window_ms
+    /// The flag is up and the ledger confirmed it within two probe intervals (`probe_ms`) of
+    /// `now`: one probe may fail or come late before the flag stops answering.
+    pub fn trusted(&self, now: Millis, probe_ms: Millis) -> bool {
+        self.is_sold_out() && now - self.verified_at.load(Ordering::Acquire) <= 2 * probe_ms
     }
 
     /// The ledger confirmed the flag and its winners at `now`.

@@ -830,8 +830,7 @@ impl World {
         self.slot(n, v);
         let (now, stop) = (self.node_now(n), self.nodes[n].stop);
         let shared = self.nodes[n].cores[&v].shared.clone();
-        let window = 2 * self.settings.soldout_probe_ms;
-        if shared.trusted(now, window) && self.nodes[n].linked {
+        if self.nodes[n].linked && shared.trusted(now, self.settings.soldout_probe_ms) {
             shared.count_short_circuit(now);
             let answer = match answer_from_flag(shared.sold_out_verdict(now, &req), stop) {
                 Some(a) => a,
