@@ -1466,6 +1466,18 @@ mod tests {
             self.core.commands().collect()
         }
 
+        /// The core asks the ledger for units (whatever it was doing).
+        fn asks_for_units(&mut self) {
+            self.core.start_grant();
+            self.out();
+        }
+
+        /// The core asks for units and the grant fails.
+        fn grant_fails(&mut self) {
+            self.asks_for_units();
+            self.on(Event::Granted(Err(failed())));
+        }
+
         /// Batch `id` lands with order `n` created.
         fn created(&mut self, id: u64, n: u32) -> Out {
             self.on(Event::Committed {
@@ -1696,8 +1708,7 @@ mod tests {
         let (id, _) = rig.served(1, 1);
         rig.on(Event::Reserve(req(2), 2));
         rig.core.granting = None;
-        rig.core.start_grant();
-        rig.out();
+        rig.asks_for_units();
         rig.created(id, 1);
         // The grant counted our batch's unit as leased: no hold, it is asked again.
         let out = rig.on(Event::Granted(empty(1, 1)));
@@ -1873,9 +1884,7 @@ mod tests {
         let mut rig = Rig::new();
         let (id, _) = rig.served(1, 10);
         rig.created(id, 1);
-        rig.core.start_grant();
-        rig.out();
-        rig.on(Event::Granted(Err(failed())));
+        rig.grant_fails();
         rig.now += ORPHAN_CHECK_MS - 1;
         let out = rig.on(Event::Tick);
         assert!(!has(&out, |c| matches!(c, Command::FindLeases)));
@@ -1901,13 +1910,10 @@ mod tests {
     #[test]
     fn a_listing_answered_while_a_grant_is_out_is_settled_when_the_grant_answers() {
         let mut rig = Rig::new();
-        rig.core.start_grant();
-        rig.out();
-        rig.on(Event::Granted(Err(failed())));
+        rig.grant_fails();
         rig.now += ORPHAN_CHECK_MS;
         rig.on(Event::Tick);
-        rig.core.start_grant();
-        rig.out();
+        rig.asks_for_units();
         // 99 may be the grant's that is out: nothing goes back yet.
         let out = rig.on(Event::Found(Ok(vec![98, 99])));
         assert!(!has(&out, |c| matches!(c, Command::Return { .. })));
@@ -1929,15 +1935,11 @@ mod tests {
     #[test]
     fn a_grant_failing_while_the_listing_is_out_gets_a_listing_of_its_own() {
         let mut rig = Rig::new();
-        rig.core.start_grant();
-        rig.out();
-        rig.on(Event::Granted(Err(failed())));
+        rig.grant_fails();
         rig.now += ORPHAN_CHECK_MS;
         let out = rig.on(Event::Tick);
         assert!(has(&out, |c| matches!(c, Command::FindLeases)));
-        rig.core.start_grant();
-        rig.out();
-        rig.on(Event::Granted(Err(failed())));
+        rig.grant_fails();
         rig.on(Event::Found(Ok(vec![])));
         rig.now += ORPHAN_CHECK_MS;
         let out = rig.on(Event::Tick);
@@ -2087,8 +2089,7 @@ mod tests {
     fn a_drained_core_keeps_only_the_lease_a_batch_is_on() {
         let mut rig = Rig::new();
         rig.served(1, 10);
-        rig.core.start_grant();
-        rig.out();
+        rig.asks_for_units();
         rig.on(Event::Granted(lease(8, 5, 0)));
         assert_eq!(rig.core.room(), 9 + 5);
         rig.on(Event::Drain);
@@ -2117,9 +2118,7 @@ mod tests {
         let mut rig = Rig::new();
         let (id, _) = rig.served(1, 1);
         // The lease is used up; the next grant fails: hold Down.
-        rig.core.start_grant();
-        rig.out();
-        rig.on(Event::Granted(Err(failed())));
+        rig.grant_fails();
         rig.created(id, 1);
         assert_eq!(rig.core.room(), 0);
         let out = rig.on(Event::Reserve(req(2), 2));

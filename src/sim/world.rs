@@ -983,7 +983,6 @@ impl World {
         if fail_before || lose_answer || late || late_commit {
             self.out.faults_injected += 1;
         }
-        let failed = || LedgerError::Unavailable(sqlx::Error::PoolTimedOut);
         let holder = holder_name(&self.nodes[n].name, inc);
         let code = self.vouchers[v].code.clone();
         let ledger = self.ledger.clone();
@@ -1343,11 +1342,9 @@ impl World {
                 self.out.faults_injected += 1;
                 if let Ok((voucher, restock)) = ready(self.ledger.update_voucher(&code, &patch)) {
                     self.note(|| format!("{code} total raised to {}", voucher.total_limit));
-                    if self.nodes[n].up && self.nodes[n].cores.contains_key(&v) {
-                        self.feed(n, v, Event::Reload(voucher));
-                    }
+                    self.feed(n, v, Event::Reload(voucher));
                     self.publish(n, v, Signal::Updated);
-                    if let (Some(r), true) = (restock, self.nodes[n].up) {
+                    if let Some(r) = restock {
                         self.restocked(n, r);
                     }
                 }
@@ -1362,7 +1359,7 @@ impl World {
                 if let Ok((_, restock)) = ready(self.ledger.release(&code, &order, now)) {
                     self.note(|| format!("{code} {order} released"));
                     self.books.released(&order);
-                    if let (Some(r), true) = (restock, self.nodes[n].up) {
+                    if let Some(r) = restock {
                         self.restocked(n, r);
                     }
                 }
@@ -1575,9 +1572,13 @@ fn reply_of(answer: Result<Reserved, EngineError>) -> Reply {
     }
 }
 
+/// A ledger call that failed (or whose answer was lost), as its caller sees it.
+fn failed() -> LedgerError {
+    LedgerError::Unavailable(sqlx::Error::PoolTimedOut)
+}
+
 /// The same answer, lost on the way back: the call applied, the caller sees a failure.
 fn lost(event: Event<Tag, ()>) -> Event<Tag, ()> {
-    let failed = || LedgerError::Unavailable(sqlx::Error::PoolTimedOut);
     match event {
         Event::VoucherRead { first, .. } => Event::VoucherRead {
             first,
