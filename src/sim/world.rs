@@ -989,11 +989,7 @@ impl World {
         let event = match call {
             Command::ReadVoucher { first } => Event::VoucherRead {
                 first,
-                res: if fail_before {
-                    Err(failed())
-                } else {
-                    ready(ledger.voucher(&code))
-                },
+                res: attempt(fail_before, || ready(ledger.voucher(&code))),
             },
             Command::Commit { id, batch } if late_commit && !fail_before => {
                 self.at(slow, Job::LateCommit { voucher: v, batch });
@@ -1004,41 +1000,31 @@ impl World {
             }
             Command::Commit { id, batch } => Event::Committed {
                 id,
-                res: if fail_before {
-                    Err(failed())
-                } else {
+                res: attempt(fail_before, || {
                     let res = ready(ledger.commit_batch(&batch));
                     self.books.stored(&res, self.now);
                     res
-                },
+                }),
             },
-            Command::Grant { want, now, ttl_ms } => Event::Granted(if fail_before {
-                Err(failed())
-            } else {
+            Command::Grant { want, now, ttl_ms } => Event::Granted(attempt(fail_before, || {
                 ready(ledger.grant(&code, &holder, want, now, ttl_ms))
-            }),
-            Command::FindLeases => Event::Found(if fail_before {
-                Err(failed())
-            } else {
+            })),
+            Command::FindLeases => Event::Found(attempt(fail_before, || {
                 ready(ledger.active_leases(&code, &holder))
-            }),
+            })),
             Command::Renew {
                 lease_ids,
                 now,
                 ttl_ms,
-            } => Event::Renewed(if fail_before {
-                Err(failed())
-            } else {
+            } => Event::Renewed(attempt(fail_before, || {
                 ready(ledger.renew(&lease_ids, &holder, now, ttl_ms))
-            }),
+            })),
             Command::Lookup {
                 reqs,
                 voucher,
                 now,
                 stop,
-            } => Event::LookedUp(if fail_before {
-                Err(failed())
-            } else {
+            } => Event::LookedUp(attempt(fail_before, || {
                 ready(settle_without_units(
                     &ledger,
                     &code,
@@ -1047,14 +1033,10 @@ impl World {
                     &reqs,
                     stop,
                 ))
-            }),
+            })),
             Command::LoadWinners(verdict) => Event::WinnersLoaded(
                 verdict,
-                if fail_before {
-                    Err(failed())
-                } else {
-                    ready(ledger.won_orders(&code))
-                },
+                attempt(fail_before, || ready(ledger.won_orders(&code))),
             ),
             Command::Return { lease_id, now } => {
                 let alive = self.nodes[n].inc == inc && self.nodes[n].up;
@@ -1569,6 +1551,18 @@ fn reply_of(answer: Result<Reserved, EngineError>) -> Reply {
         Ok(r) if r.replayed => Reply::Replayed(r.reservation),
         Ok(r) => Reply::Created(r.reservation),
         Err(e) => Reply::Failed(e),
+    }
+}
+
+/// `call`'s answer, or the failure its caller sees when the call `fails` before it applies.
+fn attempt<T>(
+    fails: bool,
+    call: impl FnOnce() -> Result<T, LedgerError>,
+) -> Result<T, LedgerError> {
+    if fails {
+        Err(failed())
+    } else {
+        call()
     }
 }
 
