@@ -167,8 +167,10 @@ BEGIN
         DELETE FROM customer_usage u
         USING (SELECT DISTINCT q.code, q.c FROM q) d
         WHERE u.voucher_code = d.code AND u.customer_id = d.c AND u.used = 0
-          AND NOT EXISTS (SELECT 1 FROM ins
-                          WHERE ins.voucher_code = d.code AND ins.customer_id = d.c)
+          -- NOT IN over the inserted pairs is one hashed lookup per row; an anti-join to the
+          -- CTE was planned as a nested loop (the generic plan takes `ins` for one row), which
+          -- is quadratic in the batch.
+          AND (d.code, d.c) NOT IN (SELECT ins.voucher_code, ins.customer_id FROM ins)
     )
     SELECT array_agg(o.idx ORDER BY o.idx), array_agg(o.verdict ORDER BY o.idx),
            array_agg(o.discount ORDER BY o.idx), array_agg(o.s_voucher ORDER BY o.idx),

@@ -61,6 +61,8 @@ pub struct SqliteLedger {
     /// The one connection every write goes through.
     writer: SqlitePool,
     reader: SqlitePool,
+    /// The background checkpointer ([`checkpoint_every`]), stopped with the ledger.
+    checkpoints: tokio::task::AbortHandle,
 }
 
 impl SqliteLedger {
@@ -70,27 +72,80 @@ impl SqliteLedger {
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(SqliteSynchronous::Full)
             .foreign_keys(true)
-            .busy_timeout(Duration::from_secs(5));
+            .busy_timeout(Duration::from_secs(5))
+            // Statement journals (a multi-row insert inside a transaction keeps one) in memory,
+            // not in a temporary file opened, written and unlinked at every merged commit.
+            .pragma("temp_store", "memory");
         if let Some(dir) = options.get_filename().parent() {
             if !dir.as_os_str().is_empty() {
                 std::fs::create_dir_all(dir).map_err(sqlx::Error::Io)?;
             }
         }
         // A local file: no ping before each use.
+        // The writer checkpoints only as a backstop, when the log passes WAL_BACKSTOP_PAGES;
+        // the checkpointer below normally copies the log back first, off the writer's thread.
         let writer = SqlitePoolOptions::new()
             .max_connections(1)
             .test_before_acquire(false)
             .acquire_timeout(Duration::from_secs(5))
-            .connect_with(options.clone())
+            .connect_with(
+                options
+                    .clone()
+                    .pragma("wal_autocheckpoint", WAL_BACKSTOP_PAGES.to_string()),
+            )
             .await?;
         migrate(&writer).await?;
         let reader = SqlitePoolOptions::new()
             .max_connections(readers.max(1))
             .test_before_acquire(false)
             .acquire_timeout(Duration::from_secs(5))
-            .connect_with(options.read_only(true))
+            .connect_with(options.clone().read_only(true))
             .await?;
-        Ok(Self { writer, reader })
+        let checkpointer = SqlitePoolOptions::new()
+            .max_connections(1)
+            .test_before_acquire(false)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_with(options)
+            .await?;
+        let checkpoints = tokio::spawn(checkpoint_every(checkpointer, CHECKPOINT_EVERY));
+        Ok(Self {
+            writer,
+            reader,
+            checkpoints: checkpoints.abort_handle(),
+        })
+    }
+}
+
+impl Drop for SqliteLedger {
+    fn drop(&mut self) {
+        self.checkpoints.abort();
+    }
+}
+
+/// How often the checkpointer copies the write-ahead log back into the database file.
+const CHECKPOINT_EVERY: Duration = Duration::from_millis(100);
+
+/// The log's size, in pages, at which a commit checkpoints by itself (SQLite's default is 1000):
+/// reached only if the checkpointer falls behind or stops, so the log stays bounded either way.
+const WAL_BACKSTOP_PAGES: u32 = 20_000;
+
+/// Copies the write-ahead log back into the database file every `every`, on a connection of its
+/// own (sqlx runs it on that connection's worker thread). A merged commit would otherwise run
+/// the checkpoint itself every thousand pages, holding every batch behind it while it copies;
+/// and a page that several commits rewrote within one interval is copied once, not once per
+/// checkpoint. `PASSIVE` never waits for the writer or the readers: it copies what it can and
+/// the next round copies the rest.
+async fn checkpoint_every(pool: SqlitePool, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if let Err(e) = sqlx::query("PRAGMA wal_checkpoint(PASSIVE)")
+            .execute(&pool)
+            .await
+        {
+            tracing::warn!(error = %e, "wal checkpoint failed; the writer's backstop still holds");
+        }
     }
 }
 
