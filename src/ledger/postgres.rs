@@ -90,6 +90,7 @@ const MIGRATIONS: &[(i64, &str)] = &[
 const REPEATABLE: &[&str] = &[
     include_str!("../../migrations/postgres/0002_merged_commit.sql"),
     include_str!("../../migrations/postgres/0008_settle.sql"),
+    include_str!("../../migrations/postgres/grant.sql"),
 ];
 
 /// An arbitrary constant that names this schema's migration lock.
@@ -317,61 +318,36 @@ impl Ledger for PostgresLedger {
         now: Millis,
         ttl_ms: i64,
     ) -> Result<Grant, LedgerError> {
-        let mut tx = self.pool.begin().await?;
-        let free: i64 = sqlx::query_scalar("SELECT free FROM vouchers WHERE code = $1 FOR UPDATE")
-            .bind(code)
-            .fetch_optional(&mut *tx)
-            .await?
-            .ok_or(LedgerError::NotFound)?;
-        let units = want.max(1).min(free);
-        let (leased_unused, lease, ever_reserved): (i64, Option<Lease>, Option<i64>) = if units > 0
-        {
-            let expires_at = now + ttl_ms;
-            let (unused, id): (i64, i64) = sqlx::query_as(
-                "WITH taken AS (UPDATE vouchers SET free = free - $2 WHERE code = $1), \
-                      unused AS (SELECT COALESCE(SUM(granted - consumed), 0)::BIGINT AS n \
-                                 FROM leases WHERE voucher_code = $1 AND state = 'ACTIVE') \
-                 INSERT INTO leases (voucher_code, node_id, granted, consumed, state, granted_at, \
-                                     expires_at) \
-                 SELECT $1, $3, $2, 0, 'ACTIVE', $4, $5 FROM unused RETURNING (SELECT n FROM unused), id",
-            )
-            .bind(code)
-            .bind(units)
-            .bind(node)
-            .bind(now)
-            .bind(expires_at)
-            .fetch_one(&mut *tx)
-            .await?;
-            (
-                unused,
-                Some(Lease {
-                    id,
-                    granted: units,
-                    expires_at,
-                }),
-                None,
-            )
-        } else {
-            let (unused, ever): (i64, i64) = sqlx::query_as(
-                "SELECT COALESCE(SUM(granted - consumed) FILTER (WHERE state = 'ACTIVE'), 0)::BIGINT, \
-                        COALESCE(SUM(consumed), 0)::BIGINT \
-                 FROM leases WHERE voucher_code = $1",
-            )
-            .bind(code)
-            .fetch_one(&mut *tx)
-            .await?;
-            (unused, None, Some(ever))
-        };
-        if let Err(e) = tx.commit().await {
-            if let sqlx::Error::Database(d) = &e {
+        // One round trip: `vouchers_grant` (migrations/postgres/grant.sql) locks the voucher,
+        // moves the units and inserts the lease; the deferred check runs as the call commits.
+        let expires_at = now + ttl_ms;
+        let row: Option<(i64, i64, i64, Option<i64>, Option<i64>)> = sqlx::query_as(
+            "SELECT out_free, out_units, out_unused, out_lease, out_ever \
+             FROM vouchers_grant($1, $2, $3, $4, $5)",
+        )
+        .bind(code)
+        .bind(node)
+        .bind(want)
+        .bind(now)
+        .bind(expires_at)
+        .fetch_optional(&self.pool)
+        .await
+        .inspect_err(|e| {
+            if let sqlx::Error::Database(d) = e {
                 if d.code().as_deref() == Some("23514") {
                     // DESIGN §3's last line held where the books had already gone wrong.
-                    tracing::error!(code, units, error = %d, "a grant would pass total_limit: refused");
+                    tracing::error!(code, want, error = %d, "a grant would pass total_limit: refused");
                     crate::metrics::ledger_error("grant_past_total");
                 }
             }
-            return Err(e.into());
-        }
+        })?;
+        let (free, units, leased_unused, lease_id, ever_reserved) =
+            row.ok_or(LedgerError::NotFound)?;
+        let lease = lease_id.map(|id| Lease {
+            id,
+            granted: units,
+            expires_at,
+        });
         Ok(Grant {
             lease,
             free_after: free - units,

@@ -1,0 +1,54 @@
+-- A lease grant in one round trip (DESIGN §2, the lease protocol). Applied at every start (it is
+-- `CREATE OR REPLACE`), like the merged commit.
+--
+-- The voucher row is locked first; every later statement of the function takes a new snapshot,
+-- so the active leases it sums include every grant committed before the lock was had. Then
+-- `min(want, free)` units (at least one asked for) move from `free` into a new ACTIVE lease. The
+-- deferred trigger `leases_grant_within_total` (migration 9) checks DESIGN §3's last line when
+-- the call's transaction commits.
+--
+-- No row: no such voucher. Otherwise one row: `free` before the grant, the units granted (0: the
+-- ledger is empty), the unused units of the active leases before this one, the new lease's id
+-- (NULL when nothing was granted) and, only when nothing was granted, every unit ever consumed
+-- from a lease.
+CREATE OR REPLACE FUNCTION vouchers_grant(
+    p_code    TEXT,
+    p_node    TEXT,
+    p_want    BIGINT,
+    p_now     BIGINT,
+    p_expires BIGINT
+) RETURNS TABLE (
+    out_free   BIGINT,
+    out_units  BIGINT,
+    out_unused BIGINT,
+    out_lease  BIGINT,
+    out_ever   BIGINT
+)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    v_free  BIGINT;
+    v_units BIGINT;
+BEGIN
+    SELECT free INTO v_free FROM vouchers WHERE code = p_code FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    v_units := LEAST(GREATEST(p_want, 1), v_free);
+    IF v_units > 0 THEN
+        UPDATE vouchers SET free = free - v_units WHERE code = p_code;
+        RETURN QUERY
+        WITH unused AS (SELECT COALESCE(SUM(granted - consumed), 0)::BIGINT AS n
+                        FROM leases WHERE voucher_code = p_code AND state = 'ACTIVE')
+        INSERT INTO leases (voucher_code, node_id, granted, consumed, state, granted_at, expires_at)
+        SELECT p_code, p_node, v_units, 0, 'ACTIVE', p_now, p_expires FROM unused
+        RETURNING v_free, v_units, (SELECT n FROM unused), id, NULL::BIGINT;
+    ELSE
+        RETURN QUERY
+        SELECT v_free, 0::BIGINT,
+               COALESCE(SUM(granted - consumed) FILTER (WHERE state = 'ACTIVE'), 0)::BIGINT,
+               NULL::BIGINT, COALESCE(SUM(consumed), 0)::BIGINT
+        FROM leases WHERE voucher_code = p_code;
+    END IF;
+END
+$$;
