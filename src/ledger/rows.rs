@@ -172,15 +172,3 @@ pub fn group_restocks(rows: Vec<(String, i64)>) -> Vec<Restock> {
     out.sort_by(|a, b| a.voucher_code.cmp(&b.voucher_code));
     out
 }
-
-/// Counts released reservations per `(voucher, customer)`: `(code, customer, n)`.
-pub fn per_customer(released: &[(String, i64)]) -> Vec<(String, i64, i64)> {
-    let mut counts: HashMap<(String, i64), i64> = HashMap::new();
-    for (code, customer) in released {
-        *counts.entry((code.clone(), *customer)).or_insert(0) += 1;
-    }
-    let mut list: Vec<(String, i64, i64)> =
-        counts.into_iter().map(|((c, cu), n)| (c, cu, n)).collect();
-    list.sort();
-    list
-}

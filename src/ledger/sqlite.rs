@@ -20,9 +20,9 @@ use sqlx::sqlite::{
 use super::merged::{plan_merged, LeaseRoom, MergedReads, MergedWrites, Rules};
 use super::rows::settled_events;
 use super::rows::{
-    event_from, group_restocks, limit_column, per_customer, reservation_from, switches_from,
-    voucher_from, EventRow, FEED_ORIGIN_SQL, LIVE_CODES_SQL, RESERVATION_COLUMNS, SET_SWITCHES_SQL,
-    STARTING_SQL, SWITCHES_SQL, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
+    event_from, group_restocks, limit_column, reservation_from, switches_from, voucher_from,
+    EventRow, FEED_ORIGIN_SQL, LIVE_CODES_SQL, RESERVATION_COLUMNS, SET_SWITCHES_SQL, STARTING_SQL,
+    SWITCHES_SQL, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
 };
 use super::sqlite_raw as raw;
 use super::{
@@ -55,6 +55,10 @@ const MIGRATIONS: &[(i64, &str)] = &[
     (3, include_str!("../../migrations/sqlite/0003_switches.sql")),
     (4, include_str!("../../migrations/sqlite/0004_feed.sql")),
     (5, include_str!("../../migrations/sqlite/0005_nodes.sql")),
+    (
+        6,
+        include_str!("../../migrations/sqlite/0006_usage_from_rows.sql"),
+    ),
 ];
 
 pub struct SqliteLedger {
@@ -595,8 +599,9 @@ impl Ledger for SqliteLedger {
         customers: &[i64],
     ) -> Result<Vec<(i64, i64)>, LedgerError> {
         Ok(sqlx::query_as(
-            "SELECT customer_id, used FROM customer_usage \
-             WHERE voucher_code = ? AND customer_id IN (SELECT value FROM json_each(?))",
+            "SELECT customer_id, COUNT(*) FROM reservations \
+             WHERE voucher_code = ? AND customer_id IN (SELECT value FROM json_each(?)) \
+               AND status <> 'RELEASED' GROUP BY customer_id",
         )
         .bind(code)
         .bind(json_list(customers))
@@ -721,7 +726,7 @@ impl Ledger for SqliteLedger {
         .fetch_one(&mut *tx)
         .await?;
         let usage: i64 = sqlx::query_scalar(
-            "SELECT COALESCE(SUM(used), 0) FROM customer_usage WHERE voucher_code = ?",
+            "SELECT COUNT(*) FROM reservations WHERE voucher_code = ? AND status <> 'RELEASED'",
         )
         .bind(code)
         .fetch_one(&mut *tx)
@@ -844,8 +849,8 @@ async fn give_back(
     Ok(restocks)
 }
 
-/// Counter side of releasing reservations (already marked RELEASED): each unit back to `free`,
-/// each customer's usage down by one.
+/// Counter side of releasing reservations (already marked RELEASED): each unit back to `free`.
+/// Each customer's usage drops by itself (it counts the rows that are not RELEASED).
 async fn release_units(
     tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
     released: &[(String, i64)],
@@ -866,16 +871,7 @@ async fn release_units(
     .bind(json_list(&list))
     .execute(&mut **tx)
     .await?;
-    let list = per_customer(released);
-    sqlx::query(
-        "UPDATE customer_usage SET used = used - d.n \
-         FROM (SELECT json_extract(value, '$[0]') AS code, json_extract(value, '$[1]') AS customer, \
-                      json_extract(value, '$[2]') AS n FROM json_each(?)) AS d \
-         WHERE customer_usage.voucher_code = d.code AND customer_usage.customer_id = d.customer",
-    )
-    .bind(json_list(&list))
-    .execute(&mut **tx)
-    .await?;
+    // The customers' usage follows by itself: it counts their rows that are not RELEASED.
     Ok(restocks)
 }
 
@@ -943,9 +939,12 @@ fn read_merged(db: &raw::Db, batches: &[Batch]) -> Result<MergedReads, LedgerErr
         })
         .collect();
     let mut q = db.query(
-        "SELECT u.voucher_code, u.customer_id, u.used FROM json_each(?1) AS j \
-         JOIN customer_usage u ON u.voucher_code = json_extract(j.value, '$[0]') \
-           AND u.customer_id = json_extract(j.value, '$[1]')",
+        "SELECT r.voucher_code, r.customer_id, COUNT(*) FROM \
+           (SELECT DISTINCT json_extract(value, '$[0]') AS code, \
+                   json_extract(value, '$[1]') AS customer FROM json_each(?1)) AS j \
+         JOIN reservations r ON r.voucher_code = j.code AND r.customer_id = j.customer \
+           AND r.status <> 'RELEASED' \
+         GROUP BY r.voucher_code, r.customer_id",
         &json_list(&pairs),
     )?;
     while q.step()? {
@@ -1015,13 +1014,7 @@ fn write_merged(db: &raw::Db, w: &MergedWrites) -> Result<(), LedgerError> {
             "reservation insert count mismatch".into(),
         )));
     }
-    db.run(db.query(
-        "INSERT INTO customer_usage (voucher_code, customer_id, used) \
-         SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]'), json_extract(value, '$[2]') \
-         FROM json_each(?1) WHERE true \
-         ON CONFLICT (voucher_code, customer_id) DO UPDATE SET used = used + excluded.used",
-        &json_list(&w.usage),
-    )?)?;
+    // The customers' usage grows with the rows just inserted (it counts them).
     db.run(db.query(
         "UPDATE vouchers SET reserved = reserved + d.n \
          FROM (SELECT json_extract(value, '$[0]') AS code, json_extract(value, '$[1]') AS n \

@@ -166,7 +166,11 @@ fn mismatches(metrics: &str) -> f64 {
 /// Corrupts one voucher's rows behind the engine's back with `sql` and checks that the auditor,
 /// the engine's reconciler (admin view and metric) all report it.
 async fn corruption_is_noticed(sql: &str) {
-    let app = spawn_app().await;
+    corruption_is_noticed_on(spawn_app().await, sql).await;
+}
+
+/// [`corruption_is_noticed`] on `app`'s ledger, SQLite or PostgreSQL.
+async fn corruption_is_noticed_on(app: crate::helpers::TestApp, sql: &str) {
     assert_eq!(app.create_voucher("SENS", 10, 2).await.0, 201);
     for i in 1..=3 {
         assert_eq!(app.reserve("SENS", i, format!("sens-{i}")).await.0, 201);
@@ -175,14 +179,26 @@ async fn corruption_is_noticed(sql: &str) {
     before.assert_balanced("SENS");
     assert_eq!(app.balanced_counters("SENS").await["balanced"], json!(true));
 
-    let pool = sqlx::SqlitePool::connect(&app.db_url).await.unwrap();
-    let changed = sqlx::query(sql)
-        .execute(&pool)
-        .await
-        .unwrap()
-        .rows_affected();
+    let changed = if app.db_url.starts_with("sqlite:") {
+        let pool = sqlx::SqlitePool::connect(&app.db_url).await.unwrap();
+        let n = sqlx::query(sql)
+            .execute(&pool)
+            .await
+            .unwrap()
+            .rows_affected();
+        pool.close().await;
+        n
+    } else {
+        let pool = sqlx::PgPool::connect(&app.db_url).await.unwrap();
+        let n = sqlx::query(sql)
+            .execute(&pool)
+            .await
+            .unwrap()
+            .rows_affected();
+        pool.close().await;
+        n
+    };
     assert_eq!(changed, 1, "the corruption touched one row: {sql}");
-    pool.close().await;
 
     let after = books(&app.db_url, "SENS").await;
     assert!(
@@ -219,12 +235,59 @@ async fn an_orphan_reservation_is_noticed() {
     .await;
 }
 
+const USAGE_PLUS_ONE: &str =
+    "UPDATE customer_usage SET used = used + 1 WHERE voucher_code = 'SENS' AND customer_id = 1";
+
+/// PostgreSQL keeps each customer's usage in rows of its own (locked by every node's batches),
+/// which can drift from the reservations: the reconciler must see it.
 #[actix_web::test]
+#[cfg_attr(no_test_pg, ignore = "needs TEST_DATABASE_URL; .ci/run sets it")]
 async fn usage_off_by_one_is_noticed() {
-    corruption_is_noticed(
-        "UPDATE customer_usage SET used = used + 1 WHERE voucher_code = 'SENS' AND customer_id = 1",
+    let Some(url) = crate::ledger::fresh_pg_schema("usage").await else {
+        return;
+    };
+    let app = crate::helpers::spawn_app_with(|s| s.ledger.url = url).await;
+    corruption_is_noticed_on(app, USAGE_PLUS_ONE).await;
+}
+
+/// The embedded ledger counts a customer's usage from their reservations: `customer_usage` is a
+/// view of them, so there is no second copy to drift, and it cannot be written.
+#[actix_web::test]
+async fn sqlite_usage_is_counted_from_the_reservations() {
+    let app = spawn_app().await;
+    assert_eq!(app.create_voucher("SENS", 10, 2).await.0, 201);
+    assert_eq!(app.reserve("SENS", 1, "use-1").await.0, 201);
+    assert_eq!(app.reserve("SENS", 1, "use-2").await.0, 201);
+    let pool = sqlx::SqlitePool::connect(&app.db_url).await.unwrap();
+    let used: i64 = sqlx::query_scalar(
+        "SELECT used FROM customer_usage WHERE voucher_code = 'SENS' AND customer_id = 1",
     )
-    .await;
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(used, 2);
+    assert!(
+        sqlx::query(USAGE_PLUS_ONE).execute(&pool).await.is_err(),
+        "customer_usage took a write"
+    );
+    pool.close().await;
+    assert_eq!(
+        app.call("DELETE", "/vouchers/SENS/reservations/use-1")
+            .await
+            .0,
+        200
+    );
+    assert_eq!(
+        app.reserve("SENS", 1, "use-3").await.0,
+        201,
+        "the released reservation no longer counts"
+    );
+    assert_eq!(
+        app.reserve("SENS", 1, "use-4").await.1["error"],
+        json!("ALREADY_USED"),
+        "two live reservations are the limit"
+    );
+    books(&app.db_url, "SENS").await.assert_balanced("SENS");
 }
 
 #[actix_web::test]
