@@ -1,5 +1,6 @@
 -- A lease grant in one round trip (DESIGN §2, the lease protocol). Applied at every start (it is
--- `CREATE OR REPLACE`), like the merged commit.
+-- `CREATE OR REPLACE`), like the merged commit; a change of it takes a new name (`_v2`), so that
+-- a node of this build restarting during a rollout never puts its version back over a newer one.
 --
 -- The voucher row is locked first; every later statement of the function takes a new snapshot,
 -- so the active leases it sums include every grant committed before the lock was had. Then
@@ -11,7 +12,7 @@
 -- ledger is empty), the unused units of the active leases before this one, the new lease's id
 -- (NULL when nothing was granted) and, only when nothing was granted, every unit ever consumed
 -- from a lease.
-CREATE OR REPLACE FUNCTION vouchers_grant(
+CREATE OR REPLACE FUNCTION vouchers_grant_v1(
     p_code    TEXT,
     p_node    TEXT,
     p_want    BIGINT,

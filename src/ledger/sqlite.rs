@@ -76,10 +76,7 @@ impl SqliteLedger {
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(SqliteSynchronous::Full)
             .foreign_keys(true)
-            .busy_timeout(Duration::from_secs(5))
-            // Statement journals (a multi-row insert inside a transaction keeps one) in memory,
-            // not in a temporary file opened, written and unlinked at every merged commit.
-            .pragma("temp_store", "memory");
+            .busy_timeout(Duration::from_secs(5));
         if let Some(dir) = options.get_filename().parent() {
             if !dir.as_os_str().is_empty() {
                 std::fs::create_dir_all(dir).map_err(sqlx::Error::Io)?;
@@ -95,7 +92,13 @@ impl SqliteLedger {
             .connect_with(
                 options
                     .clone()
-                    .pragma("wal_autocheckpoint", WAL_BACKSTOP_PAGES.to_string()),
+                    .pragma("wal_autocheckpoint", WAL_BACKSTOP_PAGES.to_string())
+                    // When the log is rewound, a file grown past this is cut back to it.
+                    .pragma("journal_size_limit", WAL_SIZE_LIMIT_BYTES.to_string())
+                    // Statement journals (a multi-row insert inside a transaction keeps one) in
+                    // memory, not in a temporary file opened, written and unlinked at every
+                    // merged commit.
+                    .pragma("temp_store", "memory"),
             )
             .await?;
         migrate(&writer).await?;
@@ -129,9 +132,16 @@ impl Drop for SqliteLedger {
 /// How often the checkpointer copies the write-ahead log back into the database file.
 const CHECKPOINT_EVERY: Duration = Duration::from_millis(100);
 
-/// The log's size, in pages, at which a commit checkpoints by itself (SQLite's default is 1000):
-/// reached only if the checkpointer falls behind or stops, so the log stays bounded either way.
-const WAL_BACKSTOP_PAGES: u32 = 20_000;
+/// The log's size, in pages, at which a commit checkpoints by itself (SQLite's default is 1000).
+/// Only the writer can rewind the log, and only once every frame in it was copied back; under
+/// steady load a commit nearly always lands while a background checkpoint runs, so the log
+/// keeps growing until this backstop. By then the checkpointer has copied all but the last
+/// interval's frames, so the writer's own checkpoint is short, and the log starts over.
+const WAL_BACKSTOP_PAGES: u32 = 4_000;
+
+/// `journal_size_limit`: the log file is cut back to this when it is rewound (16 MiB, the
+/// backstop's 4,000 pages of 4 KiB), so a burst does not leave it large.
+const WAL_SIZE_LIMIT_BYTES: u32 = 16 << 20;
 
 /// Copies the write-ahead log back into the database file every `every`, on a connection of its
 /// own (sqlx runs it on that connection's worker thread). A merged commit would otherwise run
@@ -142,13 +152,23 @@ const WAL_BACKSTOP_PAGES: u32 = 20_000;
 async fn checkpoint_every(pool: SqlitePool, every: Duration) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Logged when checkpoints start failing and when they work again, not ten times a second.
+    let mut failing = false;
     loop {
         tick.tick().await;
-        if let Err(e) = sqlx::query("PRAGMA wal_checkpoint(PASSIVE)")
+        match sqlx::query("PRAGMA wal_checkpoint(PASSIVE)")
             .execute(&pool)
             .await
         {
-            tracing::warn!(error = %e, "wal checkpoint failed; the writer's backstop still holds");
+            Err(e) if !failing => {
+                failing = true;
+                tracing::warn!(error = %e, "wal checkpoints fail; the writer's backstop holds");
+            }
+            Ok(_) if failing => {
+                failing = false;
+                tracing::info!("wal checkpoints work again");
+            }
+            _ => {}
         }
     }
 }
