@@ -12,7 +12,6 @@ use std::time::Duration;
 use sqlx::Row;
 
 use async_trait::async_trait;
-use serde_json::json;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
@@ -1003,37 +1002,28 @@ fn write_merged(db: &raw::Db, w: &MergedWrites) -> Result<(), LedgerError> {
         }
         q.int(0)
     };
-    let rows: Vec<serde_json::Value> = w
-        .rows
-        .iter()
-        .map(|r| {
-            json!([
-                r.order_id,
-                r.voucher_code,
-                r.customer_id,
-                r.lease_id,
-                r.discount_amount,
-                r.created_at,
-                r.expires_at
-            ])
-        })
-        .collect();
-    let mut insert = db.query(
+    // One prepared insert, run once per row: cheaper than one statement over a JSON array,
+    // where every column of every row is a `json_extract` of its element.
+    let mut insert = db.prepare(
         "INSERT INTO reservations (order_id, voucher_code, customer_id, lease_id, \
          discount_amount, status, created_at, expires_at, updated_at, reserved_seq) \
-         SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]'), \
-           json_extract(value, '$[2]'), json_extract(value, '$[3]'), json_extract(value, '$[4]'), \
-           'RESERVED', json_extract(value, '$[5]'), json_extract(value, '$[6]'), \
-           json_extract(value, '$[5]'), ?2 + key + 1 FROM json_each(?1)",
-        &json_list(&rows),
+         VALUES (?1, ?2, ?3, ?4, ?5, 'RESERVED', ?6, ?7, ?6, ?8)",
     )?;
-    insert.bind_int(2, base)?;
-    let inserted = db.run(insert)?;
-    if inserted != w.rows.len() as u64 {
-        return Err(LedgerError::Unavailable(sqlx::Error::Protocol(
-            "reservation insert count mismatch".into(),
-        )));
+    for (seq, r) in (base + 1..).zip(&w.rows) {
+        insert.bind_text(1, &r.order_id)?;
+        insert.bind_text(2, &r.voucher_code)?;
+        insert.bind_int(3, r.customer_id)?;
+        insert.bind_int(4, r.lease_id)?;
+        insert.bind_int(5, r.discount_amount)?;
+        insert.bind_int(6, r.created_at)?;
+        insert.bind_int(7, r.expires_at)?;
+        insert.bind_int(8, seq)?;
+        // A row that cannot go in (an order id stored meanwhile) fails here, and the whole
+        // transaction with it: nothing of it is acknowledged.
+        while insert.step()? {}
+        insert.reset();
     }
+    drop(insert);
     // The customers' usage grows with the rows just inserted (it counts them).
     db.run(db.query(
         "UPDATE vouchers SET reserved = reserved + d.n \

@@ -162,6 +162,15 @@ impl Stmt<'_> {
         }
     }
 
+    /// Makes a statement that ran to its end ready to run again, with new bindings.
+    pub(crate) fn reset(&mut self) {
+        // SAFETY: the statement is live. The code returned repeats the last step's error, which
+        // `step` already reported.
+        unsafe {
+            ffi::sqlite3_reset(self.stmt.as_ptr());
+        }
+    }
+
     pub(crate) fn int(&self, col: c_int) -> i64 {
         // SAFETY: the statement is live and positioned on a row (callers read after `step`).
         unsafe { ffi::sqlite3_column_int64(self.stmt.as_ptr(), col) }
