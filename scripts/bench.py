@@ -245,6 +245,70 @@ def run_engine_scenario(name, base, codes, total_each, args, db=None):
     return r
 
 
+def quiesce_pg():
+    """Flushes PostgreSQL's dirty pages now, so that no checkpoint runs during the next row."""
+    psql(PG_ADMIN, "CHECKPOINT")
+
+
+def run_baselines(names, procs, db_url, args, tag, want):
+    """The yardsticks among `names`: the actix-web ceiling, one SQL transaction per request on
+    PostgreSQL, one Redis Lua script call per request."""
+    rows = []
+    modes = {"ceiling": ("ceiling", None), "pg-sql": ("postgres", db_url),
+             "redis-lua": ("redis", REDIS)}
+    for name in names:
+        if not want(name):
+            continue
+        mode, url = modes[name]
+        port = free_port()
+        argv = [os.path.join(BIN, "baseline"), mode, str(port)] + ([url] if url else [])
+        p = procs.start(name, argv)
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 30
+        while time.time() < deadline:  # the baselines have no health route: any answer will do
+            try:
+                socket.create_connection(("127.0.0.1", port), 1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        code = f"B{tag}{name.replace('-', '')}"
+        http("POST", f"{base}/vouchers/{code}/reservations",
+             {"customerId": 1, "orderId": f"{code}-warm", "orderAmount": 1})
+        r = wrk(base, code, f"{code}-n0", 1, args)
+        r.update(name=name)
+        rows.append(r)
+        procs.stop(p)
+    return rows
+
+
+def run_engine(procs, ledger, work, db_url, db, args, tag):
+    """One node on `ledger`: one and 100 hot vouchers, sold-out flood and never-sells-out."""
+    rows = []
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {"VOUCHERS__HTTP__PORT": str(port), "VOUCHERS__ADMIN__TOKEN": TOKEN,
+           "VOUCHERS__NODE__ID": f"bench-{ledger}", "RUST_LOG": "warn",
+           "VOUCHERS__LEDGER__URL": (f"sqlite://{work}/ledger.db" if ledger == "sqlite"
+                                     else db_url)}
+    argv = [args.engine_bin]
+    if ledger == "postgres":
+        argv += ["--config", "config/cluster.toml"]
+        env["VOUCHERS__REDIS__URL"] = ""
+    p = procs.start(f"engine-{ledger}", argv, env, ready=f"{base}/health/ready")
+    for kind, total in (("flood", 1000), ("never", 10 ** 9)):
+        if kind not in args.kinds.split(","):
+            continue
+        for n in (1, 100):
+            stem = f"{kind.upper()}{tag}{ledger[0].upper()}{n}V"
+            codes = [stem] if n == 1 else [f"{stem}{i}" for i in range(n)]
+            each = total if kind == "never" else total // n
+            rows.append(run_engine_scenario(
+                f"{ledger} {kind} {n}v", base, codes, each, args,
+                db if ledger == "postgres" else None))
+    procs.stop(p)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--duration", type=int, default=int(os.environ.get("DURATION", 10)))
@@ -272,54 +336,19 @@ def main():
     rows = []
     tag = f"{random.randrange(1 << 20):05x}"
     try:
-        for name, mode, url in (("ceiling", "ceiling", None), ("pg-sql", "postgres", db_url),
-                                ("redis-lua", "redis", REDIS)):
-            if not want(name):
-                continue
-            port = free_port()
-            argv = [os.path.join(BIN, "baseline"), mode, str(port)] + ([url] if url else [])
-            p = procs.start(name, argv)
-            base = f"http://127.0.0.1:{port}"
-            deadline = time.time() + 30
-            while time.time() < deadline:  # the baselines have no health route: any answer will do
-                try:
-                    socket.create_connection(("127.0.0.1", port), 1).close()
-                    break
-                except OSError:
-                    time.sleep(0.1)
-            code = f"B{tag}{name.replace('-', '')}"
-            http("POST", f"{base}/vouchers/{code}/reservations",
-                 {"customerId": 1, "orderId": f"{code}-warm", "orderAmount": 1})
-            r = wrk(base, code, f"{code}-n0", 1, args)
-            r.update(name=name)
-            rows.append(r)
-            procs.stop(p)
-        for ledger in ("sqlite", "postgres"):
-            if not want(ledger):
-                continue
-            port = free_port()
-            base = f"http://127.0.0.1:{port}"
-            env = {"VOUCHERS__HTTP__PORT": str(port), "VOUCHERS__ADMIN__TOKEN": TOKEN,
-                   "VOUCHERS__NODE__ID": f"bench-{ledger}", "RUST_LOG": "warn",
-                   "VOUCHERS__LEDGER__URL": (f"sqlite://{work}/ledger.db" if ledger == "sqlite"
-                                             else db_url)}
-            argv = [args.engine_bin]
-            if ledger == "postgres":
-                argv += ["--config", "config/cluster.toml"]
-                env["VOUCHERS__REDIS__URL"] = ""
-            p = procs.start(f"engine-{ledger}", argv, env, ready=f"{base}/health/ready")
-            for kind, total in (("flood", 1000), ("never", 10 ** 9)):
-                if kind not in args.kinds.split(","):
-                    continue
-                for n in (1, 100):
-                    stem = f"{kind.upper()}{tag}{ledger[0].upper()}{n}V"
-                    codes = [stem] if n == 1 else [f"{stem}{i}" for i in range(n)]
-                    each = total if kind == "never" else total // n
-                    rows.append(run_engine_scenario(
-                        f"{ledger} {kind} {n}v", base, codes, each, args,
-                        db if ledger == "postgres" else None))
-            procs.stop(p)
+        # PostgreSQL's own background work after a heavy row (checkpoints, autovacuum) would
+        # land on the rows after it on these 2 cores: the rows that write to PostgreSQL run
+        # last, each after a CHECKPOINT.
+        rows += run_baselines(("ceiling", "redis-lua"), procs, db_url, args, tag, want)
+        if want("sqlite"):
+            rows += run_engine(procs, "sqlite", work, db_url, db, args, tag)
+        quiesce_pg()
+        rows += run_baselines(("pg-sql",), procs, db_url, args, tag, want)
+        if want("postgres"):
+            quiesce_pg()
+            rows += run_engine(procs, "postgres", work, db_url, db, args, tag)
         if want("hostile"):
+            quiesce_pg()
             port = free_port()
             base = f"http://127.0.0.1:{port}"
             env = {"VOUCHERS__HTTP__PORT": str(port), "VOUCHERS__ADMIN__TOKEN": TOKEN,
