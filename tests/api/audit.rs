@@ -179,24 +179,23 @@ async fn corruption_is_noticed_on(app: crate::helpers::TestApp, sql: &str) {
     before.assert_balanced("SENS");
     assert_eq!(app.balanced_counters("SENS").await["balanced"], json!(true));
 
+    // Runs `sql` on a pool of the ledger's own kind; the rows it changed.
+    macro_rules! execute_on {
+        ($pool:ty) => {{
+            let pool = <$pool>::connect(&app.db_url).await.unwrap();
+            let n = sqlx::query(sql)
+                .execute(&pool)
+                .await
+                .unwrap()
+                .rows_affected();
+            pool.close().await;
+            n
+        }};
+    }
     let changed = if app.db_url.starts_with("sqlite:") {
-        let pool = sqlx::SqlitePool::connect(&app.db_url).await.unwrap();
-        let n = sqlx::query(sql)
-            .execute(&pool)
-            .await
-            .unwrap()
-            .rows_affected();
-        pool.close().await;
-        n
+        execute_on!(sqlx::SqlitePool)
     } else {
-        let pool = sqlx::PgPool::connect(&app.db_url).await.unwrap();
-        let n = sqlx::query(sql)
-            .execute(&pool)
-            .await
-            .unwrap()
-            .rows_affected();
-        pool.close().await;
-        n
+        execute_on!(sqlx::PgPool)
     };
     assert_eq!(changed, 1, "the corruption touched one row: {sql}");
 
