@@ -162,10 +162,11 @@ impl Stmt<'_> {
         }
     }
 
-    /// Makes a statement that ran to its end ready to run again, with new bindings.
+    /// Makes a statement that ran to its end ready to run again, with new bindings. Call it
+    /// only after a `step` that succeeded (a failed one is reported by `step`, and its caller
+    /// gives the statement up).
     pub(crate) fn reset(&mut self) {
-        // SAFETY: the statement is live. The code returned repeats the last step's error, which
-        // `step` already reported.
+        // SAFETY: the statement is live. After a successful step the code returned is OK.
         unsafe {
             ffi::sqlite3_reset(self.stmt.as_ptr());
         }

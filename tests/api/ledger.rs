@@ -68,8 +68,81 @@ pub async fn conformance(l: SharedLedger) {
     holders_that_stop_beating_are_reaped_at_once(&l).await;
     pre_heat_finds_active_vouchers_starting_within_the_window(&l).await;
     a_voucher_the_schema_refuses_is_not_created(&l).await;
+    usage_counts_every_live_reservation(&l).await;
     // Last: it checks the feed of every change the checks above made.
     the_feed_tells_every_change_once_in_order(&l).await;
+}
+
+/// A customer's usage counts every reservation of theirs that is not released: one stored
+/// before, and one a row earlier in the same transaction (two batches of the voucher, and a
+/// customer twice in one batch); and a RESERVED one past its expiry that the sweep has not
+/// released yet.
+async fn usage_counts_every_live_reservation(l: &SharedLedger) {
+    l.create_voucher(&voucher("UL", 10, 2), NOW).await.unwrap();
+    let lease = l
+        .grant("UL", "n1", 8, NOW, TTL)
+        .await
+        .unwrap()
+        .lease
+        .unwrap()
+        .id;
+    let first = l
+        .commit_batch(&batch("UL", lease, rows(&[("ul-1", 7)])))
+        .await
+        .unwrap();
+    assert!(matches!(first[0], RowOutcome::Created(_)));
+    let results = l
+        .commit_batches(&[
+            batch("UL", lease, rows(&[("ul-2", 7), ("ul-3", 7), ("ul-4", 8)])),
+            batch("UL", lease, rows(&[("ul-5", 8), ("ul-6", 8)])),
+        ])
+        .await
+        .unwrap();
+    let (a, b) = (
+        results[0].as_ref().expect("first batch"),
+        results[1].as_ref().expect("second batch"),
+    );
+    assert!(matches!(a[0], RowOutcome::Created(_)), "{a:?}");
+    assert_eq!(
+        a[1],
+        RowOutcome::AlreadyUsed,
+        "customer 7: one stored, one just now"
+    );
+    assert!(matches!(a[2], RowOutcome::Created(_)), "{a:?}");
+    assert!(matches!(b[0], RowOutcome::Created(_)), "{b:?}");
+    assert_eq!(
+        b[1],
+        RowOutcome::AlreadyUsed,
+        "customer 8: two in this transaction"
+    );
+
+    l.create_voucher(&voucher("UX", 10, 1), NOW).await.unwrap();
+    let lease = l
+        .grant("UX", "n1", 4, NOW, TTL)
+        .await
+        .unwrap()
+        .lease
+        .unwrap()
+        .id;
+    let due = Batch {
+        expires_at: NOW + 1,
+        ..batch("UX", lease, rows(&[("ux-1", 9)]))
+    };
+    assert!(matches!(
+        l.commit_batch(&due).await.unwrap()[0],
+        RowOutcome::Created(_)
+    ));
+    let later = Batch {
+        now: NOW + 10,
+        ..batch("UX", lease, rows(&[("ux-2", 9)]))
+    };
+    assert_eq!(
+        l.commit_batch(&later).await.unwrap()[0],
+        RowOutcome::AlreadyUsed,
+        "a RESERVED row past its expiry counts until the sweep releases it"
+    );
+    balanced(l, "UL").await;
+    balanced(l, "UX").await;
 }
 
 /// `starting_between(from, to)`: active vouchers whose sale starts after `from`, no later than
