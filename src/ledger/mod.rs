@@ -345,7 +345,9 @@ pub trait Ledger: Send + Sync + 'static {
     /// `(order id, customer)` of a voucher's live (reserved or confirmed) reservations: the won
     /// set of §5, and who is at their limit.
     async fn won_orders(&self, code: &str) -> Result<Vec<(String, i64)>, LedgerError>;
-    /// `(customer, used)` of the given customers of a voucher that used it at least once.
+    /// `(customer, used)` of the given customers of a voucher that hold reservations of it (a
+    /// customer left out has used none): usage rows on PostgreSQL, a count of the customer's
+    /// reservations that are not RELEASED on SQLite.
     async fn customer_usage(
         &self,
         code: &str,
@@ -690,7 +692,8 @@ pub fn apply_patch(current: &Voucher, patch: &VoucherPatch) -> Result<(Voucher, 
 
 /// The reconciliation verdict: recomputes each term from the rows and compares it with the
 /// counters (DESIGN §3). `by_status` counts reservation rows per status, `consumed` sums
-/// `consumed` over every lease of the voucher, `usage` sums the per-customer usage rows.
+/// `consumed` over every lease of the voucher, `usage` sums the per-customer usage (PostgreSQL's
+/// usage rows; on SQLite, where usage is counted from the rows, it holds by construction).
 pub fn reconcile(
     mut c: Counters,
     by_status: &[(String, i64)],
