@@ -22,7 +22,9 @@ For every engine row it checks the books (201s seen by wrk vs the ledger, overso
 reports ledger transactions per 1000 reservations: the node's merged group commits
 (`vouchers_ledger_commits_total`), the actors' batches that went into them
 (`vouchers_batch_size_count`), and on PostgreSQL every transaction the database ran
-(`pg_stat_database`, grants, renewals and reads included).
+(`pg_stat_database`, grants, renewals and reads included). It also reports CPU per answered
+request over the wrk run (`/proc/PID/stat`): the engine's, and on PostgreSQL every postgres
+process's. Unlike req/s these hardly move with what else the machine runs.
 
 Usage: scripts/bench.sh [--duration S] [--conns N] [--only NAME,…] [--kinds flood,never]
                        [--engine-bin PATH]
@@ -214,7 +216,31 @@ def run_hostile(base, pid, tag, args):
     return rows
 
 
-def run_engine_scenario(name, base, codes, total_each, args, db=None):
+def cpu_seconds(pids):
+    """User + system CPU time each of the processes `pids` has used so far, in seconds."""
+    used = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            used[pid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            pass  # gone meanwhile
+    return used
+
+
+def cpu_between(before, after):
+    """CPU seconds used between two `cpu_seconds` readings; a process that started in between
+    counts from zero (a backend the pool opened during the run)."""
+    return sum(t - before.get(pid, 0.0) for pid, t in after.items())
+
+
+def postgres_pids():
+    out = subprocess.run(["pgrep", "-x", "postgres"], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def run_engine_scenario(name, base, codes, total_each, args, db=None, pid=None):
     for code in codes:
         s, body = http("POST", f"{base}/admin/vouchers",
                        {"code": code, "discountAmount": 100, "totalLimit": total_each,
@@ -225,7 +251,13 @@ def run_engine_scenario(name, base, codes, total_each, args, db=None):
         assert s == 204, (s, body)
     before, xa = scrape(base), pg_xacts(db) if db else 0
     stem = codes[0] if len(codes) == 1 else codes[0][:-1]
+    # CPU per answered request, the engine's and (on PostgreSQL) the database's: unlike req/s it
+    # does not move with whatever else the 2 cores run, so a change shows in it run to run.
+    engine = [pid] if pid else []
+    cpu0, pg0 = cpu_seconds(engine), cpu_seconds(postgres_pids() if db else [])
     r = wrk(base, stem, f"{stem}-n0", len(codes), args)
+    cpu1, pg1 = cpu_seconds(engine), cpu_seconds(postgres_pids() if db else [])
+    answered = sum(r["statuses"].values()) or 1
     time.sleep(1)  # wrk stops with answers in flight: let them land before reading the books
     after, xb = scrape(base), pg_xacts(db) if db else 0
     sold = 0
@@ -241,7 +273,9 @@ def run_engine_scenario(name, base, codes, total_each, args, db=None):
     r.update(name=name, sold=sold, created=r["statuses"].get(201, 0), balanced=balanced,
              oversold=max(0, sold - total_each * len(codes)),
              commits_k=per_k(commits), batches_k=per_k(batches),
-             pg_k=per_k(xb - xa) if db else None)
+             pg_k=per_k(xb - xa) if db else None,
+             cpu_us=1e6 * cpu_between(cpu0, cpu1) / answered if pid else None,
+             pg_us=1e6 * cpu_between(pg0, pg1) / answered if db else None)
     return r
 
 
@@ -304,7 +338,7 @@ def run_engine(procs, ledger, work, db_url, db, args, tag):
             each = total if kind == "never" else total // n
             rows.append(run_engine_scenario(
                 f"{ledger} {kind} {n}v", base, codes, each, args,
-                db if ledger == "postgres" else None))
+                db if ledger == "postgres" else None, p.pid))
     procs.stop(p)
     return rows
 
@@ -371,15 +405,17 @@ def report(rows, args):
           f"-d{args.duration}s on the same machine")
     print()
     print("| run | req/s | % of ceiling | p50 ms | p99 ms | 201s (wrk) | ledger sold | oversold "
-          "| balanced | merged commits /1k | actor batches /1k | PG xacts /1k |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| balanced | merged commits /1k | actor batches /1k | PG xacts /1k "
+          "| engine CPU µs/req | PG CPU µs/req |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     fmt = lambda v, f="{:.1f}": "" if v is None else f.format(v)
     for r in rows:
         pct = f"{100 * r['rps'] / ceiling:.0f} %" if ceiling else ""
         print(f"| {r['name']} | {r['rps']:,.0f} | {pct} | {r['p50']:.2f} | {r['p99']:.2f} "
               f"| {r['statuses'].get(201, 0)} | {fmt(r.get('sold'), '{}')} "
               f"| {fmt(r.get('oversold'), '{}')} | {fmt(r.get('balanced'), '{}')} "
-              f"| {fmt(r.get('commits_k'))} | {fmt(r.get('batches_k'))} | {fmt(r.get('pg_k'))} |")
+              f"| {fmt(r.get('commits_k'))} | {fmt(r.get('batches_k'))} | {fmt(r.get('pg_k'))} "
+              f"| {fmt(r.get('cpu_us'), '{:.0f}')} | {fmt(r.get('pg_us'), '{:.0f}')} |")
     for r in rows:
         if "vs_flood" in r:
             print(f"\n{r['name']}: {100 * r['vs_flood']:.0f} % of the sold-out flood's rate "
