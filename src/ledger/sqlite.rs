@@ -983,18 +983,24 @@ fn write_merged(db: &raw::Db, w: &MergedWrites) -> Result<(), LedgerError> {
     if w.rows.is_empty() {
         return Ok(());
     }
-    let fenced = db.run(db.query(
-        "UPDATE leases SET consumed = consumed + d.k \
-         FROM (SELECT json_extract(value, '$[0]') AS id, json_extract(value, '$[1]') AS k \
-               FROM json_each(?1)) AS d \
-         WHERE leases.id = d.id AND state = 'ACTIVE' AND consumed + d.k <= granted",
-        &json_list(&w.consumed),
-    )?)?;
-    if fenced != w.consumed.len() as u64 {
-        return Err(LedgerError::Unavailable(sqlx::Error::Protocol(
-            "lease changed under a merged commit".into(),
-        )));
+    // The fence once more, per lease: a lease that lost its room since the read (only another
+    // writer could do that) fails the whole transaction.
+    let mut fence = db.prepare(
+        "UPDATE leases SET consumed = consumed + ?2 \
+         WHERE id = ?1 AND state = 'ACTIVE' AND consumed + ?2 <= granted",
+    )?;
+    for &(lease, units) in &w.consumed {
+        fence.bind_int(1, lease)?;
+        fence.bind_int(2, units)?;
+        while fence.step()? {}
+        fence.reset();
+        if db.changes() != 1 {
+            return Err(LedgerError::Unavailable(sqlx::Error::Protocol(
+                "lease changed under a merged commit".into(),
+            )));
+        }
     }
+    drop(fence);
     // The feed's numbers for the new rows, in the rows' order (the writer is alone: nobody
     // takes numbers in between).
     let base = {
@@ -1029,12 +1035,13 @@ fn write_merged(db: &raw::Db, w: &MergedWrites) -> Result<(), LedgerError> {
     }
     drop(insert);
     // The customers' usage grows with the rows just inserted (it counts them).
-    db.run(db.query(
-        "UPDATE vouchers SET reserved = reserved + d.n \
-         FROM (SELECT json_extract(value, '$[0]') AS code, json_extract(value, '$[1]') AS n \
-               FROM json_each(?1)) AS d WHERE vouchers.code = d.code",
-        &json_list(&w.reserved),
-    )?)?;
+    let mut counted = db.prepare("UPDATE vouchers SET reserved = reserved + ?2 WHERE code = ?1")?;
+    for (code, units) in &w.reserved {
+        counted.bind_text(1, code)?;
+        counted.bind_int(2, *units)?;
+        while counted.step()? {}
+        counted.reset();
+    }
     Ok(())
 }
 

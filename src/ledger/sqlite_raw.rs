@@ -74,8 +74,13 @@ impl Db {
     /// rows it changed.
     pub(crate) fn run(&self, mut stmt: Stmt<'_>) -> Result<u64, LedgerError> {
         while stmt.step()? {}
+        Ok(self.changes())
+    }
+
+    /// Rows the last finished statement changed.
+    pub(crate) fn changes(&self) -> u64 {
         // SAFETY: the handle is live.
-        Ok(unsafe { ffi::sqlite3_changes64(self.handle.as_ptr()) } as u64)
+        unsafe { ffi::sqlite3_changes64(self.handle.as_ptr()) as u64 }
     }
 
     /// Whether the connection is outside any transaction.
