@@ -57,8 +57,6 @@ pub(crate) struct MergedWrites {
     pub consumed: Vec<(i64, i64)>,
     /// The new reservations, in the order the batches gave them (the feed numbers them so).
     pub rows: Vec<NewRow>,
-    /// `(voucher, customer, units)` per customer whose usage grows.
-    pub usage: Vec<(String, i64, i64)>,
     /// `(voucher, units)` per voucher whose `reserved` grows.
     pub reserved: Vec<(String, i64)>,
 }
@@ -73,7 +71,6 @@ pub(crate) fn plan_merged(
 ) -> (BatchResults, MergedWrites) {
     let mut results = Vec::with_capacity(batches.len());
     let mut consumed: HashMap<i64, i64> = HashMap::new();
-    let mut usage: HashMap<(&str, i64), i64> = HashMap::new();
     let mut reserved: HashMap<&str, i64> = HashMap::new();
     let mut rows = Vec::new();
     for batch in batches {
@@ -137,7 +134,6 @@ pub(crate) fn plan_merged(
                 created_at: batch.now,
                 expires_at: r.expires_at,
             });
-            *usage.entry((code, r.customer_id)).or_insert(0) += 1;
             *reads
                 .used
                 .entry((code.to_string(), r.customer_id))
@@ -149,10 +145,6 @@ pub(crate) fn plan_merged(
     let writes = MergedWrites {
         consumed: consumed.into_iter().collect(),
         rows,
-        usage: usage
-            .into_iter()
-            .map(|((c, u), n)| (c.to_string(), u, n))
-            .collect(),
         reserved: reserved
             .into_iter()
             .map(|(c, n)| (c.to_string(), n))

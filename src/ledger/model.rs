@@ -277,6 +277,11 @@ impl State {
             }
         }
         for row in writes.rows {
+            // A customer's usage grows with each of their new rows.
+            *self
+                .usage
+                .entry((row.voucher_code.clone(), row.customer_id))
+                .or_insert(0) += 1;
             self.feed_last += 1;
             let r = Reservation {
                 order_id: row.order_id.clone(),
@@ -295,9 +300,6 @@ impl State {
                 expired: false,
             };
             self.reservations.insert(row.order_id, stored);
-        }
-        for (code, customer, n) in writes.usage {
-            *self.usage.entry((code, customer)).or_insert(0) += n;
         }
         for (code, n) in writes.reserved {
             if let Some(v) = self.vouchers.get_mut(&code) {
