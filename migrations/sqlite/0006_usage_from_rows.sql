@@ -1,8 +1,9 @@
 -- A customer's usage of a voucher (DESIGN §3, the per-user limit) is the number of their
 -- reservations of it that are not RELEASED, counted from the reservations themselves through
 -- `reservations_by_customer` (as `status IN ('RESERVED', 'CONFIRMED')`, which the index seeks;
--- `<> 'RELEASED'` would walk the customer's released rows too). The embedded ledger has one writer, so nothing can come between
--- that count and the insert it decides; a separate `customer_usage` table only kept a second copy,
+-- `<> 'RELEASED'` would walk the customer's released rows too). The embedded ledger has one
+-- writer, so nothing can come between that count and the insert it decides; a separate
+-- `customer_usage` table only kept a second copy,
 -- and with many vouchers hot at once every merged commit wrote one more B-tree page per voucher
 -- (and its checkpoint wrote it again) to keep it.
 --

@@ -81,38 +81,24 @@ impl SqliteLedger {
                 std::fs::create_dir_all(dir).map_err(sqlx::Error::Io)?;
             }
         }
-        // A local file: no ping before each use.
         // The writer checkpoints only as a backstop, when the log passes WAL_BACKSTOP_PAGES;
         // the checkpointer below normally copies the log back first, off the writer's thread.
-        let writer = SqlitePoolOptions::new()
-            .max_connections(1)
-            .test_before_acquire(false)
-            .acquire_timeout(Duration::from_secs(5))
-            .connect_with(
-                options
-                    .clone()
-                    .pragma("wal_autocheckpoint", WAL_BACKSTOP_PAGES.to_string())
-                    // When the log is rewound, a file grown past this is cut back to it.
-                    .pragma("journal_size_limit", WAL_SIZE_LIMIT_BYTES.to_string())
-                    // Statement journals (a multi-row insert inside a transaction keeps one) in
-                    // memory, not in a temporary file opened, written and unlinked at every
-                    // merged commit.
-                    .pragma("temp_store", "memory"),
-            )
-            .await?;
+        let writer = pool(
+            1,
+            options
+                .clone()
+                .pragma("wal_autocheckpoint", WAL_BACKSTOP_PAGES.to_string())
+                // When the log is rewound, a file grown past this is cut back to it.
+                .pragma("journal_size_limit", WAL_SIZE_LIMIT_BYTES.to_string())
+                // Statement journals (a multi-row insert inside a transaction keeps one) in
+                // memory, not in a temporary file opened, written and unlinked at every
+                // merged commit.
+                .pragma("temp_store", "memory"),
+        )
+        .await?;
         migrate(&writer).await?;
-        let reader = SqlitePoolOptions::new()
-            .max_connections(readers.max(1))
-            .test_before_acquire(false)
-            .acquire_timeout(Duration::from_secs(5))
-            .connect_with(options.clone().read_only(true))
-            .await?;
-        let checkpointer = SqlitePoolOptions::new()
-            .max_connections(1)
-            .test_before_acquire(false)
-            .acquire_timeout(Duration::from_secs(5))
-            .connect_with(options)
-            .await?;
+        let reader = pool(readers.max(1), options.clone().read_only(true)).await?;
+        let checkpointer = pool(1, options).await?;
         let checkpoints = tokio::spawn(checkpoint_every(checkpointer, CHECKPOINT_EVERY));
         Ok(Self {
             writer,
@@ -120,6 +106,16 @@ impl SqliteLedger {
             checkpoints: checkpoints.abort_handle(),
         })
     }
+}
+
+/// A pool of `max` connections to the local file: no ping before each use.
+async fn pool(max: u32, options: SqliteConnectOptions) -> Result<SqlitePool, sqlx::Error> {
+    SqlitePoolOptions::new()
+        .max_connections(max)
+        .test_before_acquire(false)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect_with(options)
+        .await
 }
 
 impl Drop for SqliteLedger {
@@ -992,8 +988,7 @@ fn write_merged(db: &raw::Db, w: &MergedWrites) -> Result<(), LedgerError> {
     for &(lease, units) in &w.consumed {
         fence.bind_int(1, lease)?;
         fence.bind_int(2, units)?;
-        while fence.step()? {}
-        fence.reset();
+        fence.execute()?;
         if db.changes() != 1 {
             return Err(LedgerError::Unavailable(sqlx::Error::Protocol(
                 "lease changed under a merged commit".into(),
@@ -1029,18 +1024,16 @@ fn write_merged(db: &raw::Db, w: &MergedWrites) -> Result<(), LedgerError> {
         insert.bind_int(7, r.expires_at)?;
         insert.bind_int(8, seq)?;
         // A row that cannot go in (an order id stored meanwhile) fails here, and the whole
-        // transaction with it: nothing of it is acknowledged.
-        while insert.step()? {}
-        insert.reset();
+        // transaction with it: nothing of it is acknowledged. The customer's usage grows with
+        // it by itself (it counts the rows).
+        insert.execute()?;
     }
     drop(insert);
-    // The customers' usage grows with the rows just inserted (it counts them).
     let mut counted = db.prepare("UPDATE vouchers SET reserved = reserved + ?2 WHERE code = ?1")?;
     for (code, units) in &w.reserved {
         counted.bind_text(1, code)?;
         counted.bind_int(2, *units)?;
-        while counted.step()? {}
-        counted.reset();
+        counted.execute()?;
     }
     Ok(())
 }

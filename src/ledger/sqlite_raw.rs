@@ -167,14 +167,16 @@ impl Stmt<'_> {
         }
     }
 
-    /// Makes a statement that ran to its end ready to run again, with new bindings. Call it
-    /// only after a `step` that succeeded (a failed one is reported by `step`, and its caller
-    /// gives the statement up).
-    pub(crate) fn reset(&mut self) {
-        // SAFETY: the statement is live. After a successful step the code returned is OK.
+    /// Runs a statement that returns no rows, with its parameters bound, and makes it ready to
+    /// run again with new bindings: one prepared statement serves every row of a set.
+    pub(crate) fn execute(&mut self) -> Result<(), LedgerError> {
+        while self.step()? {}
+        // SAFETY: the statement is live. It is reset only after it ran to its end, so the code
+        // returned is OK (a failed step returned above, and its caller gives the statement up).
         unsafe {
             ffi::sqlite3_reset(self.stmt.as_ptr());
         }
+        Ok(())
     }
 
     pub(crate) fn int(&self, col: c_int) -> i64 {
