@@ -315,20 +315,28 @@ def run_baselines(names, procs, db_url, args, tag, want):
     return rows
 
 
-def run_engine(procs, ledger, work, db_url, db, args, tag):
-    """One node on `ledger`: one and 100 hot vouchers, sold-out flood and never-sells-out."""
-    rows = []
+def start_node(procs, name, ledger_url, args, cluster=False):
+    """One engine node on `ledger_url` (with `config/cluster.toml` and no Redis if `cluster`),
+    ready; returns its process and base URL."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = {"VOUCHERS__HTTP__PORT": str(port), "VOUCHERS__ADMIN__TOKEN": TOKEN,
-           "VOUCHERS__NODE__ID": f"bench-{ledger}", "RUST_LOG": "warn",
-           "VOUCHERS__LEDGER__URL": (f"sqlite://{work}/ledger.db" if ledger == "sqlite"
-                                     else db_url)}
+           "VOUCHERS__NODE__ID": f"bench-{name}", "RUST_LOG": "warn",
+           "VOUCHERS__LEDGER__URL": ledger_url}
     argv = [args.engine_bin]
-    if ledger == "postgres":
+    if cluster:
         argv += ["--config", "config/cluster.toml"]
         env["VOUCHERS__REDIS__URL"] = ""
-    p = procs.start(f"engine-{ledger}", argv, env, ready=f"{base}/health/ready")
+    return procs.start(f"engine-{name}", argv, env, ready=f"{base}/health/ready"), base
+
+
+def run_engine(procs, ledger, work, db_url, db, args, tag):
+    """One node on `ledger`: one and 100 hot vouchers, sold-out flood and never-sells-out."""
+    rows = []
+    if ledger == "sqlite":
+        p, base = start_node(procs, ledger, f"sqlite://{work}/ledger.db", args)
+    else:
+        p, base = start_node(procs, ledger, db_url, args, cluster=True)
     for kind, total in (("flood", 1000), ("never", 10 ** 9)):
         if kind not in args.kinds.split(","):
             continue
@@ -383,12 +391,7 @@ def main():
             rows += run_engine(procs, "postgres", work, db_url, db, args, tag)
         if want("hostile"):
             quiesce_pg()
-            port = free_port()
-            base = f"http://127.0.0.1:{port}"
-            env = {"VOUCHERS__HTTP__PORT": str(port), "VOUCHERS__ADMIN__TOKEN": TOKEN,
-                   "VOUCHERS__NODE__ID": "bench-hostile", "RUST_LOG": "warn",
-                   "VOUCHERS__LEDGER__URL": f"sqlite://{work}/hostile.db"}
-            p = procs.start("engine-hostile", [args.engine_bin], env, ready=f"{base}/health/ready")
+            p, base = start_node(procs, "hostile", f"sqlite://{work}/hostile.db", args)
             rows += run_hostile(base, p.pid, tag, args)
             procs.stop(p)
     finally:
