@@ -47,6 +47,15 @@ fn batch(code: &str, lease_id: i64, rows: Vec<BatchRow>) -> Batch {
     }
 }
 
+/// A lease of `units` for `node`, granted now; the voucher must have them free.
+async fn leased(l: &SharedLedger, code: &str, node: &str, units: i64) -> ledger::Lease {
+    l.grant(code, node, units, NOW, TTL)
+        .await
+        .unwrap()
+        .lease
+        .expect("granted")
+}
+
 async fn balanced(l: &SharedLedger, code: &str) -> ledger::Counters {
     let c = l.counters(code).await.unwrap().expect("voucher exists");
     assert!(c.balanced, "{code} does not balance: {c:?}");
@@ -79,13 +88,7 @@ pub async fn conformance(l: SharedLedger) {
 /// released yet.
 async fn usage_counts_every_live_reservation(l: &SharedLedger) {
     l.create_voucher(&voucher("UL", 10, 2), NOW).await.unwrap();
-    let lease = l
-        .grant("UL", "n1", 8, NOW, TTL)
-        .await
-        .unwrap()
-        .lease
-        .unwrap()
-        .id;
+    let lease = leased(l, "UL", "n1", 8).await.id;
     let first = l
         .commit_batch(&batch("UL", lease, rows(&[("ul-1", 7)])))
         .await
@@ -117,13 +120,7 @@ async fn usage_counts_every_live_reservation(l: &SharedLedger) {
     );
 
     l.create_voucher(&voucher("UX", 10, 1), NOW).await.unwrap();
-    let lease = l
-        .grant("UX", "n1", 4, NOW, TTL)
-        .await
-        .unwrap()
-        .lease
-        .unwrap()
-        .id;
+    let lease = leased(l, "UX", "n1", 4).await.id;
     let due = Batch {
         expires_at: NOW + 1,
         ..batch("UX", lease, rows(&[("ux-1", 9)]))
@@ -382,12 +379,7 @@ async fn grants_never_exceed_free(l: &SharedLedger) {
 async fn batches_apply_idempotency_and_limits(l: &SharedLedger) {
     l.create_voucher(&voucher("B", 10, 2), NOW).await.unwrap();
     l.create_voucher(&voucher("B2", 10, 2), NOW).await.unwrap();
-    let lease = l
-        .grant("B", "n1", 10, NOW, TTL)
-        .await
-        .unwrap()
-        .lease
-        .unwrap();
+    let lease = leased(l, "B", "n1", 10).await;
     let out = l
         .commit_batch(&batch(
             "B",
@@ -427,12 +419,7 @@ async fn batches_apply_idempotency_and_limits(l: &SharedLedger) {
         other => panic!("expected a replay, got {other:?}"),
     }
     // The same order id under another voucher is a clash.
-    let lease2 = l
-        .grant("B2", "n1", 5, NOW, TTL)
-        .await
-        .unwrap()
-        .lease
-        .unwrap();
+    let lease2 = leased(l, "B2", "n1", 5).await;
     let out = l
         .commit_batch(&batch("B2", lease2.id, rows(&[("b1", 1)])))
         .await
@@ -479,12 +466,7 @@ async fn batches_apply_idempotency_and_limits(l: &SharedLedger) {
 
 async fn the_fence_stops_batches_on_dead_or_full_leases(l: &SharedLedger) {
     l.create_voucher(&voucher("F", 10, 5), NOW).await.unwrap();
-    let lease = l
-        .grant("F", "n1", 2, NOW, TTL)
-        .await
-        .unwrap()
-        .lease
-        .unwrap();
+    let lease = leased(l, "F", "n1", 2).await;
     let res = l
         .commit_batch(&batch(
             "F",
@@ -531,18 +513,8 @@ async fn the_fence_stops_batches_on_dead_or_full_leases(l: &SharedLedger) {
 
 async fn returns_and_reaps_give_units_back_once(l: &SharedLedger) {
     l.create_voucher(&voucher("R", 10, 5), NOW).await.unwrap();
-    let a = l
-        .grant("R", "n1", 4, NOW, TTL)
-        .await
-        .unwrap()
-        .lease
-        .unwrap();
-    let b = l
-        .grant("R", "n2", 4, NOW, TTL)
-        .await
-        .unwrap()
-        .lease
-        .unwrap();
+    let a = leased(l, "R", "n1", 4).await;
+    let b = leased(l, "R", "n2", 4).await;
     l.commit_batch(&batch("R", a.id, rows(&[("r1", 1)])))
         .await
         .unwrap();
@@ -552,12 +524,7 @@ async fn returns_and_reaps_give_units_back_once(l: &SharedLedger) {
     assert!(l.active_leases("R", "n3").await.unwrap().is_empty());
     assert!(l.active_leases("other", "n1").await.unwrap().is_empty());
     // A used-up lease has nothing to give back: it is not listed.
-    let full = l
-        .grant("R", "n4", 1, NOW, TTL)
-        .await
-        .unwrap()
-        .lease
-        .unwrap();
+    let full = leased(l, "R", "n4", 1).await;
     l.commit_batch(&batch("R", full.id, rows(&[("r-n4", 2)])))
         .await
         .unwrap();
@@ -608,18 +575,8 @@ async fn returns_and_reaps_give_units_back_once(l: &SharedLedger) {
     let c = balanced(l, "R").await;
     assert_eq!((c.free, c.reserved), (8, 2));
     // A node that stops gracefully hands back every lease it holds, and only its own.
-    let mine = l
-        .grant("R", "leaving", 3, NOW, TTL)
-        .await
-        .unwrap()
-        .lease
-        .unwrap();
-    let other = l
-        .grant("R", "staying", 2, NOW, TTL)
-        .await
-        .unwrap()
-        .lease
-        .unwrap();
+    let mine = leased(l, "R", "leaving", 3).await;
+    let other = leased(l, "R", "staying", 2).await;
     let back = l.return_node_leases("leaving", NOW).await.unwrap();
     assert_eq!(back.iter().map(|r| r.units).sum::<i64>(), 3);
     assert!(l
@@ -674,12 +631,7 @@ async fn live_matches_counters(l: &SharedLedger, code: &str) {
 
 async fn release_confirm_and_expiry_move_units_exactly_once(l: &SharedLedger) {
     l.create_voucher(&voucher("L", 5, 5), NOW).await.unwrap();
-    let lease = l
-        .grant("L", "n1", 5, NOW, TTL)
-        .await
-        .unwrap()
-        .lease
-        .unwrap();
+    let lease = leased(l, "L", "n1", 5).await;
     l.commit_batch(&batch(
         "L",
         lease.id,
@@ -800,12 +752,7 @@ async fn concurrent_batches_agree_on_customers_and_orders(l: &SharedLedger) {
     let nodes = (0..6).map(|node| {
         let l = l.clone();
         async move {
-            let lease = l
-                .grant("X", &format!("x{node}"), 100, NOW, TTL)
-                .await
-                .unwrap()
-                .lease
-                .unwrap();
+            let lease = leased(&l, "X", &format!("x{node}"), 100).await;
             let mut outcomes = Vec::new();
             for round in 0..5 {
                 // Customers 1..=10 each try orders o{c}-{0..3}; every node sends the same ones.
@@ -875,14 +822,8 @@ async fn merged_batches_settle_each_batch_on_its_own(l: &SharedLedger) {
             .await
             .unwrap();
     }
-    let lease = |code: &'static str, units: i64| async move {
-        l.grant(code, "n1", units, NOW, TTL)
-            .await
-            .unwrap()
-            .lease
-            .unwrap()
-            .id
-    };
+    let lease =
+        |code: &'static str, units: i64| async move { leased(l, code, "n1", units).await.id };
     let (m1, m1b, m2, m3, m4) = (
         lease("M1", 3).await,
         lease("M1", 2).await,
@@ -1007,14 +948,7 @@ async fn an_order_id_is_not_taken_by_a_row_that_never_inserts(l: &SharedLedger) 
     for code in ["X1", "X2", "X3", "X4"] {
         l.create_voucher(&voucher(code, 10, 1), NOW).await.unwrap();
     }
-    let grant = |code: &'static str| async move {
-        l.grant(code, "n1", 3, NOW, TTL)
-            .await
-            .unwrap()
-            .lease
-            .unwrap()
-            .id
-    };
+    let grant = |code: &'static str| async move { leased(l, code, "n1", 3).await.id };
     let (x1, x2, x3, x4) = (
         grant("X1").await,
         grant("X2").await,
@@ -1241,12 +1175,7 @@ async fn postgres_returns_lock_vouchers_before_leases() {
         .await
         .unwrap();
     l.create_voucher(&voucher("LO", 10, 5), NOW).await.unwrap();
-    let lease = l
-        .grant("LO", "n1", 5, NOW, TTL)
-        .await
-        .unwrap()
-        .lease
-        .unwrap();
+    let lease = leased(&l, "LO", "n1", 5).await;
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
     let mut hold = pool.begin().await.unwrap();
     let holder: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
@@ -1296,12 +1225,7 @@ async fn whole_feed(l: &SharedLedger, page: i64) -> Vec<FeedEvent> {
 async fn the_feed_tells_every_change_once_in_order(l: &SharedLedger) {
     l.create_voucher(&voucher("FEED", 5, 5), NOW).await.unwrap();
     let head = whole_feed(l, 1000).await.last().map_or(0, |e| e.seq);
-    let lease = l
-        .grant("FEED", "n1", 5, NOW, TTL)
-        .await
-        .unwrap()
-        .lease
-        .unwrap();
+    let lease = leased(l, "FEED", "n1", 5).await;
     l.commit_batch(&batch(
         "FEED",
         lease.id,
