@@ -111,6 +111,9 @@ pub struct LedgerSettings {
 #[derive(Debug, Clone, Deserialize)]
 pub struct EngineSettings {
     pub shards: usize,
+    /// Start voucher actors on the HTTP workers' own arbiters (the shards only before the
+    /// workers run): a reserve that arrives on its actor's worker never changes thread.
+    pub actors_on_http_workers: bool,
     pub mailbox_capacity: usize,
     pub max_pending: usize,
     pub max_batch: usize,

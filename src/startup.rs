@@ -321,12 +321,15 @@ impl Application {
             client_address: api::ClientAddress::from_settings(&settings.limits)?,
             checkout_tokens: settings.http.checkout_tokens.clone(),
         };
-        let mut server = HttpServer::new(move || api::app(state.clone()))
-            .listen(listener)
-            .context("listen")?
-            .backlog(4096)
-            .max_connection_rate(4096)
-            .shutdown_timeout(10);
+        let mut server = HttpServer::new(move || {
+            state.engine.host_actors_here();
+            api::app(state.clone())
+        })
+        .listen(listener)
+        .context("listen")?
+        .backlog(4096)
+        .max_connection_rate(4096)
+        .shutdown_timeout(10);
         if settings.http.workers > 0 {
             server = server.workers(settings.http.workers);
         }

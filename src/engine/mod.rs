@@ -1,9 +1,10 @@
 //! The engine: everything between the HTTP routes and the ledger.
 //!
 //! [`EngineHandle`] is the cloneable front door routes call. Behind it a registry maps each voucher
-//! code to its owner [`actor::VoucherActor`] on this node; actors are spread over shards (one actix
-//! `Arbiter` each, chosen by hash of the code), started lazily on first use or by warm-up, and stop
-//! after idleness. Reserves go to the actor through a bounded mailbox (`try_send`; full → `503`);
+//! code to its owner [`actor::VoucherActor`] on this node; actors are spread by hash of the code
+//! over the HTTP workers' own arbiters (`engine.actors_on_http_workers`; the shards, one actix
+//! `Arbiter` each, host them otherwise and before the workers run), started lazily on first use
+//! or by warm-up, and stop after idleness. Reserves go to the actor through a bounded mailbox (`try_send`; full → `503`);
 //! everything else (confirm, release, reads, admin) goes to the ledger directly. Restocks from any
 //! source pass through [`Core::restocked`], which lowers the sold-out flag and tells the actor.
 
@@ -296,6 +297,9 @@ pub(crate) struct Core {
     switch_version: std::sync::Mutex<i64>,
     registry: DashMap<String, Entry>,
     shards: Vec<ArbiterHandle>,
+    /// The HTTP workers' arbiters, as each worker starts (with `actors_on_http_workers`):
+    /// actors go there first, so that a reserve and its answer can stay on one thread.
+    workers: std::sync::RwLock<Vec<ArbiterHandle>>,
     next_generation: AtomicU64,
     /// The node hears other nodes' signals now (always without Redis, where flags rest on the
     /// probes alone). A sold-out flag answers from memory only then: a missed `RESTOCK` could
@@ -364,6 +368,32 @@ impl Core {
             .remove_if(code, |_, e| e.generation == generation);
     }
 
+    /// The arbiter `code`'s actor starts on: a live HTTP worker's, chosen by the code's hash,
+    /// else a shard's. A worker that stopped (shutdown, or a panic actix-server recovered
+    /// from) leaves the list here.
+    fn home(&self, code: &str) -> ArbiterHandle {
+        let hash = code_hash(code);
+        let pick = |arbiters: &[ArbiterHandle]| {
+            arbiters
+                .get((hash % arbiters.len().max(1) as u64) as usize)
+                .cloned()
+        };
+        let workers = self.workers.read().unwrap_or_else(|e| e.into_inner());
+        if workers.iter().all(ArbiterHandle::alive) {
+            if let Some(worker) = pick(&workers) {
+                return worker;
+            }
+        } else {
+            drop(workers);
+            let mut workers = self.workers.write().unwrap_or_else(|e| e.into_inner());
+            workers.retain(ArbiterHandle::alive);
+            if let Some(worker) = pick(&workers) {
+                return worker;
+            }
+        }
+        pick(&self.shards).unwrap_or_else(Arbiter::current)
+    }
+
     fn entry(self: &Arc<Self>, code: &str) -> Entry {
         if let Some(e) = self.registry.get(code) {
             return e.clone();
@@ -373,9 +403,9 @@ impl Core {
             .or_insert_with(|| {
                 let generation = self.next_generation.fetch_add(1, Ordering::Relaxed);
                 let shared = Arc::new(VoucherShared::default());
-                let shard = &self.shards[(code_hash(code) % self.shards.len() as u64) as usize];
+                let home = self.home(code);
                 let (core, c, sh) = (self.clone(), code.to_string(), shared.clone());
-                let addr = VoucherActor::start_in_arbiter(shard, move |_| {
+                let addr = VoucherActor::start_in_arbiter(&home, move |_| {
                     VoucherActor::new(c, core, sh, generation)
                 });
                 Entry {
@@ -442,6 +472,7 @@ impl EngineHandle {
             registry: DashMap::new(),
             recount: std::sync::Mutex::new(HashSet::new()),
             shards: arbiters.iter().map(Arbiter::handle).collect(),
+            workers: std::sync::RwLock::new(Vec::new()),
             next_generation: AtomicU64::new(0),
             // Without Redis no signal can be missed: flags rest on the probes (two intervals).
             signals_up: AtomicBool::new(alone),
@@ -457,6 +488,22 @@ impl EngineHandle {
 
     pub fn node_id(&self) -> &str {
         &self.core.node_id
+    }
+
+    /// Called on each HTTP worker's thread as it starts: with `engine.actors_on_http_workers`,
+    /// voucher actors are started on the workers' arbiters from now on. A reserve that arrives
+    /// on its actor's worker is then queued, batched and answered without a wake-up of another
+    /// thread; on a 2-core box that hand-over (and the context switches it brings) was the
+    /// largest cost of a durable reserve after the ledger's own.
+    pub fn host_actors_here(&self) {
+        if !self.core.settings.actors_on_http_workers {
+            return;
+        }
+        if let Some(here) = Arbiter::try_current() {
+            let mut workers = self.core.workers.write().unwrap_or_else(|e| e.into_inner());
+            workers.retain(ArbiterHandle::alive);
+            workers.push(here);
+        }
     }
 
     pub fn now_ms(&self) -> i64 {
