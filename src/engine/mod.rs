@@ -267,6 +267,8 @@ struct Entry {
     generation: u64,
     /// The voucher's admission limiter on this node, when admission is limited.
     admission: Option<Arc<limits::Admission>>,
+    /// The actor was started on an HTTP worker's arbiter, not on a shard (diagnostics).
+    on_worker: bool,
 }
 
 /// A voucher code's hash: picks its shard, and keys its customers in the per-customer limiter.
@@ -368,10 +370,10 @@ impl Core {
             .remove_if(code, |_, e| e.generation == generation);
     }
 
-    /// The arbiter `code`'s actor starts on: a live HTTP worker's, chosen by the code's hash,
-    /// else a shard's. A worker that stopped (shutdown, or a panic actix-server recovered
-    /// from) leaves the list here.
-    fn home(&self, code: &str) -> ArbiterHandle {
+    /// The arbiter `code`'s actor starts on, and whether it is an HTTP worker's: a live
+    /// worker's, chosen by the code's hash, else a shard's. A worker that stopped (shutdown, or
+    /// a panic actix-server recovered from) leaves the list here.
+    fn home(&self, code: &str) -> (ArbiterHandle, bool) {
         let hash = code_hash(code);
         let pick = |arbiters: &[ArbiterHandle]| {
             arbiters
@@ -381,17 +383,17 @@ impl Core {
         let workers = self.workers.read().unwrap_or_else(|e| e.into_inner());
         if workers.iter().all(ArbiterHandle::alive) {
             if let Some(worker) = pick(&workers) {
-                return worker;
+                return (worker, true);
             }
         } else {
             drop(workers);
             let mut workers = self.workers.write().unwrap_or_else(|e| e.into_inner());
             workers.retain(ArbiterHandle::alive);
             if let Some(worker) = pick(&workers) {
-                return worker;
+                return (worker, true);
             }
         }
-        pick(&self.shards).unwrap_or_else(Arbiter::current)
+        (pick(&self.shards).unwrap_or_else(Arbiter::current), false)
     }
 
     fn entry(self: &Arc<Self>, code: &str) -> Entry {
@@ -403,7 +405,7 @@ impl Core {
             .or_insert_with(|| {
                 let generation = self.next_generation.fetch_add(1, Ordering::Relaxed);
                 let shared = Arc::new(VoucherShared::default());
-                let home = self.home(code);
+                let (home, on_worker) = self.home(code);
                 let (core, c, sh) = (self.clone(), code.to_string(), shared.clone());
                 let addr = VoucherActor::start_in_arbiter(&home, move |_| {
                     VoucherActor::new(c, core, sh, generation)
@@ -413,6 +415,7 @@ impl Core {
                     shared,
                     generation,
                     admission: self.limits.new_admission().map(Arc::new),
+                    on_worker,
                 }
             })
             .clone()
@@ -678,6 +681,12 @@ impl EngineHandle {
     /// Reserves waiting for their actor on this node now (tests and diagnostics).
     pub fn reserves_in_flight(&self) -> usize {
         self.core.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Whether `code`'s actor on this node lives on an HTTP worker's thread (`None`: it has no
+    /// actor here; tests and diagnostics).
+    pub fn actor_on_http_worker(&self, code: &str) -> Option<bool> {
+        self.core.registry.get(code).map(|e| e.on_worker)
     }
 
     /// How many vouchers have an actor on this node (tests and diagnostics).

@@ -365,3 +365,22 @@ async fn a_sold_out_actor_probes_once_per_probe_interval_not_every_tick() {
         "no second probe within soldout_probe_ms"
     );
 }
+
+/// Voucher actors live on the HTTP workers' threads (a reserve that arrives on its actor's
+/// worker never changes thread), on the shards with `engine.actors_on_http_workers` off; both
+/// serve the same.
+#[actix_web::test]
+async fn voucher_actors_live_on_the_http_workers_unless_switched_off() {
+    for on in [true, false] {
+        let app = crate::helpers::spawn_app_with(|s| s.engine.actors_on_http_workers = on).await;
+        assert_eq!(app.engine.actor_on_http_worker("HOME"), None);
+        assert_eq!(app.create_voucher("HOME", 10, 1).await.0, 201);
+        assert_eq!(app.reserve("HOME", 1, "home-1").await.0, 201);
+        assert_eq!(
+            app.engine.actor_on_http_worker("HOME"),
+            Some(on),
+            "actors_on_http_workers = {on}"
+        );
+        assert_eq!(app.balanced_counters("HOME").await["reserved"], json!(1));
+    }
+}
