@@ -159,7 +159,14 @@ fn error_response(description: &str, retry_after: bool) -> utoipa::openapi::Resp
 #[utoipa::path(get, operation_id = "openapi", path = "/openapi.json", tag = "operations",
     responses((status = 200, description = "The OpenAPI document", body = Object)))]
 pub async fn openapi_json() -> HttpResponse {
-    HttpResponse::Ok().json(ApiDoc::openapi())
+    // Built once: the route needs no token, and building the document costs far more than
+    // serving it.
+    static DOCUMENT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    let body =
+        DOCUMENT.get_or_init(|| serde_json::to_string(&ApiDoc::openapi()).unwrap_or_default());
+    HttpResponse::Ok()
+        .content_type(actix_web::http::header::ContentType::json())
+        .body(body.as_str())
 }
 
 #[cfg(test)]
