@@ -155,6 +155,9 @@ impl VoucherActor {
                 Command::AnswerWarm(to, res) => {
                     let _ = to.send(res);
                 }
+                // Dropping the sender is the hand-back: `EngineHandle::reserve` sees the channel
+                // close and asks the voucher's next actor.
+                Command::HandBack(to) => drop(to),
                 Command::ReadVoucher { first } => {
                     let read = async move { ledger.voucher(&code).await };
                     ctx.spawn(read.into_actor(self).map(move |res, act, ctx| {
@@ -227,12 +230,14 @@ impl VoucherActor {
 /// the ledger makes it idempotent). A failure goes back to the actor, which tries again; once the
 /// actor is gone, the reaper takes the lease.
 fn spawn_return(core: &Arc<Core>, actor: Addr<VoucherActor>, lease_id: i64, now: Millis) {
-    let core = core.clone();
-    actix::spawn(async move {
-        match core.ledger.return_lease(lease_id, now).await {
+    let engine = core.clone();
+    // Not on the actor's own arbiter: an actor torn down with its thread (an HTTP worker that
+    // stopped) returns its leases from `stopped`, when that thread runs nothing more.
+    core.background(async move {
+        match engine.ledger.return_lease(lease_id, now).await {
             Ok(restock) => {
                 if let Some(r) = restock {
-                    core.restocked(&r.voucher_code);
+                    engine.restocked(&r.voucher_code);
                 }
                 actor.do_send(Returned(lease_id, true));
             }

@@ -299,9 +299,10 @@ pub(crate) struct Core {
     switch_version: std::sync::Mutex<i64>,
     registry: DashMap<String, Entry>,
     shards: Vec<ArbiterHandle>,
-    /// The HTTP workers' arbiters, as each worker starts (with `actors_on_http_workers`):
-    /// actors go there first, so that a reserve and its answer can stay on one thread.
-    workers: std::sync::RwLock<Vec<ArbiterHandle>>,
+    /// The HTTP workers' arbiters, by thread, as each worker starts (with
+    /// `actors_on_http_workers`): actors go there first, so that a reserve and its answer can
+    /// stay on one thread.
+    workers: std::sync::RwLock<Vec<(std::thread::ThreadId, ArbiterHandle)>>,
     next_generation: AtomicU64,
     /// The node hears other nodes' signals now (always without Redis, where flags rest on the
     /// probes alone). A sold-out flag answers from memory only then: a missed `RESTOCK` could
@@ -375,25 +376,36 @@ impl Core {
     /// a panic actix-server recovered from) leaves the list here.
     fn home(&self, code: &str) -> (ArbiterHandle, bool) {
         let hash = code_hash(code);
-        let pick = |arbiters: &[ArbiterHandle]| {
-            arbiters
-                .get((hash % arbiters.len().max(1) as u64) as usize)
-                .cloned()
-        };
+        let pick = |n: usize| (hash % n.max(1) as u64) as usize;
         let workers = self.workers.read().unwrap_or_else(|e| e.into_inner());
-        if workers.iter().all(ArbiterHandle::alive) {
-            if let Some(worker) = pick(&workers) {
-                return (worker, true);
+        if workers.iter().all(|(_, a)| a.alive()) {
+            if let Some((_, worker)) = workers.get(pick(workers.len())) {
+                return (worker.clone(), true);
             }
         } else {
             drop(workers);
             let mut workers = self.workers.write().unwrap_or_else(|e| e.into_inner());
-            workers.retain(ArbiterHandle::alive);
-            if let Some(worker) = pick(&workers) {
-                return (worker, true);
+            workers.retain(|(_, a)| a.alive());
+            if let Some((_, worker)) = workers.get(pick(workers.len())) {
+                return (worker.clone(), true);
             }
         }
-        (pick(&self.shards).unwrap_or_else(Arbiter::current), false)
+        let shard = self.shards.get(pick(self.shards.len())).cloned();
+        (shard.unwrap_or_else(Arbiter::current), false)
+    }
+
+    /// Runs `work` on a shard, away from the calling actor's thread (which may be ending). Once
+    /// the shards have stopped (the end of a shutdown, after the drain returned every lease of
+    /// the node) it is dropped.
+    pub(crate) fn background(&self, work: impl std::future::Future<Output = ()> + Send + 'static) {
+        match self.shards.first() {
+            Some(shard) => {
+                shard.spawn(work);
+            }
+            None => {
+                actix::spawn(work);
+            }
+        }
     }
 
     fn entry(self: &Arc<Self>, code: &str) -> Entry {
@@ -503,9 +515,11 @@ impl EngineHandle {
             return;
         }
         if let Some(here) = Arbiter::try_current() {
+            // Once per worker thread: the factory runs per listener, and again on a restart.
+            let thread = std::thread::current().id();
             let mut workers = self.core.workers.write().unwrap_or_else(|e| e.into_inner());
-            workers.retain(ArbiterHandle::alive);
-            workers.push(here);
+            workers.retain(|(t, a)| a.alive() && *t != thread);
+            workers.push((thread, here));
         }
     }
 

@@ -56,7 +56,10 @@
 //!   flagged or empty-handed node probes the ledger every `soldout_probe_ms` with a grant; units
 //!   found lower the flag.
 //! - **Stop.** An actor with nothing held, nothing in flight and no traffic for
-//!   `actor_idle_stop_ms` stops ([`Command::Stop`]); every waiter then gets `503`.
+//!   `actor_idle_stop_ms` stops ([`Command::Stop`]); every waiter then gets `503`. An actor torn
+//!   down unasked (its thread ended: an HTTP worker stopping before the others at shutdown)
+//!   hands its waiters back unanswered instead ([`Command::HandBack`]): the front door asks the
+//!   voucher's next actor, and a reserve whose batch did commit comes back as its replay.
 //!
 //! - **The flag's trust.** The frontend answers from the sold-out flag only while the node's
 //!   signal link is up (`EngineHandle::signals_link`) and within two probe intervals of the
@@ -173,7 +176,7 @@ pub(crate) enum Event<R, W> {
     SoldOutElsewhere,
     /// Shutting down: stop serving; the engine returns the node's leases in one call.
     Drain,
-    /// The adapter stopped (after [`Command::Stop`], or its arbiter went away).
+    /// The adapter stopped (after [`Command::Stop`], or its arbiter went away unasked).
     Stopped,
     /// Time passed (at least every [`TICK_MS`]).
     Tick,
@@ -231,6 +234,9 @@ pub(crate) enum Command<R, W> {
     Limits(VoucherLimits),
     /// Stop the actor; [`Event::Stopped`] follows.
     Stop,
+    /// Let this waiter go unanswered: the core was torn down without asking to stop, and the
+    /// front door gives the reserve to the voucher's next actor (idempotent by order id).
+    HandBack(R),
 }
 
 /// A queued reserve.
@@ -531,8 +537,10 @@ impl<R, W> VoucherCore<R, W> {
                 return;
             }
             Event::Stopped => {
-                self.stopping = true;
-                self.fail_all(EngineError::Unavailable);
+                // Unasked (the core never said Stop): the adapter's thread went away, not the
+                // voucher's service; the waiters can be served by a successor.
+                let asked = std::mem::replace(&mut self.stopping, true);
+                self.let_go_all(asked.then_some(EngineError::Unavailable));
                 self.give_back_leases(LeaseEvent::Returned, |_| false);
                 return;
             }
@@ -644,15 +652,24 @@ impl<R, W> VoucherCore<R, W> {
     /// land, and so does the lookup in flight unless the core stops: a retry of a stored order
     /// in it gets its 201).
     fn fail_all(&mut self, err: EngineError) {
+        self.let_go_all(Some(err));
+    }
+
+    /// Every waiter leaves: answered `err`, or, with `None`, handed back unanswered (a warm-up
+    /// waiter is told `503` either way).
+    fn let_go_all(&mut self, err: Option<EngineError>) {
         let lookups = self.lookups.drain(..).map(|(p, _)| p);
         let looking = match self.stopping {
             true => self.looking.take().unwrap_or_default(),
             false => Vec::new(),
         };
         for p in self.pending.drain(..).chain(lookups).chain(looking) {
-            self.out
-                .push(Command::Answer(p.reply, Reply::Failed(err.clone())));
+            self.out.push(match &err {
+                Some(e) => Command::Answer(p.reply, Reply::Failed(e.clone())),
+                None => Command::HandBack(p.reply),
+            });
         }
+        let err = err.unwrap_or(EngineError::Unavailable);
         for w in self.warm_waiters.drain(..) {
             self.out.push(Command::AnswerWarm(w, Err(err.clone())));
         }
@@ -1995,6 +2012,21 @@ mod tests {
         let out: Out = core.commands().collect();
         assert!(!has(&out, |c| matches!(c, Command::Stop)));
         assert!(answers(&out).is_empty());
+    }
+
+    #[test]
+    fn a_core_torn_down_unasked_hands_its_waiters_back_and_one_that_stopped_answers_them() {
+        // Torn down (its thread ended) with a reserve in a batch and one queued behind it.
+        let mut rig = Rig::new();
+        rig.served(1, 10);
+        rig.on(Event::Reserve(req(2), 2));
+        let out = rig.on(Event::Stopped);
+        assert!(answers(&out).is_empty(), "{out:?}");
+        assert!(has(&out, |c| matches!(c, Command::HandBack(2))));
+        // Stopped after asking to: every waiter gets its 503.
+        let out = reserve_then_first_read(Err(failed()));
+        assert!(!has(&out, |c| matches!(c, Command::HandBack(_))));
+        assert_eq!(answers(&out), [(1, "Unavailable".to_string())]);
     }
 
     #[test]

@@ -929,6 +929,10 @@ impl World {
                         self.reply(n, client, attempt, reply, false)
                     }
                     Command::AnswerWarm(..) | Command::RecountSoon | Command::Limits(_) => {}
+                    // Only a core torn down unasked hands back, and the simulation tears none
+                    // down that way (a crash drops a node's cores whole): its client's deadline
+                    // would send the reserve again.
+                    Command::HandBack(_) => {}
                     Command::Publish(signal) => self.publish(n, v, signal),
                     Command::Stop => {
                         stopped = true;

@@ -372,15 +372,22 @@ async fn a_sold_out_actor_probes_once_per_probe_interval_not_every_tick() {
 #[actix_web::test]
 async fn voucher_actors_live_on_the_http_workers_unless_switched_off() {
     for on in [true, false] {
-        let app = crate::helpers::spawn_app_with(|s| s.engine.actors_on_http_workers = on).await;
-        assert_eq!(app.engine.actor_on_http_worker("HOME"), None);
-        assert_eq!(app.create_voucher("HOME", 10, 1).await.0, 201);
-        assert_eq!(app.reserve("HOME", 1, "home-1").await.0, 201);
-        assert_eq!(
-            app.engine.actor_on_http_worker("HOME"),
-            Some(on),
-            "actors_on_http_workers = {on}"
-        );
-        assert_eq!(app.balanced_counters("HOME").await["reserved"], json!(1));
+        let app = crate::helpers::spawn_app_with(|s| {
+            s.engine.actors_on_http_workers = on;
+            s.http.workers = 2;
+        })
+        .await;
+        assert_eq!(app.engine.actor_on_http_worker("HOME0"), None);
+        for i in 0..6 {
+            let code = format!("HOME{i}");
+            assert_eq!(app.create_voucher(&code, 10, 1).await.0, 201);
+            assert_eq!(app.reserve(&code, 1, format!("home-{i}")).await.0, 201);
+            assert_eq!(
+                app.engine.actor_on_http_worker(&code),
+                Some(on),
+                "{code}, actors_on_http_workers = {on}"
+            );
+            assert_eq!(app.balanced_counters(&code).await["reserved"], json!(1));
+        }
     }
 }
