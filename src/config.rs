@@ -127,7 +127,15 @@ pub struct EngineSettings {
     pub lease_target_interval_ms: i64,
     pub min_block: i64,
     pub max_block: i64,
+    /// The end-game: a grant takes at most `free / endgame_divisor` (at least one unit), so the
+    /// last units spread over the nodes that still have demand; before a sale starts, a node
+    /// holds at most what was free at its first grant over it.
     pub endgame_divisor: i64,
+    /// Set at start-up, never read from a file: this node is its ledger's only process (the
+    /// embedded SQLite ledger, which one process holds). Its end-game then takes whole blocks,
+    /// as there is no other node to spread the last units over; the pre-start cap still holds.
+    #[serde(skip)]
+    pub sole_node: bool,
     pub soldout_probe_ms: i64,
     pub recall_wait_ms: i64,
     pub won_set_exact_max: usize,

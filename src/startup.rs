@@ -11,7 +11,7 @@ use anyhow::Context;
 
 use crate::api::{self, AppState};
 use crate::clock::{LedgerClock, SharedClock};
-use crate::config::Settings;
+use crate::config::{EngineSettings, Settings};
 use crate::engine::{EngineHandle, Shards};
 use crate::jobs::{self, Jobs};
 use crate::ledger;
@@ -263,10 +263,14 @@ impl Application {
             signal_tasks.push(task);
             p
         };
+        let engine_settings = EngineSettings {
+            sole_node: !shared_ledger,
+            ..settings.engine.clone()
+        };
         let (engine, shards) = EngineHandle::start(
             ledger,
             clock,
-            settings.engine.clone(),
+            engine_settings,
             node_id.clone(),
             Duration::from_millis(settings.http.request_timeout_ms),
             publisher,

@@ -370,7 +370,7 @@ pub(crate) struct VoucherCore<R, W> {
     /// raised the sold-out flag: a verdict that finds the same number has nothing new to load.
     sold_out_at: Option<i64>,
     /// Before the sale starts, the most units this node may hold: the free units it saw at its
-    /// first grant over `endgame_divisor`.
+    /// first grant over `engine.endgame_divisor`.
     prestart_cap: Option<i64>,
     /// When this core last asked for a recount on a sell-out: at most once per
     /// [`SOLD_OUT_RECOUNT_MS`].
@@ -1016,8 +1016,11 @@ impl<R, W> VoucherCore<R, W> {
                 if self.prestart_cap.is_none() && self.before_start() {
                     let seen = grant.free_after + grant.lease.as_ref().map_or(0, |l| l.granted);
                     let p = &self.sizing;
-                    self.prestart_cap =
-                        Some((seen / p.endgame_divisor).max(p.min_block).min(p.max_block));
+                    self.prestart_cap = Some(
+                        (seen / p.prestart_divisor)
+                            .max(p.min_block)
+                            .min(p.max_block),
+                    );
                 }
                 if let Some(lease) = grant.lease {
                     m::lease(LeaseEvent::Granted);
@@ -2141,7 +2144,7 @@ mod tests {
         rig.on(Event::Warm(5));
         rig.on(Event::Granted(lease(7, 4, 96)));
         let p = rig.core.sizing;
-        let cap = (100 / p.endgame_divisor).max(p.min_block).min(p.max_block);
+        let cap = (100 / p.prestart_divisor).max(p.min_block).min(p.max_block);
         assert_eq!(rig.core.prestart_cap, Some(cap));
     }
 

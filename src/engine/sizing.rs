@@ -11,7 +11,10 @@ pub struct SizingParams {
     pub target_interval_ms: i64,
     pub min_block: i64,
     pub max_block: i64,
+    /// During the sale: 1 on a node alone on its ledger (nobody to spread the last units to).
     pub endgame_divisor: i64,
+    /// Before the sale: the node's cap is what it saw free over this (`engine.endgame_divisor`).
+    pub prestart_divisor: i64,
 }
 
 impl From<&EngineSettings> for SizingParams {
@@ -20,7 +23,12 @@ impl From<&EngineSettings> for SizingParams {
             target_interval_ms: s.lease_target_interval_ms.max(1),
             min_block: s.min_block.max(1),
             max_block: s.max_block.max(1),
-            endgame_divisor: s.endgame_divisor.max(1),
+            endgame_divisor: if s.sole_node {
+                1
+            } else {
+                s.endgame_divisor.max(1)
+            },
+            prestart_divisor: s.endgame_divisor.max(1),
         }
     }
 }
@@ -121,6 +129,7 @@ mod tests {
         min_block: 4,
         max_block: 1000,
         endgame_divisor: 4,
+        prestart_divisor: 4,
     };
 
     #[test]
@@ -136,6 +145,20 @@ mod tests {
         assert_eq!(block_size(&P, 250.0, 0, Some(400)), 100);
         assert_eq!(block_size(&P, 250.0, 0, Some(7)), 1);
         assert_eq!(block_size(&P, 250.0, 50, Some(0)), 1);
+    }
+
+    #[test]
+    fn a_node_alone_on_its_ledger_keeps_whole_blocks_in_the_end_game_but_not_before_the_start() {
+        let mut settings = crate::config::Settings::defaults().engine;
+        settings.endgame_divisor = 4;
+        let shared = SizingParams::from(&settings);
+        settings.sole_node = true;
+        let alone = SizingParams::from(&settings);
+        assert_eq!(block_size(&shared, 250.0, 0, Some(400)), 100);
+        assert_eq!(block_size(&alone, 250.0, 0, Some(400)), 250);
+        // Never more than is free.
+        assert_eq!(block_size(&alone, 250.0, 0, Some(7)), 7);
+        assert_eq!((shared.prestart_divisor, alone.prestart_divisor), (4, 4));
     }
 
     #[test]
