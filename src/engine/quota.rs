@@ -86,6 +86,10 @@ use crate::metrics::{self as m, LeaseEvent};
 use crate::signals::Signal;
 
 /// How often the core expects [`Event::Tick`].
+/// A sold-out or dry core probes the ledger only while its voucher saw traffic within this many
+/// probe intervals: one more than the flag's trust window.
+const PROBE_WHILE_SEEN: Millis = 3;
+
 pub(crate) const TICK_MS: Millis = 250;
 /// How often the core re-reads its voucher's definition.
 const VOUCHER_REFRESH_MS: Millis = 1000;
@@ -1248,12 +1252,18 @@ impl<R, W> VoucherCore<R, W> {
             self.give_back_leases(LeaseEvent::Returned, |_| false);
         }
         self.renew_if_due();
-        // A sold-out or dry core with nothing to serve probes the ledger at a fixed rate. The
-        // probe is a grant: if units came back it takes them (and lowers the flag); if the
-        // ledger is empty everywhere it raises the flag.
+        // A sold-out or dry core with nothing to serve probes the ledger at a fixed rate while
+        // its voucher sees traffic (here or at the frontend's flag). The probe is a grant: if
+        // units came back it takes them (and lowers the flag); if the ledger is empty
+        // everywhere it raises the flag. A voucher nobody asks for is not probed: after a sale,
+        // every sold-out voucher of every node would otherwise write to the ledger twice a
+        // probe interval until its actor stops. Its flag then lapses (it is trusted for two
+        // intervals after the ledger last confirmed it), and the first reserves that come
+        // back are settled by the ledger until the next probe confirms it again.
         let empty_handed =
             self.room() == 0 && self.committing.is_empty() && self.free_hint == Some(0);
         if (self.shared.is_sold_out() || empty_handed)
+            && unseen < PROBE_WHILE_SEEN * probe_ms
             && now >= self.next_probe
             && self.granting.is_none()
             && self.voucher.is_some()
@@ -2121,6 +2131,38 @@ mod tests {
     }
 
     #[test]
+    fn a_sold_out_core_probes_while_its_voucher_is_asked_for_and_not_after() {
+        let mut rig = Rig::new();
+        rig.on(Event::Reserve(req(1), 1));
+        rig.on(Event::Granted(empty(0, 7)));
+        let probe = rig.core.settings.soldout_probe_ms;
+        // Nobody asks here, but the frontend answers from the flag: still traffic.
+        for _ in 0..5 {
+            rig.now += probe;
+            rig.shared.count_short_circuit(rig.now);
+            let out = rig.on(Event::Tick);
+            assert!(has(&out, |c| matches!(c, Command::Grant { .. })));
+            rig.on(Event::Granted(empty(0, 7)));
+        }
+        // Quiet: probes stop once three intervals passed without a request.
+        let mut probes = 0;
+        for _ in 0..10 {
+            rig.now += probe;
+            let out = rig.on(Event::Tick);
+            if has(&out, |c| matches!(c, Command::Grant { .. })) {
+                probes += 1;
+                rig.on(Event::Granted(empty(0, 7)));
+            }
+        }
+        assert_eq!(probes, 2, "probes after the last request");
+        // A request comes back: the ledger is asked again.
+        let mut out = rig.on(Event::Reserve(req(2), 2));
+        rig.now += probe;
+        out.extend(rig.on(Event::Tick));
+        assert!(has(&out, |c| matches!(c, Command::Grant { .. })), "{out:?}");
+    }
+
+    #[test]
     fn a_drained_core_keeps_only_the_lease_a_batch_is_on() {
         let mut rig = Rig::new();
         rig.served(1, 10);
@@ -2179,8 +2221,10 @@ mod tests {
         let probe = rig.core.settings.soldout_probe_ms;
         rig.shared
             .set_sold_out(rig.shared.restock_epoch(), vec![], 1, 16);
-        // Under a clock 8 s ahead, a probe sets the next one 8 s too far.
+        // Under a clock 8 s ahead, a probe sets the next one 8 s too far. (The voucher is
+        // flooded: the frontend answers from its flag all along.)
         rig.now += 8000;
+        rig.shared.count_short_circuit(rig.now);
         let out = rig.on(Event::Tick);
         assert!(has(&out, |c| matches!(c, Command::Grant { .. })));
         rig.on(Event::Granted(empty(0, 0)));

@@ -1047,8 +1047,9 @@ async fn a_half_open_redis_link_is_noticed_and_recovered() {
     .await;
 }
 
-/// A sold-out voucher keeps probing the ledger, but a probe that finds no new winner reloads
-/// nothing and announces nothing again; a winner's retry still gets its 201.
+/// A sold-out voucher that is still asked for keeps probing the ledger, but a probe that finds
+/// no new winner reloads nothing and announces nothing again; a winner's retry still gets its
+/// 201.
 #[actix_web::test]
 #[cfg_attr(no_test_redis, ignore = "needs TEST_REDIS_URL; .ci/run sets it")]
 async fn sold_out_probes_that_find_nothing_new_publish_nothing() {
@@ -1083,10 +1084,13 @@ async fn sold_out_probes_that_find_nothing_new_publish_nothing() {
     })
     .await;
     let announced = published(&metrics().await);
-    for _ in 0..3 {
+    for late in 10..13 {
         let empties =
             |m: &str| crate::helpers::metric_sum(m, "vouchers_lease_events_total", &["\"empty\""]);
         let before = empties(&metrics().await);
+        // Late traffic: a voucher nobody asks for is not probed.
+        let (status, _) = app.reserve(&code, late, format!("probe-{late}")).await;
+        assert_eq!(status, 409);
         app.clock.advance_ms(probe_ms + 1);
         eventually("a sold-out probe", Duration::from_secs(10), || {
             let m = metrics();
