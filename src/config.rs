@@ -132,8 +132,10 @@ pub struct EngineSettings {
     /// holds at most what was free at its first grant over it.
     pub endgame_divisor: i64,
     /// Set at start-up, never read from a file: this node is its ledger's only process (the
-    /// embedded SQLite ledger, which one process holds). Its end-game then takes whole blocks,
-    /// as there is no other node to spread the last units over; the pre-start cap still holds.
+    /// embedded SQLite ledger, whose data lock this process took). Its end-game then takes
+    /// whole blocks, as there is no other node to spread the last units over; the pre-start cap
+    /// still holds. (Two applications embedded in one process share the lock: both count as
+    /// alone, which only leaves the last units with one of them until its lease goes back.)
     #[serde(skip)]
     pub sole_node: bool,
     pub soldout_probe_ms: i64,

@@ -264,7 +264,8 @@ impl Application {
             p
         };
         let engine_settings = EngineSettings {
-            sole_node: !shared_ledger,
+            // Alone only where the data lock was taken: it keeps a second process off the file.
+            sole_node: data_lock.is_some(),
             ..settings.engine.clone()
         };
         let (engine, shards) = EngineHandle::start(

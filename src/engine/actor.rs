@@ -197,7 +197,7 @@ impl VoucherActor {
                     self.call(ctx, renew, Event::Renewed);
                 }
                 Command::Return { lease_id, now } => {
-                    spawn_return(&self.engine, ctx.address(), lease_id, now)
+                    spawn_return(&self.engine, &self.code, ctx.address(), lease_id, now)
                 }
                 Command::Lookup {
                     reqs,
@@ -229,11 +229,17 @@ impl VoucherActor {
 /// Hands a lease's unused units back to `free` in the background (it outlives a stopping actor;
 /// the ledger makes it idempotent). A failure goes back to the actor, which tries again; once the
 /// actor is gone, the reaper takes the lease.
-fn spawn_return(core: &Arc<Core>, actor: Addr<VoucherActor>, lease_id: i64, now: Millis) {
+fn spawn_return(
+    core: &Arc<Core>,
+    code: &str,
+    actor: Addr<VoucherActor>,
+    lease_id: i64,
+    now: Millis,
+) {
     let engine = core.clone();
     // Not on the actor's own arbiter: an actor torn down with its thread (an HTTP worker that
     // stopped) returns its leases from `stopped`, when that thread runs nothing more.
-    core.background(async move {
+    core.background(code, async move {
         match engine.ledger.return_lease(lease_id, now).await {
             Ok(restock) => {
                 if let Some(r) = restock {

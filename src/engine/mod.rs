@@ -394,11 +394,16 @@ impl Core {
         (shard.unwrap_or_else(Arbiter::current), false)
     }
 
-    /// Runs `work` on a shard, away from the calling actor's thread (which may be ending). Once
-    /// the shards have stopped (the end of a shutdown, after the drain returned every lease of
-    /// the node) it is dropped.
-    pub(crate) fn background(&self, work: impl std::future::Future<Output = ()> + Send + 'static) {
-        match self.shards.first() {
+    /// Runs `work` for `code` on a shard (by the code's hash), away from the calling actor's
+    /// thread, which may be ending. Once the shards have stopped (the end of a shutdown, after
+    /// the drain returned every lease of the node) it is dropped.
+    pub(crate) fn background(
+        &self,
+        code: &str,
+        work: impl std::future::Future<Output = ()> + Send + 'static,
+    ) {
+        let n = self.shards.len().max(1) as u64;
+        match self.shards.get((code_hash(code) % n) as usize) {
             Some(shard) => {
                 shard.spawn(work);
             }

@@ -85,11 +85,11 @@ use crate::ledger::{Batch, BatchRow, Grant, LedgerError, RowOutcome};
 use crate::metrics::{self as m, LeaseEvent};
 use crate::signals::Signal;
 
-/// How often the core expects [`Event::Tick`].
 /// A sold-out or dry core probes the ledger only while its voucher saw traffic within this many
 /// probe intervals: one more than the flag's trust window.
 const PROBE_WHILE_SEEN: Millis = 3;
 
+/// How often the core expects [`Event::Tick`].
 pub(crate) const TICK_MS: Millis = 250;
 /// How often the core re-reads its voucher's definition.
 const VOUCHER_REFRESH_MS: Millis = 1000;
@@ -545,7 +545,17 @@ impl<R, W> VoucherCore<R, W> {
                 // voucher's service; the waiters can be served by a successor.
                 let asked = std::mem::replace(&mut self.stopping, true);
                 self.let_go_all(asked.then_some(EngineError::Unavailable));
-                self.give_back_leases(LeaseEvent::Returned, |_| false);
+                // The core ends here and no batch in flight will be answered: every lease goes
+                // back, those under a batch included (the ledger's fence refuses a batch on a
+                // returned lease; one that committed first is counted in what the lease used).
+                // Kept, such a lease would sit unused until it expired.
+                let in_flight = std::mem::take(&mut self.committing);
+                for l in std::mem::take(&mut self.leases) {
+                    if l.room() > 0 || in_flight.iter().any(|b| b.lease_id == l.id) {
+                        m::lease(LeaseEvent::Returned);
+                        self.give_back(l.id);
+                    }
+                }
                 return;
             }
             Event::Tick => {
@@ -2036,6 +2046,11 @@ mod tests {
         let out = rig.on(Event::Stopped);
         assert!(answers(&out).is_empty(), "{out:?}");
         assert!(has(&out, |c| matches!(c, Command::HandBack(2))));
+        // The lease under the unanswered batch goes back too: nobody will serve it.
+        assert!(has(&out, |c| matches!(
+            c,
+            Command::Return { lease_id: 7, .. }
+        )));
         // Stopped after asking to: every waiter gets its 503.
         let out = reserve_then_first_read(Err(failed()));
         assert!(!has(&out, |c| matches!(c, Command::HandBack(_))));

@@ -175,56 +175,61 @@ async fn a_warm_up_recalls_nothing_but_a_waiting_reserve_does() {
     assert_eq!((s, b["error"].as_str()), (409, Some("OUT_OF_STOCK")), "{b}");
 }
 
+/// Sells an 8-unit voucher out of a node (end-game divisor 4, blocks of at least 4) and counts
+/// the leases it took.
+async fn leases_to_sell_out(shared_pg: Option<String>) -> i64 {
+    let app = spawn_app_with(|s| {
+        s.engine.endgame_divisor = 4;
+        s.engine.min_block = 4;
+        if let Some(url) = shared_pg {
+            s.ledger.url = url;
+        }
+    })
+    .await;
+    assert_eq!(app.create_voucher("SMALL", 8, 1).await.0, 201);
+    for c in 1..=8 {
+        assert_eq!(app.reserve("SMALL", c, format!("small-{c}")).await.0, 201);
+    }
+    assert_eq!(app.reserve("SMALL", 9, "small-9").await.0, 409);
+    audit::books(&app.db_url, "SMALL")
+        .await
+        .assert_balanced("SMALL");
+    let sql = "SELECT COUNT(*) FROM leases WHERE voucher_code = 'SMALL'";
+    if app.db_url.starts_with("sqlite:") {
+        let pool = sqlx::SqlitePool::connect(&app.db_url)
+            .await
+            .expect("sqlite");
+        sqlx::query_scalar(sql)
+            .fetch_one(&pool)
+            .await
+            .expect("count")
+    } else {
+        let pool = sqlx::PgPool::connect(&app.db_url).await.expect("pg");
+        sqlx::query_scalar(sql)
+            .fetch_one(&pool)
+            .await
+            .expect("count")
+    }
+}
+
 /// The end-game divisor spreads a voucher's last units over the nodes that want them. On the
-/// embedded ledger this node is the only one, so it sells a small voucher out of whole blocks; on
-/// a shared ledger its grants shrink towards single units as the free pool runs low.
+/// embedded ledger this node is the only one (its data lock sees to it), so it sells a small
+/// voucher out of whole blocks: the first block, then the rest.
+#[actix_web::test]
+async fn alone_on_the_embedded_ledger_a_node_sells_out_in_whole_blocks() {
+    assert_eq!(leases_to_sell_out(None).await, 2);
+}
+
+/// On a shared ledger the end-game grants shrink towards single units as the free pool runs low.
 #[actix_web::test]
 #[cfg_attr(
     no_test_pg,
     ignore = "needs TEST_DATABASE_URL (PostgreSQL); .ci/run sets it"
 )]
-async fn the_end_game_spreads_units_only_over_a_shared_ledger() {
+async fn on_a_shared_ledger_the_end_game_spreads_the_last_units() {
     let Some(pg) = crate::ledger::fresh_pg_schema("endgame").await else {
         return;
     };
-    for shared in [false, true] {
-        let app = spawn_app_with(|s| {
-            s.engine.endgame_divisor = 4;
-            s.engine.min_block = 4;
-            if shared {
-                s.ledger.url = pg.clone();
-            }
-        })
-        .await;
-        assert_eq!(app.create_voucher("SMALL", 8, 1).await.0, 201);
-        for c in 1..=8 {
-            assert_eq!(app.reserve("SMALL", c, format!("small-{c}")).await.0, 201);
-        }
-        assert_eq!(app.reserve("SMALL", 9, "small-9").await.0, 409);
-        let sql = "SELECT COUNT(*) FROM leases WHERE voucher_code = 'SMALL'";
-        let leases: i64 = if shared {
-            let pool = sqlx::PgPool::connect(&app.db_url).await.expect("pg");
-            sqlx::query_scalar(sql)
-                .fetch_one(&pool)
-                .await
-                .expect("count")
-        } else {
-            let pool = sqlx::SqlitePool::connect(&app.db_url)
-                .await
-                .expect("sqlite");
-            sqlx::query_scalar(sql)
-                .fetch_one(&pool)
-                .await
-                .expect("count")
-        };
-        // Alone: 4 (the first block), then the 4 left. Shared: 4, then 1 at a time.
-        if shared {
-            assert!(leases >= 4, "shared ledger: {leases} leases");
-        } else {
-            assert_eq!(leases, 2, "embedded ledger");
-        }
-        audit::books(&app.db_url, "SMALL")
-            .await
-            .assert_balanced("SMALL");
-    }
+    let leases = leases_to_sell_out(Some(pg)).await;
+    assert!(leases >= 4, "4, then one unit at a time: {leases} leases");
 }
