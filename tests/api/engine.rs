@@ -188,3 +188,58 @@ async fn an_idle_actor_returns_its_units_then_leaves_the_registry() {
     assert!(engine.reserve("IDLE", req(2, "idle-2"), None).await.is_ok());
     assert_eq!(engine.actor_count(), 1);
 }
+
+/// An actor whose thread ends under it (an HTTP worker that stops before the others at
+/// shutdown) hands its waiting reserves back: the voucher's next actor serves them, so none of
+/// them gets `503`, and each order is in the ledger once.
+#[actix_web::test]
+async fn reserves_on_an_actor_whose_thread_ends_are_served_by_its_successor() {
+    let (engine, clock) = engine().await;
+    // A stand-in for an HTTP worker: an arbiter of its own, registered as one.
+    let worker = actix_rt::Arbiter::new();
+    let (registered, done) = tokio::sync::oneshot::channel();
+    let e = engine.clone();
+    worker.spawn_fn(move || {
+        e.host_actors_here();
+        let _ = registered.send(());
+    });
+    done.await.unwrap();
+    let now = clock.now_ms();
+    let v = Voucher {
+        code: "GONE".into(),
+        discount_amount: 5,
+        min_order_amount: 0,
+        total_limit: 100_000,
+        per_user_limit: 1,
+        starts_at: now - 1,
+        ends_at: now + 3_600_000,
+        status: VoucherStatus::Active,
+        limits: Default::default(),
+    };
+    engine.create_voucher(&v).await.unwrap();
+    assert!(engine.reserve("GONE", req(1, "gone-1"), None).await.is_ok());
+    assert_eq!(engine.actor_on_http_worker("GONE"), Some(true));
+    // A burst, and the worker's thread ends under it.
+    let burst =
+        join_all((2..=600).map(|i| engine.reserve("GONE", req(i, &format!("gone-{i}")), None)));
+    let (answers, ()) = tokio::join!(burst, async {
+        tokio::task::yield_now().await;
+        worker.stop();
+    });
+    let failed: Vec<_> = answers.iter().filter(|a| a.is_err()).collect();
+    assert!(
+        failed.is_empty(),
+        "{} failed: {:?}",
+        failed.len(),
+        failed.first()
+    );
+    // The successor lives on a shard: the stopped worker left the list.
+    assert_eq!(engine.actor_on_http_worker("GONE"), Some(false));
+    eventually("the books balance", Duration::from_secs(10), || {
+        let e = engine.clone();
+        async move { e.reconcile().await.is_ok_and(|d| d.is_empty()) }
+    })
+    .await;
+    let view = engine.voucher("GONE").await.unwrap();
+    assert_eq!(view.counters.reserved, 600, "every 201 once, nothing else");
+}
