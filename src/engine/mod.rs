@@ -4,9 +4,10 @@
 //! code to its owner [`actor::VoucherActor`] on this node; actors are spread by hash of the code
 //! over the HTTP workers' own arbiters (`engine.actors_on_http_workers`; the shards, one actix
 //! `Arbiter` each, host them otherwise and before the workers run), started lazily on first use
-//! or by warm-up, and stop after idleness. Reserves go to the actor through a bounded mailbox (`try_send`; full → `503`);
-//! everything else (confirm, release, reads, admin) goes to the ledger directly. Restocks from any
-//! source pass through [`Core::restocked`], which lowers the sold-out flag and tells the actor.
+//! or by warm-up, and stop after idleness. Reserves go to the actor through a bounded mailbox
+//! (`try_send`; full → `503`); everything else (confirm, release, reads, admin) goes to the
+//! ledger directly. Restocks from any source pass through [`Core::restocked`], which lowers the
+//! sold-out flag and tells the actor.
 
 mod actor;
 mod known;
