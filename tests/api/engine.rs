@@ -36,6 +36,21 @@ async fn engine() -> (EngineHandle, ManualClock) {
     (engine, clock)
 }
 
+/// A voucher on sale from just before `now` for an hour, one per customer.
+fn on_sale(code: &str, discount_amount: i64, total_limit: i64, now: i64) -> Voucher {
+    Voucher {
+        code: code.into(),
+        discount_amount,
+        min_order_amount: 0,
+        total_limit,
+        per_user_limit: 1,
+        starts_at: now - 1,
+        ends_at: now + 3_600_000,
+        status: VoucherStatus::Active,
+        limits: Default::default(),
+    }
+}
+
 fn req(customer: i64, order: &str) -> ReserveRequest {
     ReserveRequest {
         customer_id: customer,
@@ -48,17 +63,7 @@ fn req(customer: i64, order: &str) -> ReserveRequest {
 async fn reserves_sell_out_and_come_back_without_http() {
     let (engine, clock) = engine().await;
     let now = clock.now_ms();
-    let v = Voucher {
-        code: "ENG".into(),
-        discount_amount: 5,
-        min_order_amount: 0,
-        total_limit: 3,
-        per_user_limit: 1,
-        starts_at: now - 1,
-        ends_at: now + 3_600_000,
-        status: VoucherStatus::Active,
-        limits: Default::default(),
-    };
+    let v = on_sale("ENG", 5, 3, now);
     engine.create_voucher(&v).await.unwrap();
     let answers =
         join_all((1..=10).map(|i| engine.reserve("ENG", req(i, &format!("e{i}")), None))).await;
@@ -108,17 +113,7 @@ async fn many_hot_vouchers_at_once_each_sell_exactly_their_units() {
     let now = clock.now_ms();
     let codes: Vec<String> = (0..40).map(|i| format!("HOT{i}")).collect();
     for code in &codes {
-        let v = Voucher {
-            code: code.clone(),
-            discount_amount: 7,
-            min_order_amount: 0,
-            total_limit: 5,
-            per_user_limit: 1,
-            starts_at: now - 1,
-            ends_at: now + 3_600_000,
-            status: VoucherStatus::Active,
-            limits: Default::default(),
-        };
+        let v = on_sale(code, 7, 5, now);
         engine.create_voucher(&v).await.unwrap();
     }
     let requests = codes
@@ -205,17 +200,7 @@ async fn reserves_on_an_actor_whose_thread_ends_are_served_by_its_successor() {
     });
     done.await.unwrap();
     let now = clock.now_ms();
-    let v = Voucher {
-        code: "GONE".into(),
-        discount_amount: 5,
-        min_order_amount: 0,
-        total_limit: 100_000,
-        per_user_limit: 1,
-        starts_at: now - 1,
-        ends_at: now + 3_600_000,
-        status: VoucherStatus::Active,
-        limits: Default::default(),
-    };
+    let v = on_sale("GONE", 5, 100_000, now);
     engine.create_voucher(&v).await.unwrap();
     assert!(engine.reserve("GONE", req(1, "gone-1"), None).await.is_ok());
     assert_eq!(engine.actor_on_http_worker("GONE"), Some(true));
