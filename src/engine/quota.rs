@@ -53,8 +53,9 @@
 //!   refuses the batch that would overdraw it (the lease is then handed back).
 //! - **Sold out.** The flag goes up only if no restock happened since the grant that found the
 //!   ledger empty (the restock epoch), and a verdict on the same winners announces nothing. A
-//!   flagged or empty-handed node probes the ledger every `soldout_probe_ms` with a grant; units
-//!   found lower the flag.
+//!   flagged or empty-handed node probes the ledger every `soldout_probe_ms` with a grant while
+//!   its voucher is asked for (three intervals after the last request); units found lower the
+//!   flag.
 //! - **Stop.** An actor with nothing held, nothing in flight and no traffic for
 //!   `actor_idle_stop_ms` stops ([`Command::Stop`]); every waiter then gets `503`. An actor torn
 //!   down unasked (its thread ended: an HTTP worker stopping before the others at shutdown)
@@ -1266,7 +1267,7 @@ impl<R, W> VoucherCore<R, W> {
         // its voucher sees traffic (here or at the frontend's flag). The probe is a grant: if
         // units came back it takes them (and lowers the flag); if the ledger is empty
         // everywhere it raises the flag. A voucher nobody asks for is not probed: after a sale,
-        // every sold-out voucher of every node would otherwise write to the ledger twice a
+        // every sold-out voucher of every node would otherwise write to the ledger once a
         // probe interval until its actor stops. Its flag then lapses (it is trusted for two
         // intervals after the ledger last confirmed it), and the first reserves that come
         // back are settled by the ledger until the next probe confirms it again.
