@@ -373,38 +373,41 @@ impl Core {
     }
 
     /// The arbiter `code`'s actor starts on, and whether it is an HTTP worker's: a live
-    /// worker's, chosen by the code's hash, else a shard's. A worker that stopped (shutdown, or
-    /// a panic actix-server recovered from) leaves the list here.
+    /// worker's, chosen by the code's hash, else the code's shard. A worker that stopped
+    /// (shutdown, or a panic actix-server recovered from) leaves the list here.
     fn home(&self, code: &str) -> (ArbiterHandle, bool) {
-        let hash = code_hash(code);
-        let pick = |n: usize| (hash % n.max(1) as u64) as usize;
-        let workers = self.workers.read().unwrap_or_else(|e| e.into_inner());
-        if workers.iter().all(|(_, a)| a.alive()) {
-            if let Some((_, worker)) = workers.get(pick(workers.len())) {
-                return (worker.clone(), true);
-            }
-        } else {
+        let mut workers = self.workers.read().unwrap_or_else(|e| e.into_inner());
+        if !workers.iter().all(|(_, a)| a.alive()) {
             drop(workers);
-            let mut workers = self.workers.write().unwrap_or_else(|e| e.into_inner());
-            workers.retain(|(_, a)| a.alive());
-            if let Some((_, worker)) = workers.get(pick(workers.len())) {
-                return (worker.clone(), true);
-            }
+            self.workers
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .retain(|(_, a)| a.alive());
+            workers = self.workers.read().unwrap_or_else(|e| e.into_inner());
         }
-        let shard = self.shards.get(pick(self.shards.len())).cloned();
+        if !workers.is_empty() {
+            let (_, worker) = &workers[(code_hash(code) % workers.len() as u64) as usize];
+            return (worker.clone(), true);
+        }
+        let shard = self.shard_of(code).cloned();
         (shard.unwrap_or_else(Arbiter::current), false)
     }
 
-    /// Runs `work` for `code` on a shard (by the code's hash), away from the calling actor's
-    /// thread, which may be ending. Once the shards have stopped (the end of a shutdown, after
-    /// the drain returned every lease of the node) it is dropped.
+    /// `code`'s shard, by the code's hash (`None` only without shards).
+    fn shard_of(&self, code: &str) -> Option<&ArbiterHandle> {
+        let n = self.shards.len().max(1) as u64;
+        self.shards.get((code_hash(code) % n) as usize)
+    }
+
+    /// Runs `work` for `code` on its shard, away from the calling actor's thread, which may be
+    /// ending. Once the shards have stopped (the end of a shutdown, after the drain returned
+    /// every lease of the node) it is dropped.
     pub(crate) fn background(
         &self,
         code: &str,
         work: impl std::future::Future<Output = ()> + Send + 'static,
     ) {
-        let n = self.shards.len().max(1) as u64;
-        match self.shards.get((code_hash(code) % n) as usize) {
+        match self.shard_of(code) {
             Some(shard) => {
                 shard.spawn(work);
             }
