@@ -35,14 +35,15 @@ pub(crate) struct MergedReads {
     pub leases: HashMap<i64, LeaseRoom>,
     /// Reservations already stored under the batches' order ids.
     pub stored: HashMap<String, Reservation>,
-    /// `(voucher, customer) → used`, for the batches' customers that have a usage row.
-    pub used: HashMap<(String, i64), i64>,
+    /// `voucher → customer → used`, for the batches' customers that have used the voucher.
+    /// Nested, so a row's lookup borrows its voucher code instead of building a key.
+    pub used: HashMap<String, HashMap<i64, i64>>,
 }
 
-/// A reservation the transaction inserts.
-pub(crate) struct NewRow {
-    pub order_id: String,
-    pub voucher_code: String,
+/// A reservation the transaction inserts (its text borrowed from the batch it came in).
+pub(crate) struct NewRow<'a> {
+    pub order_id: &'a str,
+    pub voucher_code: &'a str,
     pub customer_id: i64,
     pub lease_id: i64,
     pub discount_amount: i64,
@@ -52,13 +53,13 @@ pub(crate) struct NewRow {
 
 /// What a merged transaction writes once it decided.
 #[derive(Default)]
-pub(crate) struct MergedWrites {
+pub(crate) struct MergedWrites<'a> {
     /// `(lease id, units)`: the fence, one entry per lease drawn on.
     pub consumed: Vec<(i64, i64)>,
     /// The new reservations, in the order the batches gave them (the feed numbers them so).
-    pub rows: Vec<NewRow>,
+    pub rows: Vec<NewRow<'a>>,
     /// `(voucher, units)` per voucher whose `reserved` grows.
-    pub reserved: Vec<(String, i64)>,
+    pub reserved: Vec<(&'a str, i64)>,
 }
 
 /// Decides every batch of a merged transaction, one after the other, each seeing what the ones
@@ -68,12 +69,13 @@ pub(crate) struct MergedWrites {
 pub(crate) fn plan_merged(
     batches: &[Batch],
     mut reads: MergedReads,
-) -> (BatchResults, MergedWrites) {
+) -> (BatchResults, MergedWrites<'_>) {
     let mut results = Vec::with_capacity(batches.len());
     let mut consumed: HashMap<i64, i64> = HashMap::new();
     let mut reserved: HashMap<&str, i64> = HashMap::new();
-    let mut rows = Vec::new();
-    for batch in batches {
+    let mut rows = Vec::with_capacity(batches.iter().map(|b| b.rows.len()).sum());
+    let no_usage = HashMap::new();
+    for (n, batch) in batches.iter().enumerate() {
         let code = batch.voucher_code.as_str();
         let Some(v) = reads.rules.get(code) else {
             results.push(Err(LedgerError::NotFound));
@@ -84,12 +86,15 @@ pub(crate) fn plan_merged(
             .iter()
             .filter_map(|r| reads.stored.get(&r.order_id).cloned())
             .collect();
+        let seen = reads.used.get(code).unwrap_or(&no_usage);
         let used: HashMap<i64, i64> = batch
             .rows
             .iter()
             .map(|r| {
-                let n = reads.used.get(&(code.to_string(), r.customer_id));
-                (r.customer_id, n.copied().unwrap_or(0))
+                (
+                    r.customer_id,
+                    seen.get(&r.customer_id).copied().unwrap_or(0),
+                )
             })
             .collect();
         let blocked = super::refuses_new(&v.status, v.starts_at, v.ends_at, batch.now);
@@ -122,33 +127,35 @@ pub(crate) fn plan_merged(
             *reserved.entry(code).or_insert(0) += k;
         }
         let created = super::created_rows(batch, inserts.iter().copied(), v.discount);
+        // What later batches of this transaction must see: their order ids and usage. The
+        // last batch has none after it.
+        let more = n + 1 < batches.len();
+        if more && k > 0 {
+            let usage = reads.used.entry(code.to_string()).or_default();
+            for r in created.values() {
+                *usage.entry(r.customer_id).or_insert(0) += 1;
+                reads.stored.insert(r.order_id.clone(), r.clone());
+            }
+        }
         // In row order, so the feed numbers a batch's reservations as the batch gave them.
-        for i in &inserts {
-            let r = &created[i];
+        for &i in &inserts {
+            let (row, r) = (&batch.rows[i], &created[&i]);
             rows.push(NewRow {
-                order_id: r.order_id.clone(),
-                voucher_code: code.to_string(),
+                order_id: &row.order_id,
+                voucher_code: code,
                 customer_id: r.customer_id,
                 lease_id: batch.lease_id,
                 discount_amount: r.discount_amount,
                 created_at: batch.now,
                 expires_at: r.expires_at,
             });
-            *reads
-                .used
-                .entry((code.to_string(), r.customer_id))
-                .or_insert(0) += 1;
-            reads.stored.insert(r.order_id.clone(), r.clone());
         }
         results.push(Ok(resolve_plan(plan, &created)));
     }
     let writes = MergedWrites {
         consumed: consumed.into_iter().collect(),
         rows,
-        reserved: reserved
-            .into_iter()
-            .map(|(c, n)| (c.to_string(), n))
-            .collect(),
+        reserved: reserved.into_iter().collect(),
     };
     (results, writes)
 }

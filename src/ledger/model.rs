@@ -262,7 +262,11 @@ impl State {
                 }
                 let key = (b.voucher_code.clone(), row.customer_id);
                 if let Some(&n) = self.usage.get(&key) {
-                    reads.used.insert(key, n);
+                    reads
+                        .used
+                        .entry(key.0)
+                        .or_default()
+                        .insert(row.customer_id, n);
                 }
             }
         }
@@ -280,12 +284,12 @@ impl State {
             // A customer's usage grows with each of their new rows.
             *self
                 .usage
-                .entry((row.voucher_code.clone(), row.customer_id))
+                .entry((row.voucher_code.to_string(), row.customer_id))
                 .or_insert(0) += 1;
             self.feed_last += 1;
             let r = Reservation {
-                order_id: row.order_id.clone(),
-                voucher_code: row.voucher_code,
+                order_id: row.order_id.to_string(),
+                voucher_code: row.voucher_code.to_string(),
                 customer_id: row.customer_id,
                 discount_amount: row.discount_amount,
                 status: ReservationStatus::Reserved,
@@ -299,13 +303,13 @@ impl State {
                 settled_seq: None,
                 expired: false,
             };
-            self.reservations.insert(row.order_id, stored);
+            self.reservations.insert(row.order_id.to_string(), stored);
         }
         for (code, n) in writes.reserved {
-            if let Some(v) = self.vouchers.get_mut(&code) {
+            if let Some(v) = self.vouchers.get_mut(code) {
                 v.reserved += n;
             }
-            self.assert_rows(&code);
+            self.assert_rows(code);
         }
         results
     }

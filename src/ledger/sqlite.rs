@@ -2,18 +2,20 @@
 //! a committed batch survives a crash of the process or the machine.
 //!
 //! All writes go through one connection (SQLite has one writer anyway; a single writer also rules
-//! out `SQLITE_BUSY` on lock upgrades), reads through a small pool of readers. The node's merged
-//! group commit is set-based: the rows of every batch travel as JSON arrays and each of its eight
-//! statements works on the whole set through `json_each`, however many vouchers it carries.
+//! out `SQLITE_BUSY` on lock upgrades), held for the ledger's life; reads go through a small pool
+//! of readers. The node's merged group commit runs on that connection's raw handle
+//! ([`raw`]): the vouchers and leases of every batch are read as sets (`json_each`), each row is
+//! one indexed probe and one insert through statements prepared once per connection.
 
 use std::str::FromStr;
 use std::time::Duration;
 
-use sqlx::Row;
+use sqlx::{Connection, Row};
 
 use async_trait::async_trait;
 use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+    SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
+    SqliteSynchronous,
 };
 
 use super::merged::{plan_merged, LeaseRoom, MergedReads, MergedWrites, Rules};
@@ -61,15 +63,43 @@ const MIGRATIONS: &[(i64, &str)] = &[
 ];
 
 pub struct SqliteLedger {
-    /// The one connection every write goes through.
-    writer: SqlitePool,
+    /// The one connection every write goes through, with its prepared statements.
+    writer: tokio::sync::Mutex<Writer>,
+    /// Where the writer connection comes from (one connection), at first use and again if
+    /// it had to be dropped.
+    writer_pool: SqlitePool,
     reader: SqlitePool,
     /// The background checkpointer ([`checkpoint_every`]), stopped with the ledger.
     checkpoints: tokio::task::AbortHandle,
 }
 
+/// The writer connection, held out of its pool for the ledger's life, and the statements
+/// [`SqliteLedger::on_writer`] prepared on it. The statements must be finalized before the
+/// connection closes (sqlx panics closing a connection with statements left), and a pool closes
+/// a connection on its own when it cannot hand it back (a runtime shutting down): held here,
+/// it closes only after [`SqliteLedger`]'s drop cleared the statements, or after `on_writer`
+/// did, when it drops a broken connection.
+#[derive(Default)]
+struct Writer {
+    conn: Option<sqlx::pool::PoolConnection<sqlx::Sqlite>>,
+    stmts: raw::StmtCache,
+}
+
+impl Writer {
+    /// The connection, for sqlx's own statements (which run through its worker thread).
+    fn conn(&mut self) -> Result<&mut SqliteConnection, LedgerError> {
+        self.conn.as_deref_mut().ok_or_else(writer_missing)
+    }
+}
+
+/// [`SqliteLedger::writer`] always leaves a connection in place: this is never seen.
+fn writer_missing() -> LedgerError {
+    LedgerError::Unavailable(sqlx::Error::Protocol("sqlite writer missing".into()))
+}
+
 impl SqliteLedger {
     pub async fn connect(url: &str, readers: u32) -> Result<Self, sqlx::Error> {
+        raw::quiet_allocator();
         let options = SqliteConnectOptions::from_str(url)?
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
@@ -101,17 +131,22 @@ impl SqliteLedger {
         let checkpointer = pool(1, options).await?;
         let checkpoints = tokio::spawn(checkpoint_every(checkpointer, CHECKPOINT_EVERY));
         Ok(Self {
-            writer,
+            writer: Default::default(),
+            writer_pool: writer,
             reader,
             checkpoints: checkpoints.abort_handle(),
         })
     }
 }
 
-/// A pool of `max` connections to the local file: no ping before each use.
+/// A pool of `max` connections to the local file: no ping before each use, and kept open for
+/// the ledger's life (the writer's keeps prepared statements, see [`raw::StmtCache`]; a
+/// connection to a local file needs no recycling).
 async fn pool(max: u32, options: SqliteConnectOptions) -> Result<SqlitePool, sqlx::Error> {
     SqlitePoolOptions::new()
         .max_connections(max)
+        .idle_timeout(None)
+        .max_lifetime(None)
         .test_before_acquire(false)
         .acquire_timeout(Duration::from_secs(5))
         .connect_with(options)
@@ -121,6 +156,9 @@ async fn pool(max: u32, options: SqliteConnectOptions) -> Result<SqlitePool, sql
 impl Drop for SqliteLedger {
     fn drop(&mut self) {
         self.checkpoints.abort();
+        // Before the writer connection closes, which must have no statements left.
+        // SAFETY: nothing else runs on the writer connection: every use is through `&self`.
+        unsafe { self.writer.get_mut().stmts.clear() };
     }
 }
 
@@ -169,16 +207,28 @@ async fn checkpoint_every(pool: SqlitePool, every: Duration) {
 }
 
 impl SqliteLedger {
+    /// The writer connection, locked for the caller (taken from its pool at first use).
+    async fn writer(&self) -> Result<tokio::sync::MutexGuard<'_, Writer>, sqlx::Error> {
+        let mut w = self.writer.lock().await;
+        if w.conn.is_none() {
+            w.conn = Some(self.writer_pool.acquire().await?);
+        }
+        Ok(w)
+    }
+
     /// Runs `work` on the writer connection's handle, on this thread, without sqlx's worker
     /// (see [`raw`]). `work` must leave the handle outside any transaction, as [`raw::Tx`] does.
     async fn on_writer<T>(
         &self,
         work: impl FnOnce(&raw::Db) -> Result<T, LedgerError>,
     ) -> Result<T, LedgerError> {
-        let mut conn = self.writer.acquire().await?;
+        let mut w = self.writer().await?;
+        let Writer { conn, stmts } = &mut *w;
+        let conn = conn.as_deref_mut().ok_or_else(writer_missing)?;
         let mut locked = conn.lock_handle().await?;
-        // SAFETY: the handle stays locked out of sqlx's worker until `locked` drops.
-        let db = unsafe { raw::Db::new(locked.as_raw_handle()) };
+        // SAFETY: the handle stays locked out of sqlx's worker until `locked` drops; the cache
+        // only ever holds this connection's statements (it is cleared before one is dropped).
+        let db = unsafe { raw::Db::new(locked.as_raw_handle(), stmts) };
         // The work blocks (fsync, busy waits): tell a multi-threaded runtime, so the tasks
         // queued on this worker move to another one meanwhile.
         let multi = tokio::runtime::Handle::try_current()
@@ -188,11 +238,18 @@ impl SqliteLedger {
         } else {
             work(&db)
         };
-        if !db.autocommit() {
-            // A rollback that failed left the handle inside a transaction: never give it back
-            // to sqlx like that (later writes would join a transaction nobody commits).
+        let inside = !db.autocommit();
+        drop(db);
+        if inside {
+            // A rollback that failed left the handle inside a transaction: never use it like
+            // that again (later writes would join a transaction nobody commits). The next
+            // write takes a new connection from the pool.
+            // SAFETY: the handle is still locked and live; its statements go before it does.
+            unsafe { stmts.clear() };
             drop(locked);
-            let _ = conn.detach();
+            if let Some(conn) = w.conn.take() {
+                let _ = conn.detach();
+            }
             tracing::error!("sqlite writer left inside a transaction; connection dropped");
             return Err(LedgerError::Unavailable(sqlx::Error::Protocol(
                 "sqlite writer left inside a transaction".into(),
@@ -207,18 +264,17 @@ impl SqliteLedger {
         which: Closing<'_>,
         now: Millis,
     ) -> Result<Vec<Restock>, LedgerError> {
-        let mut tx = self.writer.begin().await?;
+        let mut w = self.writer().await?;
+        let mut tx = w.conn()?.begin().await?;
         let restocks = close_leases_in(&mut tx, which, now).await?;
         tx.commit().await?;
         Ok(restocks)
     }
 }
 
-type Tx = sqlx::Transaction<'static, sqlx::Sqlite>;
-
 /// [`SqliteLedger::close_leases`] inside a transaction.
 async fn close_leases_in(
-    tx: &mut Tx,
+    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
     which: Closing<'_>,
     now: Millis,
 ) -> Result<Vec<Restock>, LedgerError> {
@@ -293,7 +349,7 @@ impl Ledger for SqliteLedger {
         .bind(limit_column(v.limits.customer_per_sec))
         .bind(limit_column(v.limits.customer_burst))
         .bind(limit_column(v.limits.admission_per_sec))
-        .execute(&self.writer)
+        .execute(self.writer().await?.conn()?)
         .await;
         super::insert_unique(res)
     }
@@ -324,7 +380,8 @@ impl Ledger for SqliteLedger {
         code: &str,
         patch: &VoucherPatch,
     ) -> Result<(Voucher, Option<Restock>), LedgerError> {
-        let mut tx = self.writer.begin().await?;
+        let mut w = self.writer().await?;
+        let mut tx = w.conn()?.begin().await?;
         let row = sqlx::query(&format!(
             "SELECT {VOUCHER_COLUMNS} FROM vouchers WHERE code = ?"
         ))
@@ -378,7 +435,7 @@ impl Ledger for SqliteLedger {
         .bind(now + ttl_ms)
         .bind(node)
         .bind(json_list(lease_ids))
-        .fetch_all(&self.writer)
+        .fetch_all(self.writer().await?.conn()?)
         .await?;
         Ok(ids)
     }
@@ -420,7 +477,8 @@ impl Ledger for SqliteLedger {
         now: Millis,
         dead_after_ms: i64,
     ) -> Result<Incarnation, LedgerError> {
-        let mut tx = self.writer.begin().await?;
+        let mut w = self.writer().await?;
+        let mut tx = w.conn()?.begin().await?;
         let number: i64 = sqlx::query_scalar(
             "INSERT INTO node_names (name, last_incarnation) VALUES (?1, 1) \
              ON CONFLICT (name) DO UPDATE SET last_incarnation = last_incarnation + 1 \
@@ -476,7 +534,8 @@ impl Ledger for SqliteLedger {
         dead_after_ms: i64,
     ) -> Result<Beat, LedgerError> {
         let (name, number) = split_holder(holder);
-        let mut tx = self.writer.begin().await?;
+        let mut w = self.writer().await?;
+        let mut tx = w.conn()?.begin().await?;
         let streak: i64 = sqlx::query_scalar(
             "INSERT INTO nodes (holder, name, incarnation, started_at, beat_at, streak_from, \
                                 dead_after) \
@@ -510,7 +569,8 @@ impl Ledger for SqliteLedger {
     }
 
     async fn reap_holder(&self, holder: &str, now: Millis) -> Result<Vec<Restock>, LedgerError> {
-        let mut tx = self.writer.begin().await?;
+        let mut w = self.writer().await?;
+        let mut tx = w.conn()?.begin().await?;
         let gone: Option<String> = sqlx::query_scalar(
             "DELETE FROM nodes WHERE holder = ?1 AND beat_at < ?2 - dead_after RETURNING holder",
         )
@@ -529,7 +589,7 @@ impl Ledger for SqliteLedger {
     async fn retire_node(&self, holder: &str) -> Result<(), LedgerError> {
         sqlx::query("UPDATE nodes SET beat_at = 0, dead_after = 1 WHERE holder = ?1")
             .bind(holder)
-            .execute(&self.writer)
+            .execute(self.writer().await?.conn()?)
             .await?;
         Ok(())
     }
@@ -593,7 +653,7 @@ impl Ledger for SqliteLedger {
             .bind(patch.sales_paused)
             .bind(patch.read_only)
             .bind(now)
-            .fetch_one(&self.writer)
+            .fetch_one(self.writer().await?.conn()?)
             .await?;
         Ok(switches_from(row))
     }
@@ -630,7 +690,8 @@ impl Ledger for SqliteLedger {
         order_id: &str,
         now: Millis,
     ) -> Result<Reservation, LedgerError> {
-        let mut tx = self.writer.begin().await?;
+        let mut w = self.writer().await?;
+        let mut tx = w.conn()?.begin().await?;
         // The writer is alone: the head's next number is this change's.
         let row = sqlx::query(&format!(
             "UPDATE reservations SET status = 'CONFIRMED', updated_at = ?, \
@@ -665,7 +726,8 @@ impl Ledger for SqliteLedger {
         order_id: &str,
         now: Millis,
     ) -> Result<(Reservation, Option<Restock>), LedgerError> {
-        let mut tx = self.writer.begin().await?;
+        let mut w = self.writer().await?;
+        let mut tx = w.conn()?.begin().await?;
         let row = sqlx::query(&format!(
             "UPDATE reservations SET status = 'RELEASED', updated_at = ?, \
                settled_seq = (SELECT last + 1 FROM feed_head WHERE id = 1) \
@@ -690,7 +752,8 @@ impl Ledger for SqliteLedger {
     }
 
     async fn expire_due(&self, now: Millis, limit: i64) -> Result<Vec<Restock>, LedgerError> {
-        let mut tx = self.writer.begin().await?;
+        let mut w = self.writer().await?;
+        let mut tx = w.conn()?.begin().await?;
         let released: Vec<(String, i64, String)> = sqlx::query_as(
             "UPDATE reservations SET status = 'RELEASED', updated_at = ? \
              WHERE order_id IN (SELECT order_id FROM reservations \
@@ -894,7 +957,8 @@ async fn release_units(
     Ok(restocks)
 }
 
-/// The four reads of a merged transaction.
+/// The four reads of a merged transaction: the vouchers' rules and the leases as sets, then
+/// each row's stored order and its customer's usage.
 fn read_merged(db: &raw::Db, batches: &[Batch]) -> Result<MergedReads, LedgerError> {
     let mut reads = MergedReads::default();
     let codes: Vec<&str> = batches.iter().map(|b| b.voucher_code.as_str()).collect();
@@ -927,47 +991,45 @@ fn read_merged(db: &raw::Db, batches: &[Batch]) -> Result<MergedReads, LedgerErr
         };
         reads.leases.insert(q.int(0), lease);
     }
-    let orders: Vec<&str> = batches
-        .iter()
-        .flat_map(|b| b.rows.iter().map(|r| r.order_id.as_str()))
-        .collect();
-    let mut q = db.query(
-        "SELECT order_id, voucher_code, customer_id, discount_amount, status, expires_at \
-         FROM reservations WHERE order_id IN (SELECT value FROM json_each(?1))",
-        &json_list(&orders),
+    // The rows' own reads are one indexed probe each, through a statement prepared once: a
+    // set-based read over a JSON array of a hundred ids parses the array, builds a temporary
+    // index of it, then seeks the same B-tree anyway.
+    let mut stored = db.prepare(
+        "SELECT voucher_code, customer_id, discount_amount, status, expires_at \
+         FROM reservations WHERE order_id = ?1",
     )?;
-    while q.step()? {
-        let status = q.text(4);
-        let r = Reservation {
-            order_id: q.text(0),
-            voucher_code: q.text(1),
-            customer_id: q.int(2),
-            discount_amount: q.int(3),
-            status: ReservationStatus::parse(&status)
-                .ok_or(LedgerError::Invalid("stored reservation status"))?,
-            expires_at: q.int(5),
-        };
-        reads.stored.insert(r.order_id.clone(), r);
-    }
-    let pairs: Vec<(&str, i64)> = batches
-        .iter()
-        .flat_map(|b| {
-            b.rows
-                .iter()
-                .map(|r| (b.voucher_code.as_str(), r.customer_id))
-        })
-        .collect();
-    let mut q = db.query(
-        "SELECT r.voucher_code, r.customer_id, COUNT(*) FROM \
-           (SELECT DISTINCT json_extract(value, '$[0]') AS code, \
-                   json_extract(value, '$[1]') AS customer FROM json_each(?1)) AS j \
-         JOIN reservations r ON r.voucher_code = j.code AND r.customer_id = j.customer \
-           AND r.status IN ('RESERVED', 'CONFIRMED') \
-         GROUP BY r.voucher_code, r.customer_id",
-        &json_list(&pairs),
+    let mut used = db.prepare(
+        "SELECT COUNT(*) FROM reservations WHERE voucher_code = ?1 AND customer_id = ?2 \
+         AND status IN ('RESERVED', 'CONFIRMED')",
     )?;
-    while q.step()? {
-        reads.used.insert((q.text(0), q.int(1)), q.int(2));
+    for b in batches {
+        used.bind_text(1, &b.voucher_code)?;
+        for row in &b.rows {
+            stored.bind_text(1, &row.order_id)?;
+            if stored.step()? {
+                let status = stored.text(3);
+                let r = Reservation {
+                    order_id: row.order_id.clone(),
+                    voucher_code: stored.text(0),
+                    customer_id: stored.int(1),
+                    discount_amount: stored.int(2),
+                    status: ReservationStatus::parse(&status)
+                        .ok_or(LedgerError::Invalid("stored reservation status"))?,
+                    expires_at: stored.int(4),
+                };
+                reads.stored.insert(r.order_id.clone(), r);
+            }
+            stored.reset();
+            used.bind_int(2, row.customer_id)?;
+            if used.step()? && used.int(0) > 0 {
+                reads
+                    .used
+                    .entry(b.voucher_code.clone())
+                    .or_default()
+                    .insert(row.customer_id, used.int(0));
+            }
+            used.reset();
+        }
     }
     Ok(reads)
 }
@@ -1015,8 +1077,8 @@ fn write_merged(db: &raw::Db, w: &MergedWrites) -> Result<(), LedgerError> {
          VALUES (?1, ?2, ?3, ?4, ?5, 'RESERVED', ?6, ?7, ?6, ?8)",
     )?;
     for (seq, r) in (base + 1..).zip(&w.rows) {
-        insert.bind_text(1, &r.order_id)?;
-        insert.bind_text(2, &r.voucher_code)?;
+        insert.bind_text(1, r.order_id)?;
+        insert.bind_text(2, r.voucher_code)?;
         insert.bind_int(3, r.customer_id)?;
         insert.bind_int(4, r.lease_id)?;
         insert.bind_int(5, r.discount_amount)?;
