@@ -239,7 +239,6 @@ impl SqliteLedger {
             work(&db)
         };
         let inside = !db.autocommit();
-        drop(db);
         if inside {
             // A rollback that failed left the handle inside a transaction: never use it like
             // that again (later writes would join a transaction nobody commits). The next
