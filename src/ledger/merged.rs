@@ -1,6 +1,6 @@
 //! The decision of a merged transaction (the node-wide group commit), as a pure function over
 //! what the transaction read: which rows of which batches insert, which batches are fenced, and
-//! what that writes. The SQLite ledger reads and writes it with set-based SQL, the in-memory
+//! what that writes. The SQLite ledger reads and writes it with SQL on its writer, the in-memory
 //! [`super::model`] ledger with maps; PostgreSQL runs the same rules server-side
 //! (`vouchers_commit_batches_v2`) and passes the same conformance suite.
 

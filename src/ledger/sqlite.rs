@@ -4,8 +4,9 @@
 //! All writes go through one connection (SQLite has one writer anyway; a single writer also rules
 //! out `SQLITE_BUSY` on lock upgrades), held for the ledger's life; reads go through a small pool
 //! of readers. The node's merged group commit runs on that connection's raw handle
-//! ([`raw`]): the vouchers and leases of every batch are read as sets (`json_each`), each row is
-//! one indexed probe and one insert through statements prepared once per connection.
+//! ([`raw`]): the vouchers and leases of every batch are read as sets (`json_each`); each row
+//! costs two indexed probes (its order id, its customer's usage) and one insert, through
+//! statements prepared once per connection.
 
 use std::str::FromStr;
 use std::time::Duration;
@@ -140,15 +141,14 @@ impl SqliteLedger {
 }
 
 /// A pool of `max` connections to the local file: no ping before each use, and kept open for
-/// the ledger's life (the writer's keeps prepared statements, see [`raw::StmtCache`]; a
-/// connection to a local file needs no recycling).
+/// the ledger's life (a connection to a local file needs no recycling).
 async fn pool(max: u32, options: SqliteConnectOptions) -> Result<SqlitePool, sqlx::Error> {
     SqlitePoolOptions::new()
         .max_connections(max)
         .idle_timeout(None)
         .max_lifetime(None)
         .test_before_acquire(false)
-        .acquire_timeout(Duration::from_secs(5))
+        .acquire_timeout(WRITER_WAIT)
         .connect_with(options)
         .await
 }
@@ -156,11 +156,50 @@ async fn pool(max: u32, options: SqliteConnectOptions) -> Result<SqlitePool, sql
 impl Drop for SqliteLedger {
     fn drop(&mut self) {
         self.checkpoints.abort();
-        // Before the writer connection closes, which must have no statements left.
-        // SAFETY: nothing else runs on the writer connection: every use is through `&self`.
-        unsafe { self.writer.get_mut().stmts.clear() };
+        let w = self.writer.get_mut();
+        let Some(mut conn) = w.conn.take() else {
+            return;
+        };
+        // The statements go before the connection closes, with the handle locked: sqlx's
+        // worker may still be running what a dropped transaction queued (its rollback), and
+        // the lock waits behind it. The worker is a thread of its own, so waiting here for it
+        // cannot deadlock, and it is brief.
+        match block_on(conn.lock_handle()) {
+            // SAFETY: the handle is locked out of the worker and live.
+            Ok(locked) => unsafe {
+                w.stmts.clear();
+                drop(locked);
+            },
+            Err(_) => w.stmts.forget(),
+        }
+        // Closed by its worker thread as it drops; given back to the pool it would need a
+        // runtime to spawn on, and a runtime may not be running here.
+        drop(conn.detach());
     }
 }
+
+/// Runs a future to completion on this thread (for [`SqliteLedger`]'s drop, which waits for
+/// sqlx's worker thread, not for anything a runtime drives).
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    struct Unpark(std::thread::Thread);
+    impl std::task::Wake for Unpark {
+        fn wake(self: std::sync::Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = std::sync::Arc::new(Unpark(std::thread::current())).into();
+    let mut cx = std::task::Context::from_waker(&waker);
+    let mut f = std::pin::pin!(f);
+    loop {
+        if let std::task::Poll::Ready(out) = f.as_mut().poll(&mut cx) {
+            return out;
+        }
+        std::thread::park();
+    }
+}
+
+/// How long a write waits for the writer connection before it fails (`PoolTimedOut`).
+const WRITER_WAIT: Duration = Duration::from_secs(5);
 
 /// How often the checkpointer copies the write-ahead log back into the database file.
 const CHECKPOINT_EVERY: Duration = Duration::from_millis(100);
@@ -207,9 +246,13 @@ async fn checkpoint_every(pool: SqlitePool, every: Duration) {
 }
 
 impl SqliteLedger {
-    /// The writer connection, locked for the caller (taken from its pool at first use).
+    /// The writer connection, locked for the caller (taken from its pool at first use). Waits
+    /// no longer than the pool would have ([`WRITER_WAIT`]): a write queued behind a stuck one
+    /// fails rather than run long after its caller gave up.
     async fn writer(&self) -> Result<tokio::sync::MutexGuard<'_, Writer>, sqlx::Error> {
-        let mut w = self.writer.lock().await;
+        let mut w = tokio::time::timeout(WRITER_WAIT, self.writer.lock())
+            .await
+            .map_err(|_| sqlx::Error::PoolTimedOut)?;
         if w.conn.is_none() {
             w.conn = Some(self.writer_pool.acquire().await?);
         }
@@ -224,35 +267,54 @@ impl SqliteLedger {
     ) -> Result<T, LedgerError> {
         let mut w = self.writer().await?;
         let Writer { conn, stmts } = &mut *w;
-        let conn = conn.as_deref_mut().ok_or_else(writer_missing)?;
-        let mut locked = conn.lock_handle().await?;
-        // SAFETY: the handle stays locked out of sqlx's worker until `locked` drops; the cache
-        // only ever holds this connection's statements (it is cleared before one is dropped).
-        let db = unsafe { raw::Db::new(locked.as_raw_handle(), stmts) };
-        // The work blocks (fsync, busy waits): tell a multi-threaded runtime, so the tasks
-        // queued on this worker move to another one meanwhile.
-        let multi = tokio::runtime::Handle::try_current()
-            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-        let result = if multi {
-            tokio::task::block_in_place(|| work(&db))
-        } else {
-            work(&db)
-        };
-        let inside = !db.autocommit();
-        if inside {
-            // A rollback that failed left the handle inside a transaction: never use it like
-            // that again (later writes would join a transaction nobody commits). The next
-            // write takes a new connection from the pool.
-            // SAFETY: the handle is still locked and live; its statements go before it does.
-            unsafe { stmts.clear() };
-            drop(locked);
-            if let Some(conn) = w.conn.take() {
-                let _ = conn.detach();
+        let handle = conn.as_deref_mut().ok_or_else(writer_missing)?;
+        // `Some(crashed)` when the connection may not be used again.
+        let (result, broken) = match handle.lock_handle().await {
+            Ok(mut locked) => {
+                // SAFETY: the handle stays locked out of sqlx's worker until `locked` drops;
+                // the cache only ever holds this connection's statements (it is cleared
+                // before one is dropped).
+                let db = unsafe { raw::Db::new(locked.as_raw_handle(), stmts) };
+                // The work blocks (fsync, busy waits): tell a multi-threaded runtime, so the
+                // tasks queued on this worker move to another one meanwhile.
+                let multi = tokio::runtime::Handle::try_current().is_ok_and(|h| {
+                    h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread
+                });
+                let result = if multi {
+                    tokio::task::block_in_place(|| work(&db))
+                } else {
+                    work(&db)
+                };
+                if db.autocommit() {
+                    return result;
+                }
+                // A rollback that failed left the handle inside a transaction: never use it
+                // like that again (later writes would join a transaction nobody commits).
+                // SAFETY: the handle is still locked and live; its statements go before it.
+                unsafe { stmts.clear() };
+                tracing::error!("sqlite writer left inside a transaction; connection dropped");
+                let e = sqlx::Error::Protocol("sqlite writer left inside a transaction".into());
+                (Err(LedgerError::Unavailable(e)), Some(false))
             }
-            tracing::error!("sqlite writer left inside a transaction; connection dropped");
-            return Err(LedgerError::Unavailable(sqlx::Error::Protocol(
-                "sqlite writer left inside a transaction".into(),
-            )));
+            Err(e) => {
+                let crashed = matches!(e, sqlx::Error::WorkerCrashed);
+                if crashed {
+                    // The worker is gone with the handle: its statements cannot be finalized
+                    // nor the handle closed. Both are left (leaked).
+                    stmts.forget();
+                    tracing::error!("sqlite writer's worker crashed; connection replaced");
+                }
+                (Err(e.into()), crashed.then_some(true))
+            }
+        };
+        // The next write takes a new connection from the pool.
+        if let Some(crashed) = broken {
+            if let Some(conn) = w.conn.take() {
+                let conn = conn.detach();
+                if crashed {
+                    std::mem::forget(conn);
+                }
+            }
         }
         result
     }

@@ -33,8 +33,11 @@ use super::LedgerError;
 ///
 /// With them on (the default), every allocation SQLite makes takes one global mutex to count
 /// itself: a tenth of the writer's time in a merged commit went to that mutex's lock and unlock.
-/// Nothing here reads the statistics. Once any connection is open SQLite refuses the change
-/// (`SQLITE_MISUSE`), which only leaves the default: so it runs before the ledger's first open.
+/// Nothing here reads the statistics. Once SQLite has initialized (at the process's first
+/// connection) it refuses the change (`SQLITE_MISUSE`), which only leaves the default, so this
+/// runs before the ledger's first open. SQLite asks that nothing else use it while
+/// `sqlite3_config` runs: in the service the ledger is the first to open SQLite, on one thread;
+/// tests that open SQLite in parallel can at worst miscount the statistics nobody reads.
 pub(crate) fn quiet_allocator() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
@@ -69,14 +72,16 @@ pub(crate) struct StmtCache {
 }
 
 // SAFETY: the statements are only touched through a `Db` on their own connection, which the
-// caller has locked out of every other thread (see `Db::new`), or in `clear`, under the same rule.
+// caller has locked out of every other thread (see `Db::new`), or in `clear`, whose caller
+// must hold the same lock.
 unsafe impl Send for StmtCache {}
 
 impl StmtCache {
     /// Finalizes every statement; the cache is empty afterwards.
     ///
     /// # Safety
-    /// The statements' connection must be live and used by no other thread meanwhile.
+    /// The statements' connection must be live and locked out of sqlx's worker (its
+    /// `LockedSqliteHandle` held), so no other thread uses it meanwhile.
     pub(crate) unsafe fn clear(&mut self) {
         for (_, stmt) in self.stmts.get_mut().drain() {
             // SAFETY: per the contract; each statement is finalized once, as it leaves the map.
@@ -84,6 +89,13 @@ impl StmtCache {
                 ffi::sqlite3_finalize(stmt.as_ptr());
             }
         }
+        self.handle = None;
+    }
+
+    /// Empties the cache without finalizing: for a connection whose worker crashed with the
+    /// handle, which nothing may touch any more (its statements leak with it).
+    pub(crate) fn forget(&mut self) {
+        self.stmts.get_mut().clear();
         self.handle = None;
     }
 }
@@ -117,7 +129,8 @@ impl<'c> Db<'c> {
     }
 
     /// The statement for `sql`: the one prepared earlier on this connection if it is not in
-    /// use, else a new one, kept for next time when it drops.
+    /// use, else a new one. It goes back to the cache when it drops (finalized instead if the
+    /// cache meanwhile got another statement for the same SQL).
     pub(crate) fn prepare(&self, sql: &'static str) -> Result<Stmt<'_, 'c>, LedgerError> {
         if let Some(stmt) = self.stmts.borrow_mut().remove(sql) {
             return Ok(Stmt {
