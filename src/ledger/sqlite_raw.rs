@@ -323,3 +323,66 @@ impl Drop for Stmt<'_, '_> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use sqlx::{Connection, SqliteConnection};
+
+    use super::*;
+
+    impl StmtCache {
+        /// The cached statements, by SQL.
+        fn held(&self) -> Vec<(&'static str, NonNull<ffi::sqlite3_stmt>)> {
+            self.stmts.borrow().iter().map(|(k, v)| (*k, *v)).collect()
+        }
+    }
+
+    const ROWS: &str = "SELECT value FROM json_each('[1, 2, 3]')";
+
+    /// A statement is prepared once per connection: the second use gets the same one back,
+    /// reset (a run left mid-rows, as an early return leaves it, holds nothing open) and
+    /// unbound. Two uses at once get two statements, and the cache keeps one.
+    #[tokio::test]
+    async fn statements_are_prepared_once_and_come_back_reset() {
+        let mut conn = SqliteConnection::connect("sqlite::memory:").await.unwrap();
+        let mut locked = conn.lock_handle().await.unwrap();
+        let mut cache = StmtCache::default();
+        {
+            // SAFETY: the handle is locked for this block; the cache is new.
+            let db = unsafe { Db::new(locked.as_raw_handle(), &mut cache) };
+            let mut q = db.prepare(ROWS).unwrap();
+            assert!(q.step().unwrap());
+            assert_eq!(q.int(0), 1);
+            let first = q.stmt;
+            drop(q); // mid-rows
+            let mut again = db.prepare(ROWS).unwrap();
+            assert_eq!(again.stmt, first, "prepared again instead of reused");
+            // SAFETY: the statement is live.
+            assert_eq!(unsafe { ffi::sqlite3_stmt_busy(again.stmt.as_ptr()) }, 0);
+            assert!(again.step().unwrap());
+            assert_eq!(again.int(0), 1, "the reused statement resumed mid-rows");
+            let mut bound = db.prepare("SELECT ?1").unwrap();
+            bound.bind_int(1, 7).unwrap();
+            drop(bound);
+            let mut bound = db.prepare("SELECT ?1").unwrap();
+            assert!(bound.step().unwrap());
+            assert_eq!(bound.int(0), 0, "a binding survived the statement's return");
+            drop(bound);
+            let twice = db.prepare(ROWS).unwrap();
+            assert_ne!(twice.stmt, again.stmt);
+            drop(twice);
+            drop(again);
+        }
+        let held = cache.held();
+        assert_eq!(held.len(), 2, "one statement per SQL: {held:?}");
+        for (_, stmt) in held {
+            // SAFETY: the statements are live until the cache is cleared below.
+            assert_eq!(unsafe { ffi::sqlite3_stmt_busy(stmt.as_ptr()) }, 0);
+        }
+        // SAFETY: the handle is still locked and live.
+        unsafe { cache.clear() };
+        assert!(cache.held().is_empty());
+        drop(locked);
+        conn.close().await.unwrap();
+    }
+}
