@@ -43,7 +43,11 @@ impl Clock for LimiterClock {
     }
 }
 
-type Keyed<K> = RateLimiter<K, DashMapStateStore<K>, LimiterClock, NoOpMiddleware<Nanos>>;
+/// Keyed state hashed with foldhash (randomly seeded per map, as hashbrown's default) rather
+/// than SipHash: on a flood of distinct customers every request inserts a key, and SipHash was
+/// most of the per-customer check.
+type Keyed<K> = RateLimiter<K, DashMapStateStore<K, Hasher>, LimiterClock, NoOpMiddleware<Nanos>>;
+type Hasher = foldhash::fast::RandomState;
 /// One voucher's admission limiter.
 pub(crate) type Admission =
     RateLimiter<NotKeyed, InMemoryState, LimiterClock, NoOpMiddleware<Nanos>>;
@@ -93,7 +97,11 @@ impl<K: Hash + Eq + Clone> Bounded<K> {
             quota,
             clock: clock.clone(),
             max_keys: max_keys.max(1),
-            inner: RwLock::new(RateLimiter::dashmap_with_clock(quota, clock.clone())),
+            inner: RwLock::new(RateLimiter::dashmap_with_clock_and_hasher(
+                quota,
+                clock.clone(),
+                Hasher::default(),
+            )),
             checks: AtomicU64::new(0),
         }
     }
@@ -126,7 +134,11 @@ impl<K: Hash + Eq + Clone> Bounded<K> {
             }
         }
         *self.inner.write().unwrap_or_else(|e| e.into_inner()) =
-            RateLimiter::dashmap_with_clock(self.quota, self.clock.clone());
+            RateLimiter::dashmap_with_clock_and_hasher(
+                self.quota,
+                self.clock.clone(),
+                Hasher::default(),
+            );
         m::rate_limit_reset(self.limiter.label());
         tracing::warn!(
             limiter = self.limiter.label(),
