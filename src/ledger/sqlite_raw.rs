@@ -162,14 +162,6 @@ impl<'c> Db<'c> {
         }
     }
 
-    /// Prepares a statement with one text parameter (the rows of a set-based statement, as
-    /// JSON) bound to `?1`.
-    pub(crate) fn query(&self, sql: &'static str, json: &str) -> Result<Stmt<'_, 'c>, LedgerError> {
-        let mut stmt = self.prepare(sql)?;
-        stmt.bind_text(1, json)?;
-        Ok(stmt)
-    }
-
     /// Runs a statement that returns no rows, with its parameters already bound; returns the
     /// rows it changed.
     pub(crate) fn run(&self, mut stmt: Stmt<'_, 'c>) -> Result<u64, LedgerError> {
