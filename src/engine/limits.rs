@@ -9,7 +9,7 @@
 //! its burst again once: memory stays bounded at the price of one burst per key per reset, which
 //! is counted (`vouchers_rate_limit_resets_total`).
 
-use std::hash::Hash;
+use std::hash::{BuildHasher, Hash};
 use std::net::IpAddr;
 use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -43,11 +43,20 @@ impl Clock for LimiterClock {
     }
 }
 
-/// Keyed state hashed with foldhash (randomly seeded per map, as hashbrown's default) rather
-/// than SipHash: on a flood of distinct customers every request inserts a key, and SipHash was
-/// most of the per-customer check.
+/// Keyed state hashed with foldhash rather than SipHash: on a flood of distinct customers every
+/// request inserts a key, and SipHash was most of the per-customer check. Clients choose the
+/// keys (customer ids), so both of foldhash's seeds come from the OS's randomness ([`hasher`]).
 type Keyed<K> = RateLimiter<K, DashMapStateStore<K, Hasher>, LimiterClock, NoOpMiddleware<Nanos>>;
-type Hasher = foldhash::fast::RandomState;
+type Hasher = foldhash::fast::SeedableRandomState;
+
+/// A keyed map's hasher: a seed of its own, and the process's shared one.
+fn hasher() -> Hasher {
+    static SHARED: std::sync::OnceLock<foldhash::SharedSeed> = std::sync::OnceLock::new();
+    // std's `RandomState` keys come from the OS's random source.
+    let random = || std::hash::RandomState::new().hash_one(0_u64);
+    let shared = SHARED.get_or_init(|| foldhash::SharedSeed::from_u64(random()));
+    Hasher::with_seed(random(), shared)
+}
 /// One voucher's admission limiter.
 pub(crate) type Admission =
     RateLimiter<NotKeyed, InMemoryState, LimiterClock, NoOpMiddleware<Nanos>>;
@@ -100,7 +109,7 @@ impl<K: Hash + Eq + Clone> Bounded<K> {
             inner: RwLock::new(RateLimiter::dashmap_with_clock_and_hasher(
                 quota,
                 clock.clone(),
-                Hasher::default(),
+                hasher(),
             )),
             checks: AtomicU64::new(0),
         }
@@ -134,11 +143,7 @@ impl<K: Hash + Eq + Clone> Bounded<K> {
             }
         }
         *self.inner.write().unwrap_or_else(|e| e.into_inner()) =
-            RateLimiter::dashmap_with_clock_and_hasher(
-                self.quota,
-                self.clock.clone(),
-                Hasher::default(),
-            );
+            RateLimiter::dashmap_with_clock_and_hasher(self.quota, self.clock.clone(), hasher());
         m::rate_limit_reset(self.limiter.label());
         tracing::warn!(
             limiter = self.limiter.label(),

@@ -1063,11 +1063,14 @@ fn read_merged(db: &raw::Db, batches: &[Batch]) -> Result<MergedReads, LedgerErr
         "SELECT voucher_code, customer_id, discount_amount, status, expires_at \
          FROM reservations WHERE order_id = ?1",
     )?;
-    // `<> 'RELEASED'` rather than `IN ('RESERVED', 'CONFIRMED')` (a list): it walks the
-    // customer's released rows of the voucher too, which are none or a few.
+    // Two equality seeks on the whole index key, not `IN ('RESERVED', 'CONFIRMED')` (a list)
+    // nor `<> 'RELEASED'`, which would walk the customer's released rows too: a client can make
+    // as many of those as it likes, reserving and releasing.
     let mut used = db.prepare(
-        "SELECT COUNT(*) FROM reservations WHERE voucher_code = ?1 AND customer_id = ?2 \
-         AND status <> 'RELEASED'",
+        "SELECT (SELECT COUNT(*) FROM reservations WHERE voucher_code = ?1 AND customer_id = ?2 \
+                 AND status = 'RESERVED') \
+              + (SELECT COUNT(*) FROM reservations WHERE voucher_code = ?1 AND customer_id = ?2 \
+                 AND status = 'CONFIRMED')",
     )?;
     for b in batches {
         used.bind_text(1, &b.voucher_code)?;

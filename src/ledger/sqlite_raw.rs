@@ -353,12 +353,26 @@ mod tests {
             assert_eq!(unsafe { ffi::sqlite3_stmt_busy(again.stmt.as_ptr()) }, 0);
             assert!(again.step().unwrap());
             assert_eq!(again.int(0), 1, "the reused statement resumed mid-rows");
+            // `reset` keeps the bindings (a merged commit binds a batch's voucher once for
+            // all its rows); the statement's return to the cache drops them.
             let mut bound = db.prepare("SELECT ?1").unwrap();
+            let first_bound = bound.stmt;
             bound.bind_int(1, 7).unwrap();
+            assert!(bound.step().unwrap());
+            bound.reset();
+            assert!(bound.step().unwrap());
+            assert_eq!(bound.int(0), 7, "reset dropped a binding");
             drop(bound);
             let mut bound = db.prepare("SELECT ?1").unwrap();
+            assert_eq!(bound.stmt, first_bound, "prepared again instead of reused");
             assert!(bound.step().unwrap());
-            assert_eq!(bound.int(0), 0, "a binding survived the statement's return");
+            // SAFETY: the statement is live and on a row.
+            let kind = unsafe { ffi::sqlite3_column_type(bound.stmt.as_ptr(), 0) };
+            assert_eq!(
+                kind,
+                ffi::SQLITE_NULL,
+                "a binding survived the statement's return"
+            );
             drop(bound);
             let twice = db.prepare(ROWS).unwrap();
             assert_ne!(twice.stmt, again.stmt);
