@@ -148,7 +148,7 @@ async fn pool(max: u32, options: SqliteConnectOptions) -> Result<SqlitePool, sql
         .idle_timeout(None)
         .max_lifetime(None)
         .test_before_acquire(false)
-        .acquire_timeout(WRITER_WAIT)
+        .acquire_timeout(CONNECTION_WAIT)
         .connect_with(options)
         .await
 }
@@ -198,8 +198,9 @@ fn block_on<F: std::future::Future>(f: F) -> F::Output {
     }
 }
 
-/// How long a write waits for the writer connection before it fails (`PoolTimedOut`).
-const WRITER_WAIT: Duration = Duration::from_secs(5);
+/// How long a call waits for a connection (a pool's, or the held writer) before it fails
+/// (`PoolTimedOut`).
+const CONNECTION_WAIT: Duration = Duration::from_secs(5);
 
 /// How often the checkpointer copies the write-ahead log back into the database file.
 const CHECKPOINT_EVERY: Duration = Duration::from_millis(100);
@@ -247,10 +248,10 @@ async fn checkpoint_every(pool: SqlitePool, every: Duration) {
 
 impl SqliteLedger {
     /// The writer connection, locked for the caller (taken from its pool at first use). Waits
-    /// no longer than the pool would have ([`WRITER_WAIT`]): a write queued behind a stuck one
-    /// fails rather than run long after its caller gave up.
+    /// no longer than the pool would have ([`CONNECTION_WAIT`]): a write queued behind a stuck
+    /// one fails rather than run long after its caller gave up.
     async fn writer(&self) -> Result<tokio::sync::MutexGuard<'_, Writer>, sqlx::Error> {
-        let mut w = tokio::time::timeout(WRITER_WAIT, self.writer.lock())
+        let mut w = tokio::time::timeout(CONNECTION_WAIT, self.writer.lock())
             .await
             .map_err(|_| sqlx::Error::PoolTimedOut)?;
         if w.conn.is_none() {
