@@ -61,6 +61,10 @@ const MIGRATIONS: &[(i64, &str)] = &[
         6,
         include_str!("../../migrations/sqlite/0006_usage_from_rows.sql"),
     ),
+    (
+        7,
+        include_str!("../../migrations/sqlite/0007_status_check_without_list.sql"),
+    ),
 ];
 
 pub struct SqliteLedger {
@@ -1019,6 +1023,30 @@ async fn release_units(
     Ok(restocks)
 }
 
+/// A merged transaction's statements. None of them builds a temporary B-tree at each run (see
+/// `merged_commit_statements_build_no_temporary_btree`): no `IN (list)` in them or in a CHECK
+/// they evaluate, no `RETURNING`.
+const READ_RULES: &str = "SELECT per_user_limit, discount_amount, status, starts_at, ends_at \
+     FROM vouchers WHERE code = ?1";
+const READ_LEASE: &str = "SELECT voucher_code, state, granted - consumed FROM leases WHERE id = ?1";
+const READ_STORED: &str = "SELECT voucher_code, customer_id, discount_amount, status, expires_at \
+     FROM reservations WHERE order_id = ?1";
+/// Two equality seeks on the whole index key, not `IN ('RESERVED', 'CONFIRMED')` (a list) nor
+/// `<> 'RELEASED'`, which would walk the customer's released rows too: a client can make as
+/// many of those as it likes, reserving and releasing.
+const READ_USED: &str = "SELECT (SELECT COUNT(*) FROM reservations WHERE voucher_code = ?1 \
+       AND customer_id = ?2 AND status = 'RESERVED') \
+     + (SELECT COUNT(*) FROM reservations WHERE voucher_code = ?1 AND customer_id = ?2 \
+       AND status = 'CONFIRMED')";
+const FENCE: &str = "UPDATE leases SET consumed = consumed + ?2 \
+     WHERE id = ?1 AND state = 'ACTIVE' AND consumed + ?2 <= granted";
+const FEED_TAKE: &str = "UPDATE feed_head SET last = last + ?1 WHERE id = 1";
+const FEED_LAST: &str = "SELECT last FROM feed_head WHERE id = 1";
+const INSERT_RESERVATION: &str = "INSERT INTO reservations (order_id, voucher_code, customer_id, \
+     lease_id, discount_amount, status, created_at, expires_at, updated_at, reserved_seq) \
+     VALUES (?1, ?2, ?3, ?4, ?5, 'RESERVED', ?6, ?7, ?6, ?8)";
+const COUNT_RESERVED: &str = "UPDATE vouchers SET reserved = reserved + ?2 WHERE code = ?1";
+
 /// The four reads of a merged transaction: each batch's voucher rules and lease, each row's
 /// stored order and its customer's usage.
 fn read_merged(db: &raw::Db, batches: &[Batch]) -> Result<MergedReads, LedgerError> {
@@ -1027,12 +1055,8 @@ fn read_merged(db: &raw::Db, batches: &[Batch]) -> Result<MergedReads, LedgerErr
     // takes a list: `x IN (list)` builds a temporary B-tree of the list at each run (opening
     // and closing one cost more than the probe), and a set-based read over a JSON array of a
     // hundred ids parses the array into one before it seeks the same index anyway.
-    let mut rules = db.prepare(
-        "SELECT per_user_limit, discount_amount, status, starts_at, ends_at \
-         FROM vouchers WHERE code = ?1",
-    )?;
-    let mut lease =
-        db.prepare("SELECT voucher_code, state, granted - consumed FROM leases WHERE id = ?1")?;
+    let mut rules = db.prepare(READ_RULES)?;
+    let mut lease = db.prepare(READ_LEASE)?;
     for b in batches {
         if !reads.rules.contains_key(&b.voucher_code) {
             rules.bind_text(1, &b.voucher_code)?;
@@ -1060,19 +1084,8 @@ fn read_merged(db: &raw::Db, batches: &[Batch]) -> Result<MergedReads, LedgerErr
             lease.reset();
         }
     }
-    let mut stored = db.prepare(
-        "SELECT voucher_code, customer_id, discount_amount, status, expires_at \
-         FROM reservations WHERE order_id = ?1",
-    )?;
-    // Two equality seeks on the whole index key, not `IN ('RESERVED', 'CONFIRMED')` (a list)
-    // nor `<> 'RELEASED'`, which would walk the customer's released rows too: a client can make
-    // as many of those as it likes, reserving and releasing.
-    let mut used = db.prepare(
-        "SELECT (SELECT COUNT(*) FROM reservations WHERE voucher_code = ?1 AND customer_id = ?2 \
-                 AND status = 'RESERVED') \
-              + (SELECT COUNT(*) FROM reservations WHERE voucher_code = ?1 AND customer_id = ?2 \
-                 AND status = 'CONFIRMED')",
-    )?;
+    let mut stored = db.prepare(READ_STORED)?;
+    let mut used = db.prepare(READ_USED)?;
     for b in batches {
         used.bind_text(1, &b.voucher_code)?;
         for row in &b.rows {
@@ -1114,10 +1127,7 @@ fn write_merged(db: &raw::Db, w: &MergedWrites) -> Result<(), LedgerError> {
     }
     // The fence once more, per lease: a lease that lost its room since the read (only another
     // writer could do that) fails the whole transaction.
-    let mut fence = db.prepare(
-        "UPDATE leases SET consumed = consumed + ?2 \
-         WHERE id = ?1 AND state = 'ACTIVE' AND consumed + ?2 <= granted",
-    )?;
+    let mut fence = db.prepare(FENCE)?;
     for &(lease, units) in &w.consumed {
         fence.bind_int(1, lease)?;
         fence.bind_int(2, units)?;
@@ -1130,23 +1140,26 @@ fn write_merged(db: &raw::Db, w: &MergedWrites) -> Result<(), LedgerError> {
     }
     drop(fence);
     // The feed's numbers for the new rows, in the rows' order (the writer is alone: nobody
-    // takes numbers in between).
+    // takes numbers in between). An update and a read rather than `UPDATE … RETURNING`, which
+    // SQLite runs through a temporary B-tree of the returned rows, opened at every commit.
+    let n = w.rows.len() as i64;
+    let mut take = db.prepare(FEED_TAKE)?;
+    take.bind_int(1, n)?;
+    take.execute()?;
+    if db.changes() != 1 {
+        return Err(LedgerError::Invalid("feed_head row missing"));
+    }
+    drop(take);
     let base = {
-        let mut q =
-            db.prepare("UPDATE feed_head SET last = last + ?1 WHERE id = 1 RETURNING last - ?1")?;
-        q.bind_int(1, w.rows.len() as i64)?;
-        if !q.step()? {
+        let mut last = db.prepare(FEED_LAST)?;
+        if !last.step()? {
             return Err(LedgerError::Invalid("feed_head row missing"));
         }
-        q.int(0)
+        last.int(0) - n
     };
     // One prepared insert, run once per row: cheaper than one statement over a JSON array,
     // where every column of every row is a `json_extract` of its element.
-    let mut insert = db.prepare(
-        "INSERT INTO reservations (order_id, voucher_code, customer_id, lease_id, \
-         discount_amount, status, created_at, expires_at, updated_at, reserved_seq) \
-         VALUES (?1, ?2, ?3, ?4, ?5, 'RESERVED', ?6, ?7, ?6, ?8)",
-    )?;
+    let mut insert = db.prepare(INSERT_RESERVATION)?;
     for (seq, r) in (base + 1..).zip(&w.rows) {
         insert.bind_text(1, r.order_id)?;
         insert.bind_text(2, r.voucher_code)?;
@@ -1162,7 +1175,7 @@ fn write_merged(db: &raw::Db, w: &MergedWrites) -> Result<(), LedgerError> {
         insert.execute()?;
     }
     drop(insert);
-    let mut counted = db.prepare("UPDATE vouchers SET reserved = reserved + ?2 WHERE code = ?1")?;
+    let mut counted = db.prepare(COUNT_RESERVED)?;
     for (code, units) in &w.reserved {
         counted.bind_text(1, code)?;
         counted.bind_int(2, *units)?;
@@ -1306,6 +1319,48 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(head, 5, "new changes go on after the numbered ones");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// SQLite opens, fills and closes a temporary B-tree at every run of a statement with an
+    /// `IN` list of three or more constants (in its text or in a CHECK it evaluates) or with
+    /// `RETURNING`: the merged commit's statements, run per row or per batch, have none. So has
+    /// a change of a reservation's status (confirm, release, expiry all check it).
+    #[tokio::test]
+    async fn merged_commit_statements_build_no_temporary_btree() {
+        let dir = std::env::temp_dir().join(format!("vouchers-eph-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let l = SqliteLedger::connect(&format!("sqlite://{}/l.db", dir.display()), 1)
+            .await
+            .unwrap();
+        let status_change = "UPDATE reservations SET status = ?2 WHERE order_id = ?1";
+        for sql in [
+            READ_RULES,
+            READ_LEASE,
+            READ_STORED,
+            READ_USED,
+            FENCE,
+            FEED_TAKE,
+            FEED_LAST,
+            INSERT_RESERVATION,
+            COUNT_RESERVED,
+            status_change,
+        ] {
+            // EXPLAIN lists the statement's program, one instruction per row; column 1 is
+            // the opcode. On the writer's connection: a read-only one leaves CHECKs out.
+            let plan: Vec<String> = sqlx::query(&*format!("EXPLAIN {sql}"))
+                .fetch_all(&l.writer_pool)
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| sqlx::Row::get::<String, _>(r, 1))
+                .collect();
+            assert!(plan.iter().any(|op| op == "Halt"), "{sql}: {plan:?}");
+            assert!(
+                !plan.iter().any(|op| op == "OpenEphemeral"),
+                "{sql} builds a temporary B-tree at each run: {plan:?}"
+            );
+        }
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
