@@ -1348,7 +1348,7 @@ mod tests {
         ] {
             // EXPLAIN lists the statement's program, one instruction per row; column 1 is
             // the opcode. On the writer's connection: a read-only one leaves CHECKs out.
-            let plan: Vec<String> = sqlx::query(&*format!("EXPLAIN {sql}"))
+            let plan: Vec<String> = sqlx::query(&format!("EXPLAIN {sql}"))
                 .fetch_all(&l.writer_pool)
                 .await
                 .unwrap()
