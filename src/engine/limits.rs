@@ -1,25 +1,26 @@
 //! Rate limits (DESIGN §6): per client address, per customer of a voucher, and per-voucher
 //! admission. Decided in memory before anything else, they answer `429 RATE_LIMITED` with
-//! `Retry-After` and change nothing. GCRA from `governor`, on the engine's injected clock.
-//! The node's settings are the defaults; a voucher may set its own ([`OwnLimits`]).
+//! `Retry-After` and change nothing. GCRA on the engine's injected clock: `governor`'s for
+//! admission, the same algorithm over a sharded map of our own for the keyed limits
+//! ([`Bounded`]). The node's settings are the defaults; a voucher may set its own
+//! ([`OwnLimits`]).
 //!
-//! Keyed state is bounded: a keyed limiter past `limits.max_keys` first drops the keys that have
-//! refilled (they hold nothing a fresh key would not), and if that is not enough (millions of
-//! distinct keys inside one refill period), starts over empty. Starting over lets every key have
-//! its burst again once: memory stays bounded at the price of one burst per key per reset, which
-//! is counted (`vouchers_rate_limit_resets_total`).
+//! Keyed state is bounded: a keyed limiter's shard past its share of `limits.max_keys` first
+//! drops the keys that have refilled (they hold nothing a fresh key would not), and if that is
+//! not enough (a flood of distinct keys inside one refill period), starts over empty. Starting
+//! over lets each of its keys have its burst again once: memory stays bounded at the price of
+//! one burst per key per reset, which is counted (`vouchers_rate_limit_resets_total`).
 
-use std::hash::{BuildHasher, Hash};
+use std::collections::HashMap;
+use std::hash::{BuildHasher, BuildHasherDefault, Hash};
 use std::net::IpAddr;
 use std::num::NonZeroU32;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::RwLock;
+use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use governor::clock::Clock;
 use governor::middleware::NoOpMiddleware;
 use governor::nanos::Nanos;
-use governor::state::keyed::DashMapStateStore;
 use governor::state::{InMemoryState, NotKeyed};
 use governor::{Quota, RateLimiter};
 
@@ -35,18 +36,24 @@ pub struct LimiterClock {
     base: Millis,
 }
 
+impl LimiterClock {
+    /// Nanoseconds since the limiters were made.
+    fn now_ns(&self) -> u64 {
+        (self.clock.monotonic_ms() - self.base).max(0) as u64 * 1_000_000
+    }
+}
+
 impl Clock for LimiterClock {
     type Instant = Nanos;
 
     fn now(&self) -> Nanos {
-        Nanos::from((self.clock.monotonic_ms() - self.base).max(0) as u64 * 1_000_000)
+        Nanos::from(self.now_ns())
     }
 }
 
-/// Keyed state hashed with foldhash rather than SipHash: on a flood of distinct customers every
-/// request inserts a key, and SipHash was most of the per-customer check. Clients choose the
-/// keys (customer ids), so both of foldhash's seeds come from the OS's randomness ([`hasher`]).
-type Keyed<K> = RateLimiter<K, DashMapStateStore<K, Hasher>, LimiterClock, NoOpMiddleware<Nanos>>;
+/// Keys are hashed with foldhash rather than SipHash: on a flood of distinct customers every
+/// request inserts a key. Clients choose the keys (customer ids), so both of foldhash's seeds
+/// come from the OS's randomness ([`hasher`]).
 type Hasher = foldhash::fast::SeedableRandomState;
 
 /// A keyed map's hasher: a seed of its own, and the process's shared one.
@@ -86,77 +93,149 @@ pub(crate) struct Limited {
     pub retry_after: Duration,
 }
 
-/// How many checks pass between two looks at a keyed limiter's size.
-const SIZE_CHECK_EVERY: u64 = 1024;
+/// Shards of a keyed limiter: two HTTP workers checking different keys rarely meet on a lock.
+const SHARDS: usize = 64;
 
-/// A keyed limiter whose memory is bounded (see the module docs).
-struct Bounded<K: Hash + Eq + Clone> {
+/// A keyed limiter whose memory is bounded (see the module docs): GCRA, as `governor` does it,
+/// over a map from the key's seeded 64-bit hash to its theoretical arrival time.
+///
+/// Not `governor`'s keyed store: on a flood of distinct customers every check inserts a key, and
+/// its map (a `DashMap` of full keys, behind a lock and a shared counter every check wrote) was
+/// the largest cost of a request the frontend answers from memory. Here a check takes one
+/// uncontended lock of one shard and touches one 16-byte slot. Two keys whose hashes collide
+/// share one bucket (with a million keys, odds of about 3 in 10^8 for any pair at all), which
+/// can only refuse early, never admit past a limit.
+struct Bounded<K: Hash> {
     limiter: Limiter,
-    quota: Quota,
+    /// Nanoseconds one request takes from the bucket to refill (GCRA's emission interval).
+    t: u64,
+    /// How far ahead of now a key's arrival time may run and still pass: `t` times the burst
+    /// less one (`governor`'s tolerance).
+    tau: u64,
     clock: LimiterClock,
-    max_keys: usize,
-    inner: RwLock<Keyed<K>>,
-    checks: AtomicU64,
+    /// Keys a shard holds before it drops the refilled ones: `max_keys` over the shards.
+    max_per_shard: usize,
+    hasher: Hasher,
+    shards: Box<[Shard]>,
+    _key: std::marker::PhantomData<fn(&K)>,
 }
 
-impl<K: Hash + Eq + Clone> Bounded<K> {
+/// One shard's keys, on a cache line of its own.
+#[repr(align(64))]
+#[derive(Default)]
+struct Shard(Mutex<Keys>);
+
+/// Keys (hashes) and their theoretical arrival times.
+#[derive(Default)]
+struct Keys {
+    tat: HashMap<u64, u64, BuildHasherDefault<Prehashed>>,
+    /// The size at which the refilled keys are dropped next: twice what the last sweep left.
+    /// A key refills one emission interval after a single request, so under a flood of
+    /// distinct customers the map holds about two intervals' worth of keys, not `max_keys`: it
+    /// stays in cache, and a check is not a cache miss into a map of a million keys.
+    sweep_at: usize,
+}
+
+/// The least size a shard sweeps at.
+const MIN_SWEEP: usize = 64;
+
+/// The shard maps' keys are already seeded hashes: hashing them again would only cost.
+#[derive(Default)]
+struct Prehashed(u64);
+
+impl std::hash::Hasher for Prehashed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
+impl<K: Hash> Bounded<K> {
     fn new(limiter: Limiter, quota: Quota, clock: &LimiterClock, max_keys: usize) -> Self {
+        let t = quota.replenish_interval().as_nanos() as u64;
         Self {
             limiter,
-            quota,
+            t,
+            tau: t.saturating_mul(u64::from(quota.burst_size().get() - 1)),
             clock: clock.clone(),
-            max_keys: max_keys.max(1),
-            inner: RwLock::new(RateLimiter::dashmap_with_clock_and_hasher(
-                quota,
-                clock.clone(),
-                hasher(),
-            )),
-            checks: AtomicU64::new(0),
+            max_per_shard: max_keys.max(1).div_ceil(SHARDS),
+            hasher: hasher(),
+            shards: (0..SHARDS).map(|_| Shard::default()).collect(),
+            _key: std::marker::PhantomData,
         }
+    }
+
+    fn shard(&self, hash: u64) -> MutexGuard<'_, Keys> {
+        // Bits the map's own probing uses least (it takes the low bits and the top seven).
+        let shard = &self.shards[(hash >> 40) as usize % SHARDS];
+        shard.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn check(&self, key: &K) -> Result<(), Limited> {
-        if self
-            .checks
-            .fetch_add(1, Ordering::Relaxed)
-            .is_multiple_of(SIZE_CHECK_EVERY)
-        {
-            self.bound();
+        let hash = self.hasher.hash_one(key);
+        let now = self.clock.now_ns();
+        let mut keys = self.shard(hash);
+        let tat = keys.tat.get(&hash).copied().unwrap_or(now);
+        let earliest = tat.saturating_sub(self.tau);
+        if now < earliest {
+            return Err(Limited {
+                limiter: self.limiter,
+                retry_after: Duration::from_nanos(earliest - now),
+            });
         }
-        let inner = self.inner.read().unwrap_or_else(|e| e.into_inner());
-        inner.check_key(key).map_err(|not_until| Limited {
-            limiter: self.limiter,
-            retry_after: not_until.wait_time_from(self.clock.now()),
-        })
+        keys.tat.insert(hash, tat.max(now) + self.t);
+        if keys.tat.len() > keys.sweep_at.max(MIN_SWEEP).min(self.max_per_shard) {
+            self.bound(&mut keys, now);
+        }
+        Ok(())
     }
 
-    fn bound(&self) {
-        {
-            let inner = self.inner.read().unwrap_or_else(|e| e.into_inner());
-            if inner.len() <= self.max_keys {
-                return;
-            }
-            inner.retain_recent();
-            inner.shrink_to_fit();
-            if inner.len() <= self.max_keys {
-                return;
-            }
+    /// A shard at its sweep size, or past its share of `max_keys`, drops the keys that refilled
+    /// (they hold nothing a fresh key would not). If it is still past three quarters of its
+    /// share (a flood of distinct keys inside one refill period), it starts over empty: every
+    /// key gets its burst once more. A sweep follows at least as many new keys as it kept (or
+    /// a quarter-share), so its cost per check stays constant.
+    fn bound(&self, keys: &mut Keys, now: u64) {
+        keys.tat.retain(|_, tat| *tat > now);
+        keys.sweep_at = 2 * keys.tat.len();
+        if keys.tat.len() <= self.max_per_shard - self.max_per_shard / 4 {
+            return;
         }
-        *self.inner.write().unwrap_or_else(|e| e.into_inner()) =
-            RateLimiter::dashmap_with_clock_and_hasher(self.quota, self.clock.clone(), hasher());
+        keys.tat.clear();
+        keys.sweep_at = 0;
         m::rate_limit_reset(self.limiter.label());
         tracing::warn!(
             limiter = self.limiter.label(),
-            max_keys = self.max_keys,
-            "rate limiter full: started over"
+            max_keys = self.max_per_shard * SHARDS,
+            "rate limiter full: a shard started over"
         );
     }
 
     /// Drops keys that refilled (periodic, so an idle node gives the memory back).
     fn upkeep(&self) {
-        let inner = self.inner.read().unwrap_or_else(|e| e.into_inner());
-        inner.retain_recent();
-        inner.shrink_to_fit();
+        let now = self.clock.now_ns();
+        for shard in &self.shards {
+            let mut keys = shard.0.lock().unwrap_or_else(|e| e.into_inner());
+            keys.tat.retain(|_, tat| *tat > now);
+            keys.tat.shrink_to_fit();
+            keys.sweep_at = 2 * keys.tat.len();
+        }
+    }
+
+    /// Keys held (tests).
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| s.0.lock().unwrap_or_else(|e| e.into_inner()).tat.len())
+            .sum()
     }
 }
 
@@ -352,10 +431,59 @@ mod tests {
         let clock = Arc::new(ManualClock::new(1_000_000));
         let limits = RateLimits::new(&settings(), clock.clone());
         let customer = limits.customer.as_ref().unwrap();
+        let most = 100_usize.div_ceil(SHARDS) * SHARDS;
         for c in 0..10_000 {
-            let _ = limits.customer(1, c, None);
-            let len = customer.inner.read().unwrap().len();
-            assert!(len <= 100 + SIZE_CHECK_EVERY as usize, "{len} keys");
+            assert_eq!(
+                limits.customer(1, c, None),
+                Ok(()),
+                "a new key has its burst"
+            );
+            let len = customer.len();
+            assert!(len <= most, "{len} keys");
+        }
+        // Refilled keys go at the next upkeep.
+        assert!(customer.len() > 0);
+        clock.advance_ms(1_000);
+        limits.upkeep();
+        assert_eq!(customer.len(), 0);
+    }
+
+    /// The keyed limiter decides as `governor`'s GCRA does, refusals and their Retry-After
+    /// included, over a long run of checks on a few keys at uneven times.
+    #[test]
+    fn keyed_checks_agree_with_governor() {
+        let manual = Arc::new(ManualClock::new(5_000));
+        let clock = LimiterClock {
+            base: crate::clock::Clock::monotonic_ms(&*manual),
+            clock: manual.clone(),
+        };
+        for (rate, burst) in [(10, 5), (1, 1), (100, 3), (7, 128)] {
+            let q = quota(rate, burst).unwrap();
+            let ours = Bounded::<u32>::new(Limiter::Customer, q, &clock, 1_000);
+            let theirs = RateLimiter::dashmap_with_clock(q, clock.clone());
+            let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+            let (mut passed, mut refused) = (0, 0);
+            for _ in 0..20_000 {
+                x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+                let key = (x >> 60) as u32 % 5;
+                if (x >> 40).is_multiple_of(4) {
+                    manual.advance_ms((x >> 20) as i64 % 60);
+                }
+                let want = theirs
+                    .check_key(&key)
+                    .map_err(|n| n.wait_time_from(clock.now()));
+                let got = ours.check(&key).map_err(|l| l.retry_after);
+                assert_eq!(got, want, "rate {rate}, burst {burst}, key {key}");
+                if got.is_ok() {
+                    passed += 1;
+                } else {
+                    refused += 1;
+                }
+            }
+            assert!(
+                passed > 0 && refused > 0,
+                "{passed} passed, {refused} refused"
+            );
         }
     }
 
