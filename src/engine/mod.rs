@@ -16,9 +16,8 @@ pub(crate) mod quota;
 pub mod sizing;
 pub mod soldout;
 
-use std::collections::hash_map::DefaultHasher;
 use std::collections::{HashMap, HashSet};
-use std::hash::{Hash, Hasher};
+use std::hash::BuildHasher;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -260,9 +259,21 @@ impl VoucherView {
     }
 }
 
-/// One registry row: the owner actor of a voucher on this node and the state the frontend reads.
+/// One registry row, as a request holds it: one reference count to bump, not one per field
+/// (each is a cache line both HTTP workers write, on every request).
 #[derive(Clone)]
-struct Entry {
+struct Entry(Arc<Row>);
+
+impl std::ops::Deref for Entry {
+    type Target = Row;
+
+    fn deref(&self) -> &Row {
+        &self.0
+    }
+}
+
+/// The owner actor of a voucher on this node and the state the frontend reads.
+struct Row {
     addr: Addr<VoucherActor>,
     shared: Arc<VoucherShared>,
     generation: u64,
@@ -272,11 +283,13 @@ struct Entry {
     on_worker: bool,
 }
 
-/// A voucher code's hash: picks its shard, and keys its customers in the per-customer limiter.
+/// A voucher code's hash: picks its shard, and keys its customers in the per-customer limiter
+/// (which hashes the pair again with a random seed).
 fn code_hash(code: &str) -> u64 {
-    let mut h = DefaultHasher::new();
-    code.hash(&mut h);
-    h.finish()
+    BuildHasher::hash_one(
+        &foldhash::fast::FixedState::with_seed(0x766f_7563_6865_7273),
+        code,
+    )
 }
 
 /// State shared by the handle, the actors and the jobs.
@@ -298,7 +311,9 @@ pub(crate) struct Core {
     read_only: AtomicBool,
     /// The version of the switches applied (see [`Core::apply_switches`]).
     switch_version: std::sync::Mutex<i64>,
-    registry: DashMap<String, Entry>,
+    /// Hashed with foldhash (randomly seeded per map), not SipHash: every request looks its
+    /// code up here.
+    registry: DashMap<String, Entry, foldhash::fast::RandomState>,
     shards: Vec<ArbiterHandle>,
     /// The HTTP workers' arbiters, by thread, as each worker starts (with
     /// `actors_on_http_workers`): actors go there first, so that a reserve and its answer can
@@ -431,13 +446,13 @@ impl Core {
                 let addr = VoucherActor::start_in_arbiter(&home, move |_| {
                     VoucherActor::new(c, core, sh, generation)
                 });
-                Entry {
+                Entry(Arc::new(Row {
                     addr,
                     shared,
                     generation,
                     admission: self.limits.new_admission().map(Arc::new),
                     on_worker,
-                }
+                }))
             })
             .clone()
     }
@@ -493,7 +508,7 @@ impl EngineHandle {
             node_id,
             request_timeout,
             signals,
-            registry: DashMap::new(),
+            registry: DashMap::default(),
             recount: std::sync::Mutex::new(HashSet::new()),
             shards: arbiters.iter().map(Arbiter::handle).collect(),
             workers: std::sync::RwLock::new(Vec::new()),

@@ -3,9 +3,8 @@
 //! `201` after the voucher sold out while everyone else is answered by a memory read; the
 //! voucher's definition (for §4's precedence there) and its own rate limiters.
 
-use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
-use std::hash::{Hash, Hasher};
+use std::hash::{BuildHasher, Hash};
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
@@ -271,6 +270,10 @@ impl VoucherShared {
 #[derive(Debug)]
 struct Bloom {
     bits: Vec<u64>,
+    /// Seeds its probes' hashes, from the OS's randomness: the items are ids clients choose, and
+    /// one who could compute the probes could craft ids the filter takes for winners (each one
+    /// a ledger read).
+    seed: u64,
 }
 
 const BLOOM_PROBES: u64 = 7;
@@ -280,15 +283,16 @@ impl Bloom {
         let words = (n.max(1) * 10).div_ceil(64);
         Self {
             bits: vec![0; words],
+            seed: BuildHasher::hash_one(&std::hash::RandomState::new(), 0_u64),
         }
     }
 
     fn probes<Q: Hash + ?Sized>(&self, item: &Q) -> impl Iterator<Item = usize> {
-        let hash = |seed: u64| {
-            let mut h = DefaultHasher::new();
-            seed.hash(&mut h);
-            item.hash(&mut h);
-            h.finish()
+        let hash = |salt: u64| {
+            BuildHasher::hash_one(
+                &foldhash::fast::FixedState::with_seed(self.seed ^ salt),
+                item,
+            )
         };
         let (a, b) = (hash(0x9e37_79b9), hash(0x85eb_ca6b) | 1);
         let m = (self.bits.len() * 64) as u64;
