@@ -94,6 +94,8 @@ pub struct LedgerSettings {
     pub commit_pipeline: usize,
     /// Most reservation rows the committer merges into one transaction.
     pub max_merged_rows: usize,
+    /// Worker threads of the ledger's own runtime (at least 1).
+    pub runtime_threads: usize,
     /// Every ledger call (a merged transaction included) not answered by then fails with `503`;
     /// on PostgreSQL also each statement's and each lock wait's limit.
     pub timeout_ms: u64,

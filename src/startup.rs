@@ -194,7 +194,7 @@ impl Application {
     /// Builds everything and binds the listener; must run inside an actix `System`.
     pub async fn build(settings: Settings, clock: SharedClock) -> anyhow::Result<Self> {
         let ledger_rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
+            .worker_threads(settings.ledger.runtime_threads.max(1))
             .thread_name("ledger")
             .enable_all()
             .build()

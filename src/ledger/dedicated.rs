@@ -4,8 +4,8 @@
 //! Database sockets belong to the reactor of the runtime that opened them. Without this, a pool
 //! connection opened by a busy HTTP worker would only be polled when that worker gets round to
 //! its reactor, adding the worker's loop time to every round trip of every batch. Here all
-//! connections live on a small multi-threaded runtime that does nothing else; callers on any
-//! runtime (actors, routes, jobs) await a spawned task.
+//! connections live on a small runtime that does nothing else (`ledger.runtime_threads`, one by
+//! default); callers on any runtime (actors, routes, jobs) await a spawned task.
 
 use std::future::Future;
 use std::sync::Arc;
