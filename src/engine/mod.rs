@@ -259,21 +259,15 @@ impl VoucherView {
     }
 }
 
-/// One registry row, as a request holds it: one reference count to bump, not one per field
-/// (each is a cache line both HTTP workers write, on every request).
+/// One registry row: the owner actor of a voucher on this node and the state the frontend reads.
+///
+/// A request clones the row, its actor's address included: each clone of an `Addr` is a sender
+/// with a guaranteed slot in the actor's mailbox, so a burst at a new actor (whose mailbox has
+/// actix's default capacity of 16 until it starts) is queued, not refused. One address shared
+/// by every request would refuse that burst (`reserves_on_an_actor_whose_thread_ends_are_
+/// served_by_its_successor`).
 #[derive(Clone)]
-struct Entry(Arc<Row>);
-
-impl std::ops::Deref for Entry {
-    type Target = Row;
-
-    fn deref(&self) -> &Row {
-        &self.0
-    }
-}
-
-/// The owner actor of a voucher on this node and the state the frontend reads.
-struct Row {
+struct Entry {
     addr: Addr<VoucherActor>,
     shared: Arc<VoucherShared>,
     generation: u64,
@@ -446,13 +440,13 @@ impl Core {
                 let addr = VoucherActor::start_in_arbiter(&home, move |_| {
                     VoucherActor::new(c, core, sh, generation)
                 });
-                Entry(Arc::new(Row {
+                Entry {
                     addr,
                     shared,
                     generation,
                     admission: self.limits.new_admission().map(Arc::new),
                     on_worker,
-                }))
+                }
             })
             .clone()
     }
