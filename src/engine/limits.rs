@@ -15,6 +15,7 @@ use std::collections::HashMap;
 use std::hash::{BuildHasher, BuildHasherDefault, Hash};
 use std::net::IpAddr;
 use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -54,10 +55,10 @@ impl Clock for LimiterClock {
 /// Keys are hashed with foldhash rather than SipHash: on a flood of distinct customers every
 /// request inserts a key. Clients choose the keys (customer ids), so both of foldhash's seeds
 /// come from the OS's randomness ([`hasher`]).
-type Hasher = foldhash::fast::SeedableRandomState;
+pub(crate) type Hasher = foldhash::fast::SeedableRandomState;
 
-/// A keyed map's hasher: a seed of its own, and the process's shared one.
-fn hasher() -> Hasher {
+/// A keyed map's hasher: a seed of its own, and the process's shared one, both random.
+pub(crate) fn hasher() -> Hasher {
     static SHARED: std::sync::OnceLock<foldhash::SharedSeed> = std::sync::OnceLock::new();
     // std's `RandomState` keys come from the OS's random source.
     let random = || std::hash::RandomState::new().hash_one(0_u64);
@@ -117,6 +118,8 @@ struct Bounded<K: Hash> {
     max_per_shard: usize,
     hasher: Hasher,
     shards: Box<[Shard]>,
+    /// Shards that started over (tests; the metric counts them too).
+    resets: AtomicU64,
     _key: std::marker::PhantomData<fn(&K)>,
 }
 
@@ -159,7 +162,8 @@ impl std::hash::Hasher for Prehashed {
 
 impl<K: Hash> Bounded<K> {
     fn new(limiter: Limiter, quota: Quota, clock: &LimiterClock, max_keys: usize) -> Self {
-        let t = quota.replenish_interval().as_nanos() as u64;
+        // At least a nanosecond, as `governor` has it: zero would admit everything.
+        let t = (quota.replenish_interval().as_nanos() as u64).max(1);
         Self {
             limiter,
             t,
@@ -168,6 +172,7 @@ impl<K: Hash> Bounded<K> {
             max_per_shard: max_keys.max(1).div_ceil(SHARDS),
             hasher: hasher(),
             shards: (0..SHARDS).map(|_| Shard::default()).collect(),
+            resets: AtomicU64::new(0),
             _key: std::marker::PhantomData,
         }
     }
@@ -191,8 +196,17 @@ impl<K: Hash> Bounded<K> {
             });
         }
         keys.tat.insert(hash, tat.max(now) + self.t);
-        if keys.tat.len() > keys.sweep_at.max(MIN_SWEEP).min(self.max_per_shard) {
-            self.bound(&mut keys, now);
+        if keys.tat.len() > keys.sweep_at.max(MIN_SWEEP).min(self.max_per_shard)
+            && self.bound(&mut keys, now)
+        {
+            drop(keys);
+            self.resets.fetch_add(1, Ordering::Relaxed);
+            m::rate_limit_reset(self.limiter.label());
+            tracing::warn!(
+                limiter = self.limiter.label(),
+                max_keys = self.max_per_shard * SHARDS,
+                "rate limiter full: a shard started over"
+            );
         }
         Ok(())
     }
@@ -202,20 +216,17 @@ impl<K: Hash> Bounded<K> {
     /// share (a flood of distinct keys inside one refill period), it starts over empty: every
     /// key gets its burst once more. A sweep follows at least as many new keys as it kept (or
     /// a quarter-share), so its cost per check stays constant.
-    fn bound(&self, keys: &mut Keys, now: u64) {
+    ///
+    /// True when it started over (counted and logged by the caller, off the shard's lock).
+    fn bound(&self, keys: &mut Keys, now: u64) -> bool {
         keys.tat.retain(|_, tat| *tat > now);
         keys.sweep_at = 2 * keys.tat.len();
         if keys.tat.len() <= self.max_per_shard - self.max_per_shard / 4 {
-            return;
+            return false;
         }
         keys.tat.clear();
         keys.sweep_at = 0;
-        m::rate_limit_reset(self.limiter.label());
-        tracing::warn!(
-            limiter = self.limiter.label(),
-            max_keys = self.max_per_shard * SHARDS,
-            "rate limiter full: a shard started over"
-        );
+        true
     }
 
     /// Drops keys that refilled (periodic, so an idle node gives the memory back).
@@ -485,6 +496,47 @@ mod tests {
                 "{passed} passed, {refused} refused"
             );
         }
+    }
+
+    /// Sweeps drop only refilled keys: a customer who used up their burst stays refused while
+    /// a flood of one-off customers makes the shards sweep many times. Only shards kept past
+    /// three quarters of their share start over.
+    #[test]
+    fn sweeps_keep_limited_keys_and_only_a_full_shard_starts_over() {
+        let manual = Arc::new(ManualClock::new(0));
+        let clock = LimiterClock {
+            base: 0,
+            clock: manual.clone(),
+        };
+        let l = Bounded::<u64>::new(Limiter::Customer, quota(10, 5).unwrap(), &clock, 64_000);
+        let heavy = u64::MAX;
+        for round in 0..400_u64 {
+            while l.check(&heavy).is_ok() {}
+            let wait = l.check(&heavy).unwrap_err().retry_after;
+            // A thousand one-off customers; each refills 100 ms (ten rounds) later.
+            for k in 0..1_000 {
+                assert_eq!(
+                    l.check(&(round * 1_000 + k)),
+                    Ok(()),
+                    "a new key has its burst"
+                );
+            }
+            assert_eq!(
+                l.check(&heavy).map_err(|e| e.retry_after),
+                Err(wait),
+                "round {round}: the heavy key was dropped"
+            );
+            manual.advance_ms(10);
+        }
+        // 400k keys went in; the shards hold about ten rounds' worth.
+        assert!(l.len() < 40_000, "{} keys: no sweeps", l.len());
+        assert_eq!(l.resets.load(Ordering::Relaxed), 0);
+        // Past three quarters of every share inside one refill period: shards start over.
+        for k in 0..(2_000 * SHARDS as u64) {
+            assert_eq!(l.check(&(1 << 40 | k)), Ok(()), "a new key has its burst");
+        }
+        assert!(l.resets.load(Ordering::Relaxed) >= SHARDS as u64);
+        assert!(l.len() <= 64_000);
     }
 
     #[test]

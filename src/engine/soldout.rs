@@ -270,10 +270,10 @@ impl VoucherShared {
 #[derive(Debug)]
 struct Bloom {
     bits: Vec<u64>,
-    /// Seeds its probes' hashes, from the OS's randomness: the items are ids clients choose, and
-    /// one who could compute the probes could craft ids the filter takes for winners (each one
-    /// a ledger read).
-    seed: u64,
+    /// Its probes' hasher, both seeds from the OS's randomness (as the rate limiters'): the
+    /// items are ids clients choose, and one who could compute the probes could craft ids the
+    /// filter takes for winners (each one a ledger read).
+    hasher: super::limits::Hasher,
 }
 
 const BLOOM_PROBES: u64 = 7;
@@ -283,17 +283,12 @@ impl Bloom {
         let words = (n.max(1) * 10).div_ceil(64);
         Self {
             bits: vec![0; words],
-            seed: BuildHasher::hash_one(&std::hash::RandomState::new(), 0_u64),
+            hasher: super::limits::hasher(),
         }
     }
 
     fn probes<Q: Hash + ?Sized>(&self, item: &Q) -> impl Iterator<Item = usize> {
-        let hash = |salt: u64| {
-            BuildHasher::hash_one(
-                &foldhash::fast::FixedState::with_seed(self.seed ^ salt),
-                item,
-            )
-        };
+        let hash = |salt: u64| self.hasher.hash_one((salt, item));
         let (a, b) = (hash(0x9e37_79b9), hash(0x85eb_ca6b) | 1);
         let m = (self.bits.len() * 64) as u64;
         (0..BLOOM_PROBES).map(move |i| (a.wrapping_add(i.wrapping_mul(b)) % m) as usize)
