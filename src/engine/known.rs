@@ -13,7 +13,9 @@ use dashmap::DashSet;
 use crate::ledger::{LedgerError, SharedLedger};
 
 pub(crate) struct KnownCodes {
-    codes: DashSet<Box<str>>,
+    /// Hashed with foldhash, randomly seeded (clients choose the codes they ask for), not
+    /// SipHash: every request looks its code up here, junk included.
+    codes: DashSet<Box<str>, foldhash::fast::RandomState>,
     /// The whole set was read from the ledger at least once: before that, a miss may only mean
     /// that the ledger was down at start.
     loaded: AtomicBool,
@@ -43,7 +45,7 @@ pub(crate) enum Known {
 impl KnownCodes {
     pub(crate) fn new(refresh_ms: u64) -> Self {
         Self {
-            codes: DashSet::new(),
+            codes: DashSet::default(),
             loaded: AtomicBool::new(false),
             last_refresh: AtomicU64::new(0),
             epoch: Instant::now(),
