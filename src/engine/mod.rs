@@ -264,8 +264,8 @@ impl VoucherView {
 /// A request clones the row, its actor's address included: each clone of an `Addr` is a sender
 /// with a guaranteed slot in the actor's mailbox, so a burst at a new actor (whose mailbox has
 /// actix's default capacity of 16 until it starts) is queued, not refused. One address shared
-/// by every request would refuse that burst (`reserves_on_an_actor_whose_thread_ends_are_
-/// served_by_its_successor`).
+/// by every request would refuse that burst (the API test of an actor whose thread ends shows
+/// it).
 #[derive(Clone)]
 struct Entry {
     addr: Addr<VoucherActor>,
