@@ -139,6 +139,15 @@ struct Keys {
     sweep_at: usize,
 }
 
+impl Keys {
+    /// Drops the keys that refilled by `now` (they hold nothing a fresh key would not); the
+    /// next sweep comes when the map has doubled from what is left.
+    fn sweep(&mut self, now: u64) {
+        self.tat.retain(|_, tat| *tat > now);
+        self.sweep_at = 2 * self.tat.len();
+    }
+}
+
 /// The least size a shard sweeps at.
 const MIN_SWEEP: usize = 64;
 
@@ -219,8 +228,7 @@ impl<K: Hash> Bounded<K> {
     ///
     /// True when it started over (counted and logged by the caller, off the shard's lock).
     fn bound(&self, keys: &mut Keys, now: u64) -> bool {
-        keys.tat.retain(|_, tat| *tat > now);
-        keys.sweep_at = 2 * keys.tat.len();
+        keys.sweep(now);
         if keys.tat.len() <= self.max_per_shard - self.max_per_shard / 4 {
             return false;
         }
@@ -234,9 +242,8 @@ impl<K: Hash> Bounded<K> {
         let now = self.clock.now_ns();
         for shard in &self.shards {
             let mut keys = shard.0.lock().unwrap_or_else(|e| e.into_inner());
-            keys.tat.retain(|_, tat| *tat > now);
+            keys.sweep(now);
             keys.tat.shrink_to_fit();
-            keys.sweep_at = 2 * keys.tat.len();
         }
     }
 

@@ -1145,11 +1145,9 @@ fn write_merged(db: &raw::Db, w: &MergedWrites) -> Result<(), LedgerError> {
     let n = w.rows.len() as i64;
     let mut take = db.prepare(FEED_TAKE)?;
     take.bind_int(1, n)?;
-    take.execute()?;
-    if db.changes() != 1 {
+    if db.run(take)? != 1 {
         return Err(LedgerError::Invalid("feed_head row missing"));
     }
-    drop(take);
     let base = {
         let mut last = db.prepare(FEED_LAST)?;
         if !last.step()? {
