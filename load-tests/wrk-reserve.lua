@@ -1,7 +1,10 @@
 -- wrk script: POST reserves with distinct customers and order ids, and count answers by status.
---   wrk -t2 -c256 -d15s -s load-tests/wrk-reserve.lua http://127.0.0.1:8080 -- CODE [ORDER_PREFIX] [VOUCHERS]
+--   wrk -t2 -c256 -d15s -s load-tests/wrk-reserve.lua http://127.0.0.1:8080 -- CODE [ORDER_PREFIX] [VOUCHERS] [random]
 -- Give each wrk process its own ORDER_PREFIX when several run against one voucher. With VOUCHERS
 -- = N > 1, requests go round-robin to the vouchers CODE0 … CODE{N-1} (many hot vouchers at once).
+-- Customer ids rise by one per request unless the fourth argument is `random`: then they are the
+-- counter scrambled by an odd multiplier mod 2^32 (still distinct, but scattered like a real
+-- sale's customers, so each reservation lands on a random page of the ledger's indexes).
 local threads = {}
 local counter = 0
 
@@ -14,6 +17,7 @@ function init(args)
   code = args[1] or "BENCH"
   prefix = args[2] or code
   vouchers = tonumber(args[3] or "1")
+  scattered = args[4] == "random"
   statuses = {}
   wrk.method = "POST"
   wrk.headers["Content-Type"] = "application/json"
@@ -21,7 +25,9 @@ end
 
 function request()
   counter = counter + 1
-  local customer = (id + 10 * (tonumber(prefix:match("(%d+)$")) or 0)) * 100000000 + counter
+  local stream = id + 10 * (tonumber(prefix:match("(%d+)$")) or 0)
+  local customer = stream * 100000000 + counter
+  if scattered then customer = stream * 10000000000 + (counter * 2654435761) % 4294967296 end
   local body = string.format('{"customerId":%d,"orderId":"%s-%d","orderAmount":10000}', customer, prefix, customer)
   local target = code
   if vouchers > 1 then target = code .. (counter % vouchers) end

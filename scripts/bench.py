@@ -12,7 +12,9 @@ distinct customers and order ids):
   engine       one node on SQLite (the embedded default) and one node on PostgreSQL, each with
                one hot voucher and with 100 hot vouchers at once, as a sold-out flood (1000 units
                in all) and as a voucher that never sells out (every request a durable
-               reservation)
+               reservation). The never-sells-out rows run twice: with rising customer ids
+               (each connection counts up, so a commit's rows share index pages) and with
+               random ones (a real sale's: each reservation lands on a random index page)
 
   hostile      one SQLite node under abuse: a flood of unknown voucher codes (every request a
                code that was never created) against a sold-out flood on the same node, the node's
@@ -28,7 +30,7 @@ request over the wrk run (`/proc/PID/stat`): the engine's, and on PostgreSQL eve
 process's. Unlike req/s these hardly move with what else the machine runs.
 
 Usage: scripts/bench.sh [--duration S] [--conns N] [--only NAME,…] [--kinds flood,never]
-                       [--engine-bin PATH]
+                       [--customers rising,random] [--engine-bin PATH]
 (--only takes ceiling, pg-sql, redis-lua, sqlite, postgres, hostile)
 Traffic goes to 127.0.0.1 only; every process it starts is stopped at the end.
 """
@@ -113,16 +115,16 @@ class Procs:
                 self.stop(p)
 
 
-def wrk_argv(base, code, prefix, vouchers, args, conns=None, duration=None):
+def wrk_argv(base, code, prefix, vouchers, args, conns=None, duration=None, customers="rising"):
     return ["wrk", f"-t{args.threads}", f"-c{conns or args.conns}",
             f"-d{duration or args.duration}s", "-s",
             os.path.join(ROOT, "load-tests", "wrk-reserve.lua"), base, "--", code, prefix,
-            str(vouchers)]
+            str(vouchers)] + (["random"] if customers == "random" else [])
 
 
-def wrk(base, code, prefix, vouchers, args, conns=None, duration=None):
-    out = subprocess.run(wrk_argv(base, code, prefix, vouchers, args, conns, duration),
-                         capture_output=True, text=True, check=True).stdout
+def wrk(base, code, prefix, vouchers, args, conns=None, duration=None, customers="rising"):
+    argv = wrk_argv(base, code, prefix, vouchers, args, conns, duration, customers)
+    out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
     return parse_wrk(out)
 
 
@@ -241,7 +243,8 @@ def postgres_pids():
     return [int(p) for p in out.split()]
 
 
-def run_engine_scenario(name, base, codes, total_each, args, db=None, pid=None):
+def run_engine_scenario(name, base, codes, total_each, args, db=None, pid=None,
+                        customers="rising"):
     for code in codes:
         s, body = http("POST", f"{base}/admin/vouchers",
                        {"code": code, "discountAmount": 100, "totalLimit": total_each,
@@ -256,7 +259,7 @@ def run_engine_scenario(name, base, codes, total_each, args, db=None, pid=None):
     # does not move with whatever else the 2 cores run, so a change shows in it run to run.
     engine = [pid] if pid else []
     cpu0, pg0 = cpu_seconds(engine), cpu_seconds(postgres_pids() if db else [])
-    r = wrk(base, stem, f"{stem}-n0", len(codes), args)
+    r = wrk(base, stem, f"{stem}-n0", len(codes), args, customers=customers)
     cpu1, pg1 = cpu_seconds(engine), cpu_seconds(postgres_pids() if db else [])
     answered = sum(r["statuses"].values()) or 1
     time.sleep(1)  # wrk stops with answers in flight: let them land before reading the books
@@ -338,16 +341,20 @@ def run_engine(procs, ledger, work, db_url, db, args, tag):
         p, base = start_node(procs, ledger, f"sqlite://{work}/ledger.db", args)
     else:
         p, base = start_node(procs, ledger, db_url, args, cluster=True)
-    for kind, total in (("flood", 1000), ("never", 10 ** 9)):
+    # Random customers only matter where reservations are written: the never-sells-out rows.
+    scenarios = [("flood", 1000, "rising")] + [
+        ("never", 10 ** 9, c) for c in args.customers.split(",")]
+    for kind, total, customers in scenarios:
         if kind not in args.kinds.split(","):
             continue
         for n in (1, 100):
-            stem = f"{kind.upper()}{tag}{ledger[0].upper()}{n}V"
+            stem = f"{kind.upper()}{customers[:2].upper()}{tag}{ledger[0].upper()}{n}V"
             codes = [stem] if n == 1 else [f"{stem}{i}" for i in range(n)]
             each = total if kind == "never" else total // n
+            suffix = ", random customers" if customers == "random" else ""
             rows.append(run_engine_scenario(
-                f"{ledger} {kind} {n}v", base, codes, each, args,
-                db if ledger == "postgres" else None, p.pid))
+                f"{ledger} {kind} {n}v{suffix}", base, codes, each, args,
+                db if ledger == "postgres" else None, p.pid, customers))
     procs.stop(p)
     return rows
 
@@ -360,6 +367,10 @@ def main():
     ap.add_argument("--only", default="", help="comma-separated: ceiling,pg-sql,redis-lua,sqlite,postgres")
     ap.add_argument("--kinds", default="flood,never",
                     help="comma-separated engine scenarios: flood (sold-out flood), never (durable)")
+    ap.add_argument("--customers", default="rising,random",
+                    help="comma-separated, for the never-sells-out rows: rising (each wrk connection's "
+                         "customer and order ids count up, so a commit's rows share index pages) and "
+                         "random (scattered like a real sale's: a random index page per reservation)")
     ap.add_argument("--engine-bin", default=os.path.join(BIN, "vouchers"),
                     help="the engine binary to measure (default: this tree's release build), "
                          "e.g. an earlier commit's build for a before/after in one run")
@@ -439,6 +450,13 @@ def report(rows, args):
                   f"({rss1 - rss0:+.1f} MB)")
         if "vs_alone" in r:
             print(f"{r['name']}: {100 * r['vs_alone']:.0f} % of their rate alone")
+    # The issue's scaling figure: 100 hot vouchers against one, same ledger, kind and customers.
+    by_name = {r["name"]: r for r in rows}
+    for r in rows:
+        if " 1v" in r["name"]:
+            many = by_name.get(r["name"].replace(" 1v", " 100v"))
+            if many:
+                print(f"{many['name']}: {100 * many['rps'] / r['rps']:.0f} % of the one-voucher rate")
     bad = [r["name"] for r in rows if r.get("oversold") or r.get("balanced") is False]
     errs = [f"{r['name']}: {r['socket_errors']}" for r in rows if r["socket_errors"]]
     if errs:
