@@ -23,11 +23,18 @@ function init(args)
   wrk.headers["Content-Type"] = "application/json"
 end
 
+-- counter * 2654435761 mod 2^32, a bijection on 32-bit counters. Lua numbers are doubles, exact
+-- below 2^53: the product is taken in two 16-bit halves so that it stays exact however long wrk runs.
+function scramble(n)
+  local lo, hi = n % 65536, math.floor(n / 65536)
+  return ((hi * 2654435761) % 65536 * 65536 + lo * 2654435761) % 4294967296
+end
+
 function request()
   counter = counter + 1
   local stream = id + 10 * (tonumber(prefix:match("(%d+)$")) or 0)
   local customer = stream * 100000000 + counter
-  if scattered then customer = stream * 10000000000 + (counter * 2654435761) % 4294967296 end
+  if scattered then customer = stream * 10000000000 + scramble(counter) end
   local body = string.format('{"customerId":%d,"orderId":"%s-%d","orderAmount":10000}', customer, prefix, customer)
   local target = code
   if vouchers > 1 then target = code .. (counter % vouchers) end

@@ -375,6 +375,8 @@ def main():
                     help="the engine binary to measure (default: this tree's release build), "
                          "e.g. an earlier commit's build for a before/after in one run")
     args = ap.parse_args()
+    if not set(args.customers.split(",")) <= {"rising", "random"}:
+        ap.error("--customers takes rising, random or both")
     only = set(filter(None, args.only.split(",")))
     want = lambda n: not only or n in only
     for tool in ("wrk", "psql", "redis-cli"):
