@@ -23,6 +23,7 @@ pub mod postgres;
 mod rows;
 pub mod sqlite;
 mod sqlite_raw;
+mod sqlite_usage;
 
 use std::collections::HashMap;
 use std::sync::Arc;

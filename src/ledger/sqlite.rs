@@ -4,9 +4,9 @@
 //! All writes go through one connection (SQLite has one writer anyway; a single writer also rules
 //! out `SQLITE_BUSY` on lock upgrades), held for the ledger's life; reads go through a small pool
 //! of readers. The node's merged group commit runs on that connection's raw handle
-//! ([`raw`]): each batch costs two indexed probes (its voucher, its lease), each row two more
-//! (its order id, its customer's usage) and one insert, through statements prepared once per
-//! connection.
+//! ([`raw`]): each batch costs two indexed probes (its voucher, its lease), each row one more
+//! (its order id), a lookup of its customer's usage in the writer's memory ([`super::sqlite_usage`]) and one
+//! insert, through statements prepared once per connection.
 
 use std::str::FromStr;
 use std::time::Duration;
@@ -27,6 +27,7 @@ use super::rows::{
     SWITCHES_SQL, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
 };
 use super::sqlite_raw as raw;
+use super::sqlite_usage::UsageCache;
 use super::{
     holder_name, split_holder, Batch, BatchResults, Beat, Closing, Counters, Grant, Incarnation,
     Lease, Ledger, LedgerError, LiveUnits, Restock, LEASE_FILTER,
@@ -65,6 +66,10 @@ const MIGRATIONS: &[(i64, &str)] = &[
         7,
         include_str!("../../migrations/sqlite/0007_status_check_without_list.sql"),
     ),
+    (
+        8,
+        include_str!("../../migrations/sqlite/0008_usage_in_writer.sql"),
+    ),
 ];
 
 pub struct SqliteLedger {
@@ -88,6 +93,9 @@ pub struct SqliteLedger {
 struct Writer {
     conn: Option<sqlx::pool::PoolConnection<sqlx::Sqlite>>,
     stmts: raw::StmtCache,
+    /// Each customer's usage of the vouchers on sale, counted from the rows this connection
+    /// wrote (see [`super::sqlite_usage`]).
+    usage: UsageCache,
 }
 
 impl Writer {
@@ -116,6 +124,7 @@ impl SqliteLedger {
                 std::fs::create_dir_all(dir).map_err(sqlx::Error::Io)?;
             }
         }
+
         // The writer checkpoints only as a backstop, when the log passes WAL_BACKSTOP_PAGES;
         // the checkpointer below normally copies the log back first, off the writer's thread.
         let writer = pool(
@@ -268,10 +277,10 @@ impl SqliteLedger {
     /// (see [`raw`]). `work` must leave the handle outside any transaction, as [`raw::Tx`] does.
     async fn on_writer<T>(
         &self,
-        work: impl FnOnce(&raw::Db) -> Result<T, LedgerError>,
+        work: impl FnOnce(&raw::Db, &mut UsageCache) -> Result<T, LedgerError>,
     ) -> Result<T, LedgerError> {
         let mut w = self.writer().await?;
-        let Writer { conn, stmts } = &mut *w;
+        let Writer { conn, stmts, usage } = &mut *w;
         let handle = conn.as_deref_mut().ok_or_else(writer_missing)?;
         // `Some(crashed)` when the connection may not be used again.
         let (result, broken) = match handle.lock_handle().await {
@@ -286,9 +295,9 @@ impl SqliteLedger {
                     h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread
                 });
                 let result = if multi {
-                    tokio::task::block_in_place(|| work(&db))
+                    tokio::task::block_in_place(|| work(&db, usage))
                 } else {
-                    work(&db)
+                    work(&db, usage)
                 };
                 if db.autocommit() {
                     return result;
@@ -314,6 +323,7 @@ impl SqliteLedger {
         };
         // The next write takes a new connection from the pool.
         if let Some(crashed) = broken {
+            w.usage.clear();
             if let Some(conn) = w.conn.take() {
                 let conn = conn.detach();
                 if crashed {
@@ -483,7 +493,7 @@ impl Ledger for SqliteLedger {
         now: Millis,
         ttl_ms: i64,
     ) -> Result<Grant, LedgerError> {
-        self.on_writer(|db| grant_on(db, code, node, want, now, ttl_ms))
+        self.on_writer(|db, _| grant_on(db, code, node, want, now, ttl_ms))
             .await
     }
 
@@ -661,7 +671,15 @@ impl Ledger for SqliteLedger {
     }
 
     async fn commit_batches(&self, batches: &[Batch]) -> Result<BatchResults, LedgerError> {
-        self.on_writer(|db| apply_merged(db, batches)).await
+        self.on_writer(|db, usage| {
+            let results = apply_merged(db, usage, batches);
+            if results.is_err() {
+                // Committed or not, its rows are the truth: count from them again.
+                usage.clear();
+            }
+            results
+        })
+        .await
     }
 
     async fn find_orders(&self, order_ids: &[String]) -> Result<Vec<Reservation>, LedgerError> {
@@ -739,15 +757,22 @@ impl Ledger for SqliteLedger {
         code: &str,
         customers: &[i64],
     ) -> Result<Vec<(i64, i64)>, LedgerError> {
-        Ok(sqlx::query_as(
-            "SELECT customer_id, COUNT(*) FROM reservations \
-             WHERE voucher_code = ? AND customer_id IN (SELECT value FROM json_each(?)) \
-               AND status IN ('RESERVED', 'CONFIRMED') GROUP BY customer_id",
-        )
-        .bind(code)
-        .bind(json_list(customers))
-        .fetch_all(&self.reader)
-        .await?)
+        // The writer's counts: the ledger keeps no index by customer to read them from.
+        self.on_writer(|db, usage| {
+            // In a transaction (rolled back: it writes nothing) so that the counts are checked
+            // against other connections' commits, as a merged commit's are.
+            let _tx = db.begin()?;
+            usage.check_writers(db)?;
+            let mut used = Vec::new();
+            for &customer in customers {
+                let n = usage.used(db, code, customer)?;
+                if n > 0 {
+                    used.push((customer, n));
+                }
+            }
+            Ok(used)
+        })
+        .await
     }
 
     async fn confirm(
@@ -793,7 +818,12 @@ impl Ledger for SqliteLedger {
         now: Millis,
     ) -> Result<(Reservation, Option<Restock>), LedgerError> {
         let mut w = self.writer().await?;
-        let mut tx = w.conn()?.begin().await?;
+        let Writer { conn, usage, .. } = &mut *w;
+        let mut tx = conn
+            .as_deref_mut()
+            .ok_or_else(writer_missing)?
+            .begin()
+            .await?;
         let row = sqlx::query(&format!(
             "UPDATE reservations SET status = 'RELEASED', updated_at = ?, \
                settled_seq = (SELECT last + 1 FROM feed_head WHERE id = 1) \
@@ -810,7 +840,7 @@ impl Ledger for SqliteLedger {
             let restocks =
                 release_units(&mut tx, &[(r.voucher_code.clone(), r.customer_id)]).await?;
             bump_feed_head(&mut tx).await?;
-            tx.commit().await?;
+            commit_released(tx, usage, [(r.voucher_code.as_str(), r.customer_id)]).await?;
             return Ok((r, restocks.into_iter().next()));
         }
         let current = load_reservation(&mut tx, code, order_id).await?;
@@ -819,7 +849,12 @@ impl Ledger for SqliteLedger {
 
     async fn expire_due(&self, now: Millis, limit: i64) -> Result<Vec<Restock>, LedgerError> {
         let mut w = self.writer().await?;
-        let mut tx = w.conn()?.begin().await?;
+        let Writer { conn, usage, .. } = &mut *w;
+        let mut tx = conn
+            .as_deref_mut()
+            .ok_or_else(writer_missing)?
+            .begin()
+            .await?;
         let released: Vec<(String, i64, String)> = sqlx::query_as(
             "UPDATE reservations SET status = 'RELEASED', updated_at = ? \
              WHERE order_id IN (SELECT order_id FROM reservations \
@@ -837,7 +872,14 @@ impl Ledger for SqliteLedger {
             .unzip();
         let restocks = release_units(&mut tx, &pairs).await?;
         stamp_expired(&mut tx, &orders).await?;
-        tx.commit().await?;
+        commit_released(
+            tx,
+            usage,
+            pairs
+                .iter()
+                .map(|(code, customer)| (code.as_str(), *customer)),
+        )
+        .await?;
         Ok(restocks)
     }
 
@@ -917,6 +959,24 @@ impl Ledger for SqliteLedger {
             .await?;
         rows.into_iter().map(event_from).collect()
     }
+}
+
+/// Commits `tx`, which released one reservation of each `(voucher, customer)` in `released`,
+/// and then takes them off the writer's usage counts. A commit that failed may or may not have
+/// happened: the counts are dropped, to be read from the rows again.
+async fn commit_released<'a>(
+    tx: sqlx::Transaction<'_, sqlx::Sqlite>,
+    usage: &mut UsageCache,
+    released: impl IntoIterator<Item = (&'a str, i64)>,
+) -> Result<(), LedgerError> {
+    if let Err(e) = tx.commit().await {
+        usage.clear();
+        return Err(e.into());
+    }
+    for (code, customer) in released {
+        usage.add(code, customer, -1);
+    }
+    Ok(())
 }
 
 /// Hands out the feed's next number, which the one change of `tx` already took.
@@ -1031,13 +1091,6 @@ const READ_RULES: &str = "SELECT per_user_limit, discount_amount, status, starts
 const READ_LEASE: &str = "SELECT voucher_code, state, granted - consumed FROM leases WHERE id = ?1";
 const READ_STORED: &str = "SELECT voucher_code, customer_id, discount_amount, status, expires_at \
      FROM reservations WHERE order_id = ?1";
-/// Two equality seeks on the whole index key, not `IN ('RESERVED', 'CONFIRMED')` (a list) nor
-/// `<> 'RELEASED'`, which would walk the customer's released rows too: a client can make as
-/// many of those as it likes, reserving and releasing.
-const READ_USED: &str = "SELECT (SELECT COUNT(*) FROM reservations WHERE voucher_code = ?1 \
-       AND customer_id = ?2 AND status = 'RESERVED') \
-     + (SELECT COUNT(*) FROM reservations WHERE voucher_code = ?1 AND customer_id = ?2 \
-       AND status = 'CONFIRMED')";
 const FENCE: &str = "UPDATE leases SET consumed = consumed + ?2 \
      WHERE id = ?1 AND state = 'ACTIVE' AND consumed + ?2 <= granted";
 const FEED_TAKE: &str = "UPDATE feed_head SET last = last + ?1 WHERE id = 1";
@@ -1047,9 +1100,13 @@ const INSERT_RESERVATION: &str = "INSERT INTO reservations (order_id, voucher_co
      VALUES (?1, ?2, ?3, ?4, ?5, 'RESERVED', ?6, ?7, ?6, ?8)";
 const COUNT_RESERVED: &str = "UPDATE vouchers SET reserved = reserved + ?2 WHERE code = ?1";
 
-/// The four reads of a merged transaction: each batch's voucher rules and lease, each row's
-/// stored order and its customer's usage.
-fn read_merged(db: &raw::Db, batches: &[Batch]) -> Result<MergedReads, LedgerError> {
+/// The reads of a merged transaction: each batch's voucher rules and lease, each row's stored
+/// order and (from the writer's counts) its customer's usage.
+fn read_merged(
+    db: &raw::Db,
+    usage: &mut UsageCache,
+    batches: &[Batch],
+) -> Result<MergedReads, LedgerError> {
     let mut reads = MergedReads::default();
     // Every read is an indexed probe through a statement prepared once per connection. None
     // takes a list: `x IN (list)` builds a temporary B-tree of the list at each run (opening
@@ -1085,9 +1142,9 @@ fn read_merged(db: &raw::Db, batches: &[Batch]) -> Result<MergedReads, LedgerErr
         }
     }
     let mut stored = db.prepare(READ_STORED)?;
-    let mut used = db.prepare(READ_USED)?;
     for b in batches {
-        used.bind_text(1, &b.voucher_code)?;
+        // A batch of an unknown voucher is refused whole: no counts to load for it.
+        let known = reads.rules.contains_key(&b.voucher_code);
         for row in &b.rows {
             stored.bind_text(1, &row.order_id)?;
             if stored.step()? {
@@ -1104,15 +1161,18 @@ fn read_merged(db: &raw::Db, batches: &[Batch]) -> Result<MergedReads, LedgerErr
                 reads.stored.insert(r.order_id.clone(), r);
             }
             stored.reset();
-            used.bind_int(2, row.customer_id)?;
-            if used.step()? && used.int(0) > 0 {
+            let used = if known {
+                usage.used(db, &b.voucher_code, row.customer_id)?
+            } else {
+                0
+            };
+            if used > 0 {
                 reads
                     .used
                     .entry(b.voucher_code.clone())
                     .or_default()
-                    .insert(row.customer_id, used.int(0));
+                    .insert(row.customer_id, used);
             }
-            used.reset();
         }
     }
     Ok(reads)
@@ -1168,8 +1228,7 @@ fn write_merged(db: &raw::Db, w: &MergedWrites) -> Result<(), LedgerError> {
         insert.bind_int(7, r.expires_at)?;
         insert.bind_int(8, seq)?;
         // A row that cannot go in (an order id stored meanwhile) fails here, and the whole
-        // transaction with it: nothing of it is acknowledged. The customer's usage grows with
-        // it by itself (it counts the rows).
+        // transaction with it: nothing of it is acknowledged.
         insert.execute()?;
     }
     drop(insert);
@@ -1182,13 +1241,23 @@ fn write_merged(db: &raw::Db, w: &MergedWrites) -> Result<(), LedgerError> {
     Ok(())
 }
 
-/// One merged transaction, start to commit, on the calling thread.
-fn apply_merged(db: &raw::Db, batches: &[Batch]) -> Result<BatchResults, LedgerError> {
+/// One merged transaction, start to commit, on the calling thread; the writer's usage counts
+/// take its new rows once it committed.
+fn apply_merged(
+    db: &raw::Db,
+    usage: &mut UsageCache,
+    batches: &[Batch],
+) -> Result<BatchResults, LedgerError> {
     let tx = db.begin()?;
-    let reads = read_merged(db, batches)?;
+    usage.check_writers(db)?;
+    let reads = read_merged(db, usage, batches)?;
     let (results, writes) = plan_merged(batches, reads);
     write_merged(db, &writes)?;
     tx.commit()?;
+    for r in &writes.rows {
+        usage.add(r.voucher_code, r.customer_id, 1);
+    }
+    usage.committed();
     Ok(results)
 }
 
@@ -1317,7 +1386,8 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(head, 5, "new changes go on after the numbered ones");
-        // Migration 7 rebuilt the table: its indexes, and the view over it, are all there.
+        // Migration 7 rebuilt the table: its indexes (as migration 8 left them), and the view
+        // over it, are all there.
         let schema: Vec<String> = sqlx::query_scalar(
             "SELECT type || ' ' || name FROM sqlite_schema \
              WHERE tbl_name IN ('reservations', 'customer_usage') ORDER BY 1",
@@ -1328,9 +1398,9 @@ mod tests {
         assert_eq!(
             schema,
             [
-                "index reservations_by_customer",
                 "index reservations_by_reserved_seq",
                 "index reservations_by_settled_seq",
+                "index reservations_by_voucher",
                 "index reservations_due",
                 "index sqlite_autoindex_reservations_1",
                 "table reservations",
@@ -1357,7 +1427,8 @@ mod tests {
             READ_RULES,
             READ_LEASE,
             READ_STORED,
-            READ_USED,
+            crate::ledger::sqlite_usage::LOAD_RESERVED,
+            crate::ledger::sqlite_usage::LOAD_CONFIRMED,
             FENCE,
             FEED_TAKE,
             FEED_LAST,

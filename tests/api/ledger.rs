@@ -1106,6 +1106,116 @@ async fn sqlite_ledger_conforms() {
     assert_eq!(traces, 0, "refused rows left usage rows");
 }
 
+/// The embedded ledger counts each customer's usage in its writer's memory (it keeps no index by
+/// customer): the counts come back from the rows when the ledger opens again, follow releases
+/// and the expiry sweep, and agree with the rows throughout, also when another handle on the
+/// same file writes (a second node, or the tests' second handle).
+#[tokio::test]
+async fn sqlite_usage_comes_back_from_the_rows_and_follows_them() {
+    let dir = temp_dir("usage");
+    let url = format!("sqlite://{}/l.db", dir.display());
+    let l = ledger::connect(&url, 2).await.unwrap();
+    l.create_voucher(&voucher("RU", 10, 2), NOW).await.unwrap();
+    let lease = leased(&l, "RU", "n1", 10).await.id;
+    let created = |out: &[RowOutcome]| out.iter().all(|o| matches!(o, RowOutcome::Created(_)));
+    let out = l
+        .commit_batch(&batch(
+            "RU",
+            lease,
+            rows(&[("ru-1", 5), ("ru-2", 5), ("ru-3", 6)]),
+        ))
+        .await
+        .unwrap();
+    assert!(created(&out), "{out:?}");
+    drop(l);
+
+    let l = ledger::connect(&url, 2).await.unwrap();
+    let mut usage = l.customer_usage("RU", &[5, 6, 7]).await.unwrap();
+    usage.sort();
+    assert_eq!(usage, vec![(5, 2), (6, 1)], "counted again from the rows");
+    let one = |order: &'static str, customer: i64, now: i64, expires_at: i64| Batch {
+        now,
+        expires_at,
+        ..batch("RU", lease, rows(&[(order, customer)]))
+    };
+    let far = NOW + 900_000;
+    assert_eq!(
+        l.commit_batch(&one("ru-4", 5, NOW, far)).await.unwrap()[0],
+        RowOutcome::AlreadyUsed,
+        "customer 5 is at the limit after the reopen"
+    );
+    l.release("RU", "ru-1", NOW + 1).await.unwrap();
+    assert!(created(
+        &l.commit_batch(&one("ru-5", 5, NOW + 2, far)).await.unwrap()
+    ));
+    assert!(created(
+        &l.commit_batch(&one("ru-6", 6, NOW + 3, NOW + 5))
+            .await
+            .unwrap()
+    ));
+    assert_eq!(
+        l.commit_batch(&one("ru-7", 6, NOW + 4, far)).await.unwrap()[0],
+        RowOutcome::AlreadyUsed,
+        "customer 6 is at the limit"
+    );
+    let swept = l.expire_due(NOW + 10, 100).await.unwrap();
+    assert_eq!(swept.iter().map(|r| r.units).sum::<i64>(), 1, "{swept:?}");
+    assert!(
+        created(
+            &l.commit_batch(&one("ru-8", 6, NOW + 20, far))
+                .await
+                .unwrap()
+        ),
+        "the sweep gave customer 6 a unit back"
+    );
+    balanced(&l, "RU").await;
+    let mut usage = l.customer_usage("RU", &[5, 6, 7]).await.unwrap();
+    usage.sort();
+    let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
+    let rows: Vec<(i64, i64)> = sqlx::query_as(
+        "SELECT customer_id, used FROM customer_usage WHERE voucher_code = 'RU' ORDER BY 1",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(usage, rows, "the writer's counts are the rows' counts");
+    assert_eq!(usage, vec![(5, 2), (6, 2)]);
+
+    // Another handle on the file releases one of customer 5's and reserves for customer 7;
+    // this one's counts follow both.
+    let other = ledger::connect(&url, 2).await.unwrap();
+    assert_eq!(l.customer_usage("RU", &[5]).await.unwrap(), vec![(5, 2)]);
+    other.release("RU", "ru-2", NOW + 30).await.unwrap();
+    assert!(created(
+        &other
+            .commit_batch(&one("ru-9", 7, NOW + 31, far))
+            .await
+            .unwrap()
+    ));
+    let mut usage = l.customer_usage("RU", &[5, 6, 7]).await.unwrap();
+    usage.sort();
+    assert_eq!(usage, vec![(5, 1), (6, 2), (7, 1)]);
+    assert!(created(
+        &l.commit_batch(&one("ru-10", 5, NOW + 32, far))
+            .await
+            .unwrap()
+    ));
+    assert!(created(
+        &other
+            .commit_batch(&one("ru-11", 7, NOW + 33, far))
+            .await
+            .unwrap()
+    ));
+    assert_eq!(
+        l.commit_batch(&one("ru-12", 7, NOW + 34, far))
+            .await
+            .unwrap()[0],
+        RowOutcome::AlreadyUsed,
+        "customer 7 reached the limit through the other handle"
+    );
+    balanced(&l, "RU").await;
+}
+
 /// The in-memory model ledger (the one a deterministic simulation runs against) passes the same
 /// suite; refused rows leave no usage behind there either.
 #[tokio::test]
