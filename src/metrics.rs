@@ -33,6 +33,10 @@ pub const SWITCH: &str = "vouchers_switch";
 pub const KNOWN_CODES_READS: &str = "vouchers_known_codes_reads_total";
 pub const RATE_LIMITED: &str = "vouchers_rate_limited_total";
 pub const RATE_LIMIT_RESETS: &str = "vouchers_rate_limit_resets_total";
+/// Loads of a voucher's per-customer usage into the SQLite writer's memory, and the rows they
+/// read (`src/ledger/sqlite_usage.rs`): each stalls the node's commits while it reads.
+pub const USAGE_LOADS: &str = "vouchers_ledger_usage_loads_total";
+pub const USAGE_LOADED_ROWS: &str = "vouchers_ledger_usage_loaded_rows_total";
 /// The `limiter` labels of [`RATE_LIMITED`].
 const LIMITERS: [&str; 3] = ["address", "customer", "voucher"];
 
@@ -277,6 +281,8 @@ fn register_catalogue() {
         counter!(LEDGER_COMMITS, "result" => result).increment(0);
     }
     counter!(RECONCILE_MISMATCHES).increment(0);
+    counter!(USAGE_LOADS).increment(0);
+    counter!(USAGE_LOADED_ROWS).increment(0);
     counter!(BREAKER_OPENED).increment(0);
     breaker_state(crate::ledger::breaker::BreakerState::Closed);
     counter!(EXPIRED).increment(0);
@@ -423,6 +429,12 @@ pub fn reconciled(code: &str, c: &crate::ledger::Counters, started: bool) {
     if !c.balanced {
         reconcile_mismatch();
     }
+}
+
+/// One voucher's usage loaded into the SQLite writer's memory, `rows` rows read.
+pub fn usage_loaded(rows: i64) {
+    counter!(USAGE_LOADS).increment(1);
+    counter!(USAGE_LOADED_ROWS).increment(rows.max(0) as u64);
 }
 
 /// A voucher whose counters do not balance (also for vouchers whose series are not exported).

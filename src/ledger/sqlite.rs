@@ -674,8 +674,10 @@ impl Ledger for SqliteLedger {
         self.on_writer(|db, usage| {
             let results = apply_merged(db, usage, batches);
             if results.is_err() {
-                // Committed or not, its rows are the truth: count from them again.
-                usage.clear();
+                // Committed or not, its rows are the truth: count its vouchers from them again.
+                for b in batches {
+                    usage.forget(&b.voucher_code);
+                }
             }
             results
         })
@@ -759,9 +761,9 @@ impl Ledger for SqliteLedger {
     ) -> Result<Vec<(i64, i64)>, LedgerError> {
         // The writer's counts: the ledger keeps no index by customer to read them from.
         self.on_writer(|db, usage| {
-            // In a transaction (rolled back: it writes nothing) so that the counts are checked
-            // against other connections' commits, as a merged commit's are.
-            let _tx = db.begin()?;
+            // In a transaction (it writes nothing) so that the counts are checked against other
+            // connections' commits on the snapshot they are read from.
+            let _tx = db.begin_read()?;
             usage.check_writers(db)?;
             let mut used = Vec::new();
             for &customer in customers {
@@ -898,7 +900,7 @@ impl Ledger for SqliteLedger {
         let Some((total_limit, free, reserved, confirmed, released)) = head else {
             return Ok(None);
         };
-        // Read straight off the (voucher, customer, status) index, with no sort.
+        // Read straight off the (voucher, status) index, with no sort.
         let (rows_reserved, rows_confirmed, rows_released): (i64, i64, i64) = sqlx::query_as(
             "SELECT COALESCE(SUM(status = 'RESERVED'), 0), COALESCE(SUM(status = 'CONFIRMED'), 0), \
              COALESCE(SUM(status = 'RELEASED'), 0) FROM reservations WHERE voucher_code = ?",
@@ -918,8 +920,10 @@ impl Ledger for SqliteLedger {
         .bind(code)
         .fetch_one(&mut *tx)
         .await?;
-        // This ledger's usage is the count of the rows that are not RELEASED (migration 6):
-        // it cannot drift from them, so the reconciler's usage check holds by construction.
+        // This ledger's usage is the count of the rows that are not RELEASED (migration 6): it
+        // cannot drift from them, so the reconciler's usage check holds by construction. The
+        // writer's counts of it, which enforce the limit, are checked against the books at
+        // every merged commit (`sqlite_usage`).
         let usage = rows_reserved + rows_confirmed;
         tx.commit().await?;
         Ok(Some(super::reconcile(
@@ -969,6 +973,9 @@ async fn commit_released<'a>(
     usage: &mut UsageCache,
     released: impl IntoIterator<Item = (&'a str, i64)>,
 ) -> Result<(), LedgerError> {
+    // If this future is dropped while the commit is in flight, sqlx's worker may still commit:
+    // the next use of the counts finds them unsettled and drops them.
+    usage.settling();
     if let Err(e) = tx.commit().await {
         usage.clear();
         return Err(e.into());
@@ -976,6 +983,7 @@ async fn commit_released<'a>(
     for (code, customer) in released {
         usage.add(code, customer, -1);
     }
+    usage.settled();
     Ok(())
 }
 
@@ -1058,7 +1066,8 @@ async fn give_back(
 }
 
 /// Counter side of releasing reservations (already marked RELEASED): each unit back to `free`.
-/// Each customer's usage drops by itself (it counts the rows that are not RELEASED).
+/// Each customer's usage is the count of their rows that are not RELEASED: the caller takes the
+/// released ones off the writer's counts once it committed.
 async fn release_units(
     tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
     released: &[(String, i64)],
@@ -1079,15 +1088,14 @@ async fn release_units(
     .bind(json_list(&list))
     .execute(&mut **tx)
     .await?;
-    // The customers' usage follows by itself: it counts their rows that are not RELEASED.
     Ok(restocks)
 }
 
 /// A merged transaction's statements. None of them builds a temporary B-tree at each run (see
 /// `merged_commit_statements_build_no_temporary_btree`): no `IN (list)` in them or in a CHECK
 /// they evaluate, no `RETURNING`.
-const READ_RULES: &str = "SELECT per_user_limit, discount_amount, status, starts_at, ends_at \
-     FROM vouchers WHERE code = ?1";
+const READ_RULES: &str = "SELECT per_user_limit, discount_amount, status, starts_at, ends_at, \
+     reserved + confirmed FROM vouchers WHERE code = ?1";
 const READ_LEASE: &str = "SELECT voucher_code, state, granted - consumed FROM leases WHERE id = ?1";
 const READ_STORED: &str = "SELECT voucher_code, customer_id, discount_amount, status, expires_at \
      FROM reservations WHERE order_id = ?1";
@@ -1125,6 +1133,7 @@ fn read_merged(
                     starts_at: rules.int(3),
                     ends_at: rules.int(4),
                 };
+                usage.agrees(&b.voucher_code, rules.int(5));
                 reads.rules.insert(b.voucher_code.clone(), found);
             }
             rules.reset();
@@ -1143,8 +1152,11 @@ fn read_merged(
     }
     let mut stored = db.prepare(READ_STORED)?;
     for b in batches {
-        // A batch of an unknown voucher is refused whole: no counts to load for it.
-        let known = reads.rules.contains_key(&b.voucher_code);
+        // A batch of an unknown voucher, or of one that takes no new reservations now, is
+        // refused whole: no counts to load for it.
+        let known = reads.rules.get(&b.voucher_code).is_some_and(|r| {
+            super::refuses_new(&r.status, r.starts_at, r.ends_at, b.now).is_none()
+        });
         for row in &b.rows {
             stored.bind_text(1, &row.order_id)?;
             if stored.step()? {

@@ -189,6 +189,16 @@ impl<'c> Db<'c> {
             done: false,
         })
     }
+
+    /// Begins a transaction that only reads (its snapshot is taken at its first read; no write
+    /// lock); it ends, rolled back, when dropped.
+    pub(crate) fn begin_read(&self) -> Result<Tx<'_, 'c>, LedgerError> {
+        self.run(self.prepare("BEGIN")?)?;
+        Ok(Tx {
+            db: self,
+            done: false,
+        })
+    }
 }
 
 /// An open transaction; rolled back on drop unless [`Tx::commit`] succeeded.
