@@ -103,6 +103,12 @@ impl Writer {
     fn conn(&mut self) -> Result<&mut SqliteConnection, LedgerError> {
         self.conn.as_deref_mut().ok_or_else(writer_missing)
     }
+
+    /// The connection and the usage counts, for a status change that moves a count.
+    fn conn_and_usage(&mut self) -> Result<(&mut SqliteConnection, &mut UsageCache), LedgerError> {
+        let conn = self.conn.as_deref_mut().ok_or_else(writer_missing)?;
+        Ok((conn, &mut self.usage))
+    }
 }
 
 /// [`SqliteLedger::writer`] always leaves a connection in place: this is never seen.
@@ -820,12 +826,8 @@ impl Ledger for SqliteLedger {
         now: Millis,
     ) -> Result<(Reservation, Option<Restock>), LedgerError> {
         let mut w = self.writer().await?;
-        let Writer { conn, usage, .. } = &mut *w;
-        let mut tx = conn
-            .as_deref_mut()
-            .ok_or_else(writer_missing)?
-            .begin()
-            .await?;
+        let (conn, usage) = w.conn_and_usage()?;
+        let mut tx = conn.begin().await?;
         let row = sqlx::query(&format!(
             "UPDATE reservations SET status = 'RELEASED', updated_at = ?, \
                settled_seq = (SELECT last + 1 FROM feed_head WHERE id = 1) \
@@ -851,12 +853,8 @@ impl Ledger for SqliteLedger {
 
     async fn expire_due(&self, now: Millis, limit: i64) -> Result<Vec<Restock>, LedgerError> {
         let mut w = self.writer().await?;
-        let Writer { conn, usage, .. } = &mut *w;
-        let mut tx = conn
-            .as_deref_mut()
-            .ok_or_else(writer_missing)?
-            .begin()
-            .await?;
+        let (conn, usage) = w.conn_and_usage()?;
+        let mut tx = conn.begin().await?;
         let released: Vec<(String, i64, String)> = sqlx::query_as(
             "UPDATE reservations SET status = 'RELEASED', updated_at = ? \
              WHERE order_id IN (SELECT order_id FROM reservations \
