@@ -771,14 +771,12 @@ impl Ledger for SqliteLedger {
             // connections' commits on the snapshot they are read from.
             let _tx = db.begin_read()?;
             usage.check_writers(db)?;
-            let mut used = Vec::new();
-            for &customer in customers {
-                let n = usage.used(db, code, customer)?;
-                if n > 0 {
-                    used.push((customer, n));
-                }
-            }
-            Ok(used)
+            let counts = usage.voucher(db, code)?;
+            Ok(customers
+                .iter()
+                .map(|&customer| (customer, counts.of(customer)))
+                .filter(|&(_, n)| n > 0)
+                .collect())
         })
         .await
     }
@@ -1155,6 +1153,11 @@ fn read_merged(
         let known = reads.rules.get(&b.voucher_code).is_some_and(|r| {
             super::refuses_new(&r.status, r.starts_at, r.ends_at, b.now).is_none()
         });
+        let counts = if known {
+            Some(usage.voucher(db, &b.voucher_code)?)
+        } else {
+            None
+        };
         for row in &b.rows {
             stored.bind_text(1, &row.order_id)?;
             if stored.step()? {
@@ -1171,11 +1174,7 @@ fn read_merged(
                 reads.stored.insert(r.order_id.clone(), r);
             }
             stored.reset();
-            let used = if known {
-                usage.used(db, &b.voucher_code, row.customer_id)?
-            } else {
-                0
-            };
+            let used = counts.map_or(0, |c| c.of(row.customer_id));
             if used > 0 {
                 reads
                     .used
@@ -1264,8 +1263,12 @@ fn apply_merged(
     let (results, writes) = plan_merged(batches, reads);
     write_merged(db, &writes)?;
     tx.commit()?;
-    for r in &writes.rows {
-        usage.add(r.voucher_code, r.customer_id, 1);
+    // The rows come batch by batch, and a voucher has one batch per transaction.
+    for rows in writes
+        .rows
+        .chunk_by(|a, b| a.voucher_code == b.voucher_code)
+    {
+        usage.taken(rows[0].voucher_code, rows.iter().map(|r| r.customer_id));
     }
     usage.committed();
     Ok(results)

@@ -51,10 +51,14 @@ pub(crate) const LOAD_CONFIRMED: &str =
 
 const DATA_VERSION: &str = "PRAGMA data_version";
 
+/// Hashed with foldhash, randomly seeded (clients choose the customer ids), not SipHash: every
+/// reservation looks its customer up and counts it in.
+type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
 /// Usage per voucher and customer, for the vouchers loaded.
 #[derive(Default)]
 pub(crate) struct UsageCache {
-    vouchers: HashMap<String, VoucherUsage>,
+    vouchers: Map<String, VoucherUsage>,
     /// Merged commits since the last look at the time.
     commits: u32,
     /// When the last sweep ran (the first look at the time only sets it).
@@ -68,33 +72,51 @@ pub(crate) struct UsageCache {
 }
 
 #[derive(Default)]
-struct VoucherUsage {
+pub(crate) struct VoucherUsage {
     /// Customers with a usage above zero.
-    customers: HashMap<i64, i64>,
+    customers: Map<i64, i64>,
     /// The sum of `customers`: checked against the voucher's `reserved + confirmed`.
     live: i64,
     /// Whether a commit used this voucher since the last sweep.
     touched: bool,
 }
 
+impl VoucherUsage {
+    /// `customer`'s usage.
+    pub(crate) fn of(&self, customer: i64) -> i64 {
+        self.customers.get(&customer).copied().unwrap_or(0)
+    }
+}
+
 impl UsageCache {
-    /// `customer`'s usage of `code`, loading the voucher's counts from its rows if they are
-    /// not here. Call it only with no write of the current transaction made yet.
-    pub(crate) fn used(
+    /// `code`'s counts, loaded from its rows if they are not here. Call it only with no write
+    /// of the current transaction made yet.
+    pub(crate) fn voucher(
         &mut self,
         db: &raw::Db,
         code: &str,
-        customer: i64,
-    ) -> Result<i64, LedgerError> {
-        let v = match self.vouchers.get_mut(code) {
-            Some(v) => v,
-            None => {
-                let loaded = load(db, code)?;
-                self.vouchers.entry(code.to_owned()).or_insert(loaded)
-            }
-        };
+    ) -> Result<&VoucherUsage, LedgerError> {
+        if !self.vouchers.contains_key(code) {
+            let loaded = load(db, code)?;
+            self.vouchers.insert(code.to_owned(), loaded);
+        }
+        let v = self.vouchers.get_mut(code).ok_or(LedgerError::Invalid(
+            "usage counts missing just after their load",
+        ))?;
         v.touched = true;
-        Ok(v.customers.get(&customer).copied().unwrap_or(0))
+        Ok(v)
+    }
+
+    /// Applies a committed merged transaction's new rows of `code`, one unit per customer
+    /// given (as [`UsageCache::add`]).
+    pub(crate) fn taken(&mut self, code: &str, customers: impl Iterator<Item = i64>) {
+        let Some(v) = self.vouchers.get_mut(code) else {
+            return;
+        };
+        for customer in customers {
+            v.live += 1;
+            *v.customers.entry(customer).or_insert(0) += 1;
+        }
     }
 
     /// Applies a committed change of `delta` units to `customer`'s usage of `code`. A voucher
@@ -232,9 +254,13 @@ mod tests {
     fn counts_follow_committed_changes_of_loaded_vouchers_only() {
         let mut c = with(&["A"]);
         c.add("A", 7, 1);
-        c.add("A", 7, 1);
+        c.taken("A", [7, 8].into_iter());
         c.add("B", 7, 1);
-        assert_eq!(c.vouchers["A"].customers[&7], 2);
+        c.taken("B", [7].into_iter());
+        assert_eq!(c.vouchers["A"].of(7), 2);
+        assert_eq!(c.vouchers["A"].of(8), 1);
+        assert!(c.agrees("A", 3));
+        c.add("A", 8, -1);
         assert!(
             !c.vouchers.contains_key("B"),
             "B's rows say it when it loads"
