@@ -37,6 +37,9 @@ pub const RATE_LIMIT_RESETS: &str = "vouchers_rate_limit_resets_total";
 /// read (`src/ledger/sqlite_usage.rs`): each stalls the node's commits while it reads.
 pub const USAGE_LOADS: &str = "vouchers_ledger_usage_loads_total";
 pub const USAGE_LOADED_ROWS: &str = "vouchers_ledger_usage_loaded_rows_total";
+/// The SQLite writer's usage counts found off the books (and dropped), or loaded from rows
+/// that already disagreed with the books.
+pub const USAGE_MISMATCHES: &str = "vouchers_ledger_usage_mismatches_total";
 /// The `limiter` labels of [`RATE_LIMITED`].
 const LIMITERS: [&str; 3] = ["address", "customer", "voucher"];
 
@@ -283,6 +286,7 @@ fn register_catalogue() {
     counter!(RECONCILE_MISMATCHES).increment(0);
     counter!(USAGE_LOADS).increment(0);
     counter!(USAGE_LOADED_ROWS).increment(0);
+    counter!(USAGE_MISMATCHES).increment(0);
     counter!(BREAKER_OPENED).increment(0);
     breaker_state(crate::ledger::breaker::BreakerState::Closed);
     counter!(EXPIRED).increment(0);
@@ -435,6 +439,11 @@ pub fn reconciled(code: &str, c: &crate::ledger::Counters, started: bool) {
 pub fn usage_loaded(rows: i64) {
     counter!(USAGE_LOADS).increment(1);
     counter!(USAGE_LOADED_ROWS).increment(rows.max(0) as u64);
+}
+
+/// The SQLite writer's usage counts of a voucher disagreed with its books.
+pub fn usage_mismatch() {
+    counter!(USAGE_MISMATCHES).increment(1);
 }
 
 /// A voucher whose counters do not balance (also for vouchers whose series are not exported).

@@ -771,7 +771,7 @@ impl Ledger for SqliteLedger {
             // connections' commits on the snapshot they are read from.
             let _tx = db.begin_read()?;
             usage.check_writers(db)?;
-            let counts = usage.voucher(db, code)?;
+            let counts = usage.voucher(db, code, None)?;
             Ok(customers
                 .iter()
                 .map(|&customer| (customer, counts.of(customer)))
@@ -1116,6 +1116,8 @@ fn read_merged(
     // takes a list: `x IN (list)` builds a temporary B-tree of the list at each run (opening
     // and closing one cost more than the probe), and a set-based read over a JSON array of a
     // hundred ids parses the array into one before it seeks the same index anyway.
+    // Each voucher's `reserved + confirmed`, for its usage counts' load.
+    let mut books: std::collections::HashMap<&str, i64> = std::collections::HashMap::new();
     let mut rules = db.prepare(READ_RULES)?;
     let mut lease = db.prepare(READ_LEASE)?;
     for b in batches {
@@ -1130,6 +1132,7 @@ fn read_merged(
                     ends_at: rules.int(4),
                 };
                 usage.agrees(&b.voucher_code, rules.int(5));
+                books.insert(b.voucher_code.as_str(), rules.int(5));
                 reads.rules.insert(b.voucher_code.clone(), found);
             }
             rules.reset();
@@ -1154,7 +1157,8 @@ fn read_merged(
             super::refuses_new(&r.status, r.starts_at, r.ends_at, b.now).is_none()
         });
         let counts = if known {
-            Some(usage.voucher(db, &b.voucher_code)?)
+            let books = books.get(b.voucher_code.as_str()).copied();
+            Some(usage.voucher(db, &b.voucher_code, books)?)
         } else {
             None
         };

@@ -15,13 +15,15 @@
 //!   inserts, a release, an expiry sweep); a confirmation keeps the count;
 //! - they are checked against the books at every merged commit: a voucher's counts add up to
 //!   its `reserved + confirmed` (which the same transactions move, and the reconciler checks
-//!   against the rows), or they are dropped, logged and counted as a reconcile mismatch;
+//!   against the rows), give or take what the two already differed by at the load; a drift
+//!   from that drops them, is logged and counted (`vouchers_ledger_usage_mismatches_total`);
 //! - a merged commit that failed drops its vouchers' counts, a release or sweep whose commit
 //!   failed (or never returned) drops them all, and so does a commit of any other connection
 //!   to the file (another process, or a second handle on it, as the tests open): each use reads
 //!   SQLite's `data_version` first, which moves exactly when another connection committed;
-//! - a voucher no commit used for [`IDLE`] (10 to 20 minutes) is dropped, so the memory held is
-//!   that of the vouchers on sale: about 40 bytes per customer holding a unit.
+//! - a voucher no commit used for [`IDLE`] (10 to 20 minutes, looked at after each merged
+//!   commit) is dropped, so the memory held is that of the vouchers on sale: about 40 bytes
+//!   per customer holding a unit.
 //!
 //! Loading a voucher reads its live rows on the writer (about 0.75 µs each: a million held
 //! units stall the node's commits for most of a second, once); `vouchers_ledger_usage_loads_total`
@@ -36,10 +38,9 @@ use super::sqlite_raw as raw;
 use super::LedgerError;
 use crate::metrics as m;
 
-/// How long a voucher no merged commit used keeps its counts (at least; at most twice as long).
+/// How long a voucher no merged commit used keeps its counts (at least; at most twice as long,
+/// or until the node's next merged commit if it makes none).
 pub(crate) const IDLE: Duration = Duration::from_secs(600);
-/// Merged commits between two looks at the time, for the sweep.
-const SWEEP_CHECK: u32 = 1024;
 
 /// A voucher's customers who hold units, as two range reads of the `(voucher, status)` index:
 /// equality on the whole key, not `IN (list)` (a temporary B-tree) nor `<> 'RELEASED'` (which
@@ -59,8 +60,6 @@ type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 #[derive(Default)]
 pub(crate) struct UsageCache {
     vouchers: Map<String, VoucherUsage>,
-    /// Merged commits since the last look at the time.
-    commits: u32,
     /// When the last sweep ran (the first look at the time only sets it).
     swept: Option<Instant>,
     /// The writer connection's `PRAGMA data_version` when the counts were last checked: it
@@ -77,6 +76,10 @@ pub(crate) struct VoucherUsage {
     customers: Map<i64, i64>,
     /// The sum of `customers`: checked against the voucher's `reserved + confirmed`.
     live: i64,
+    /// `reserved + confirmed − live` when the counts were loaded (zero unless the books and
+    /// the rows already disagreed, which the reconciler reports): a drift from it is a miscount
+    /// here. `None` until a merged commit read the books.
+    offset: Option<i64>,
     /// Whether a commit used this voucher since the last sweep.
     touched: bool,
 }
@@ -90,14 +93,20 @@ impl VoucherUsage {
 
 impl UsageCache {
     /// `code`'s counts, loaded from its rows if they are not here. Call it only with no write
-    /// of the current transaction made yet.
+    /// of the current transaction made yet; `books` is the voucher's `reserved + confirmed` if
+    /// the transaction read it.
     pub(crate) fn voucher(
         &mut self,
         db: &raw::Db,
         code: &str,
+        books: Option<i64>,
     ) -> Result<&VoucherUsage, LedgerError> {
         if !self.vouchers.contains_key(code) {
-            let loaded = load(db, code)?;
+            let mut loaded = load(db, code)?;
+            if let Some(books) = books {
+                loaded.offset = Some(books - loaded.live);
+                warn_offset(code, books - loaded.live);
+            }
             self.vouchers.insert(code.to_owned(), loaded);
         }
         let v = self.vouchers.get_mut(code).ok_or(LedgerError::Invalid(
@@ -133,23 +142,33 @@ impl UsageCache {
         }
     }
 
-    /// Checks `code`'s counts, if loaded, against `live` (its `reserved + confirmed`, read in
-    /// the current transaction before any write of it): on a mismatch they are dropped (the
-    /// next use loads them again) and it returns false.
-    pub(crate) fn agrees(&mut self, code: &str, live: i64) -> bool {
-        match self.vouchers.get(code) {
-            Some(v) if v.live != live => {
+    /// Checks `code`'s counts, if loaded, against `books` (its `reserved + confirmed`, read in
+    /// the current transaction before any write of it). If they drifted from the offset they
+    /// were loaded with, they are dropped (the next use loads them again), logged and counted,
+    /// and it returns false. A lasting disagreement of the books with the rows reloads once.
+    pub(crate) fn agrees(&mut self, code: &str, books: i64) -> bool {
+        let Some(v) = self.vouchers.get_mut(code) else {
+            return true;
+        };
+        match v.offset {
+            None => {
+                v.offset = Some(books - v.live);
+                warn_offset(code, books - v.live);
+                true
+            }
+            Some(offset) if books - v.live == offset => true,
+            Some(offset) => {
                 tracing::error!(
                     voucher = code,
                     counted = v.live,
-                    books = live,
-                    "usage counts disagree with the books; counting again from the rows"
+                    books,
+                    offset,
+                    "usage counts drifted from the books; counting again from the rows"
                 );
-                m::reconcile_mismatch();
+                m::usage_mismatch();
                 self.vouchers.remove(code);
                 false
             }
-            _ => true,
         }
     }
 
@@ -161,6 +180,10 @@ impl UsageCache {
     /// A release or sweep is about to commit: until [`UsageCache::settled`], the counts are
     /// not to be trusted.
     pub(crate) fn settling(&mut self) {
+        if self.unsettled {
+            // An earlier one never settled (its caller gave up): it may have committed.
+            self.clear();
+        }
         self.unsettled = true;
     }
 
@@ -196,14 +219,9 @@ impl UsageCache {
         Ok(())
     }
 
-    /// Counts a merged commit; about once per [`IDLE`], drops the vouchers no commit used since
+    /// After a merged commit: about once per [`IDLE`], drops the vouchers no commit used since
     /// the sweep before.
     pub(crate) fn committed(&mut self) {
-        self.commits += 1;
-        if self.commits < SWEEP_CHECK {
-            return;
-        }
-        self.commits = 0;
         self.sweep(Instant::now());
     }
 
@@ -221,6 +239,19 @@ impl UsageCache {
     #[cfg(test)]
     pub(crate) fn loaded(&self) -> usize {
         self.vouchers.len()
+    }
+}
+
+/// The books and the rows disagreed already when a voucher's counts were loaded: the
+/// reconciler reports that; here it is logged once per load.
+fn warn_offset(code: &str, offset: i64) {
+    if offset != 0 {
+        tracing::error!(
+            voucher = code,
+            offset,
+            "reserved + confirmed differs from the rows' count at load"
+        );
+        m::usage_mismatch();
     }
 }
 
@@ -259,7 +290,7 @@ mod tests {
         c.taken("B", [7].into_iter());
         assert_eq!(c.vouchers["A"].of(7), 2);
         assert_eq!(c.vouchers["A"].of(8), 1);
-        assert!(c.agrees("A", 3));
+        assert!(c.agrees("A", 3), "the first check sets the offset (0)");
         c.add("A", 8, -1);
         assert!(
             !c.vouchers.contains_key("B"),
@@ -290,14 +321,26 @@ mod tests {
     }
 
     #[test]
-    fn counts_that_disagree_with_the_books_are_dropped() {
+    fn counts_that_drift_from_the_books_are_dropped_and_a_lasting_offset_is_kept() {
         let mut c = with(&["A"]);
         c.add("A", 1, 1);
         c.add("A", 2, 1);
         assert!(c.agrees("A", 2));
         assert!(c.agrees("B", 7), "nothing loaded, nothing to check");
-        assert!(!c.agrees("A", 3));
+        c.add("A", 3, 1);
+        assert!(c.agrees("A", 3), "books and counts moved together");
+        assert!(!c.agrees("A", 4), "a unit the counts missed");
         assert_eq!(c.loaded(), 0);
+        // Books one above the rows from the start (a drift the reconciler reports): kept.
+        let mut c = with(&["A"]);
+        c.add("A", 1, 1);
+        assert!(c.agrees("A", 2));
+        c.add("A", 2, 1);
+        assert!(
+            c.agrees("A", 3),
+            "the same offset: no reload at every commit"
+        );
+        assert_eq!(c.loaded(), 1);
     }
 
     #[test]
@@ -309,5 +352,10 @@ mod tests {
         assert!(c.unsettled);
         c.settled();
         assert!(!c.unsettled);
+        // A release whose caller gave up never settles: the next one drops every count.
+        c.settling();
+        c.settling();
+        assert_eq!(c.loaded(), 0);
+        assert!(c.unsettled);
     }
 }
