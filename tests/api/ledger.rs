@@ -908,6 +908,21 @@ async fn merged_batches_settle_each_batch_on_its_own(l: &SharedLedger) {
         RowOutcome::AlreadyUsed,
         "the limit spans batches"
     );
+    // Both of M1's batches count, in this transaction's answers and in the next one's (the
+    // SQLite writer's usage counts take M1's rows as two runs of the transaction's rows).
+    let mut usage = l.customer_usage("M1", &[10, 11, 12, 13]).await.unwrap();
+    usage.sort();
+    assert_eq!(usage, vec![(10, 1), (11, 1), (12, 1)]);
+    let next = l
+        .commit_batch(&batch("M1", m1b, rows(&[("m1-f", 12), ("m1-g", 13)])))
+        .await
+        .unwrap();
+    assert_eq!(
+        next[0],
+        RowOutcome::AlreadyUsed,
+        "customer 12 came in M1's second batch"
+    );
+    assert!(matches!(next[1], RowOutcome::Created(_)), "{next:?}");
 
     assert!(
         l.find_orders(&["m2-a".into(), "m4-a".into(), "m1-c".into(), "m1-e".into()])
@@ -925,7 +940,7 @@ async fn merged_batches_settle_each_batch_on_its_own(l: &SharedLedger) {
         ),
         (1, "M1", 10)
     );
-    let expect = [("M1", 3, 2), ("M2", 0, 0), ("M3", 2, 1), ("M4", 0, 2)];
+    let expect = [("M1", 4, 1), ("M2", 0, 0), ("M3", 2, 1), ("M4", 0, 2)];
     for (code, reserved, leased_unused) in expect {
         let c = balanced(l, code).await;
         assert_eq!(
