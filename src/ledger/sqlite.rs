@@ -5,8 +5,8 @@
 //! out `SQLITE_BUSY` on lock upgrades), held for the ledger's life; reads go through a small pool
 //! of readers. The node's merged group commit runs on that connection's raw handle
 //! ([`raw`]): each batch costs two indexed probes (its voucher, its lease), each row one more
-//! (its order id), a lookup of its customer's usage in the writer's memory ([`super::sqlite_usage`]) and one
-//! insert, through statements prepared once per connection.
+//! (its order id), a lookup of its customer's usage in the writer's memory
+//! ([`super::sqlite_usage`]) and one insert, through statements prepared once per connection.
 
 use std::str::FromStr;
 use std::time::Duration;
@@ -130,7 +130,6 @@ impl SqliteLedger {
                 std::fs::create_dir_all(dir).map_err(sqlx::Error::Io)?;
             }
         }
-
         // The writer checkpoints only as a backstop, when the log passes WAL_BACKSTOP_PAGES;
         // the checkpointer below normally copies the log back first, off the writer's thread.
         let writer = pool(
@@ -1267,7 +1266,7 @@ fn apply_merged(
     let (results, writes) = plan_merged(batches, reads);
     write_merged(db, &writes)?;
     tx.commit()?;
-    // The rows come batch by batch, and a voucher has one batch per transaction.
+    // The rows come batch by batch: one lookup per run of one voucher's rows.
     for rows in writes
         .rows
         .chunk_by(|a, b| a.voucher_code == b.voucher_code)

@@ -183,17 +183,17 @@ impl<'c> Db<'c> {
 
     /// Begins a write transaction at once (the write lock is taken now, not at the first write).
     pub(crate) fn begin(&self) -> Result<Tx<'_, 'c>, LedgerError> {
-        self.run(self.prepare("BEGIN IMMEDIATE")?)?;
-        Ok(Tx {
-            db: self,
-            done: false,
-        })
+        self.begin_with("BEGIN IMMEDIATE")
     }
 
     /// Begins a transaction that only reads (its snapshot is taken at its first read; no write
     /// lock); it ends, rolled back, when dropped.
     pub(crate) fn begin_read(&self) -> Result<Tx<'_, 'c>, LedgerError> {
-        self.run(self.prepare("BEGIN")?)?;
+        self.begin_with("BEGIN")
+    }
+
+    fn begin_with(&self, sql: &'static str) -> Result<Tx<'_, 'c>, LedgerError> {
+        self.run(self.prepare(sql)?)?;
         Ok(Tx {
             db: self,
             done: false,

@@ -89,6 +89,31 @@ impl VoucherUsage {
     pub(crate) fn of(&self, customer: i64) -> i64 {
         self.customers.get(&customer).copied().unwrap_or(0)
     }
+
+    /// `delta` units more (or fewer) for `customer`; a count of zero leaves the map.
+    fn add(&mut self, customer: i64, delta: i64) {
+        self.live += delta;
+        let used = self.customers.entry(customer).or_insert(0);
+        *used += delta;
+        if *used <= 0 {
+            self.customers.remove(&customer);
+        }
+    }
+
+    /// Takes `books` (the voucher's `reserved + confirmed`) as the reference the counts are
+    /// checked against from now on; an offset other than zero is logged and counted.
+    fn anchor(&mut self, code: &str, books: i64) {
+        let offset = books - self.live;
+        self.offset = Some(offset);
+        if offset != 0 {
+            tracing::error!(
+                voucher = code,
+                offset,
+                "reserved + confirmed differs from the rows' count at load"
+            );
+            m::usage_mismatch();
+        }
+    }
 }
 
 impl UsageCache {
@@ -104,8 +129,7 @@ impl UsageCache {
         if !self.vouchers.contains_key(code) {
             let mut loaded = load(db, code)?;
             if let Some(books) = books {
-                loaded.offset = Some(books - loaded.live);
-                warn_offset(code, books - loaded.live);
+                loaded.anchor(code, books);
             }
             self.vouchers.insert(code.to_owned(), loaded);
         }
@@ -123,22 +147,15 @@ impl UsageCache {
             return;
         };
         for customer in customers {
-            v.live += 1;
-            *v.customers.entry(customer).or_insert(0) += 1;
+            v.add(customer, 1);
         }
     }
 
     /// Applies a committed change of `delta` units to `customer`'s usage of `code`. A voucher
     /// that is not loaded is left alone: its rows already say it.
     pub(crate) fn add(&mut self, code: &str, customer: i64, delta: i64) {
-        let Some(v) = self.vouchers.get_mut(code) else {
-            return;
-        };
-        v.live += delta;
-        let used = v.customers.entry(customer).or_insert(0);
-        *used += delta;
-        if *used <= 0 {
-            v.customers.remove(&customer);
+        if let Some(v) = self.vouchers.get_mut(code) {
+            v.add(customer, delta);
         }
     }
 
@@ -152,8 +169,7 @@ impl UsageCache {
         };
         match v.offset {
             None => {
-                v.offset = Some(books - v.live);
-                warn_offset(code, books - v.live);
+                v.anchor(code, books);
                 true
             }
             Some(offset) if books - v.live == offset => true,
@@ -242,27 +258,13 @@ impl UsageCache {
     }
 }
 
-/// The books and the rows disagreed already when a voucher's counts were loaded: the
-/// reconciler reports that; here it is logged once per load.
-fn warn_offset(code: &str, offset: i64) {
-    if offset != 0 {
-        tracing::error!(
-            voucher = code,
-            offset,
-            "reserved + confirmed differs from the rows' count at load"
-        );
-        m::usage_mismatch();
-    }
-}
-
 fn load(db: &raw::Db, code: &str) -> Result<VoucherUsage, LedgerError> {
     let mut v = VoucherUsage::default();
     for sql in [LOAD_RESERVED, LOAD_CONFIRMED] {
         let mut rows = db.prepare(sql)?;
         rows.bind_text(1, code)?;
         while rows.step()? {
-            *v.customers.entry(rows.int(0)).or_insert(0) += 1;
-            v.live += 1;
+            v.add(rows.int(0), 1);
         }
     }
     m::usage_loaded(v.live);
