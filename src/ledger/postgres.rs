@@ -82,6 +82,10 @@ const MIGRATIONS: &[(i64, &str)] = &[
     (7, include_str!("../../migrations/postgres/0007_feed.sql")),
     (8, include_str!("../../migrations/postgres/0008_settle.sql")),
     (9, include_str!("../../migrations/postgres/0009_nodes.sql")),
+    (
+        10,
+        include_str!("../../migrations/postgres/0010_closed_consumed.sql"),
+    ),
 ];
 
 /// Definitions applied on every start after the versioned migrations (each is `CREATE OR
@@ -878,10 +882,18 @@ async fn close_leases_in(
     .bind(&codes)
     .execute(&mut **tx)
     .await?;
+    // What the closed leases consumed moves to their vouchers' `closed_consumed` in the same
+    // statement (migration 10: the grant check reads it instead of every lease ever closed).
     let rows: Vec<(String, i64)> = sqlx::query_as(&format!(
-        "UPDATE leases SET state = $4, closed_at = $5 \
-         WHERE {LEASE_FILTER} AND voucher_code = ANY($6) \
-         RETURNING voucher_code, granted - consumed"
+        "WITH closed AS ( \
+             UPDATE leases SET state = $4, closed_at = $5 \
+             WHERE {LEASE_FILTER} AND voucher_code = ANY($6) \
+             RETURNING voucher_code, granted - consumed AS unused, consumed), \
+         kept AS ( \
+             UPDATE vouchers v SET closed_consumed = v.closed_consumed + c.n \
+             FROM (SELECT voucher_code, SUM(consumed) AS n FROM closed GROUP BY voucher_code) c \
+             WHERE v.code = c.voucher_code) \
+         SELECT voucher_code, unused FROM closed"
     ))
     .bind(id)
     .bind(&node)

@@ -1281,6 +1281,80 @@ async fn postgres_ledger_conforms() {
     assert_eq!(traces, 0, "refused rows left usage rows");
 }
 
+/// DESIGN §3's last line on PostgreSQL after leases close: the grant check reads what closed
+/// leases consumed from the voucher's `closed_consumed` (migration 10), which every close (a
+/// return, a reap) keeps; a grant past the total is refused as it was when the check summed
+/// every lease.
+#[tokio::test]
+#[cfg_attr(
+    no_test_pg,
+    ignore = "needs TEST_DATABASE_URL (PostgreSQL); .ci/run sets it"
+)]
+async fn postgres_grant_check_counts_what_closed_leases_consumed() {
+    let Some(url) = fresh_pg_schema("closed").await else {
+        return;
+    };
+    let l = ledger::connect(&url, 2).await.unwrap();
+    l.create_voucher(&voucher("CC", 10, 1), NOW).await.unwrap();
+    let a = leased(&l, "CC", "n1", 4).await;
+    l.commit_batch(&batch(
+        "CC",
+        a.id,
+        rows(&[("cc1", 1), ("cc2", 2), ("cc3", 3)]),
+    ))
+    .await
+    .unwrap();
+    assert_eq!(
+        l.return_lease(a.id, NOW).await.unwrap().map(|r| r.units),
+        Some(1)
+    );
+    let b = leased(&l, "CC", "n2", 3).await;
+    l.commit_batch(&batch("CC", b.id, rows(&[("cc4", 4), ("cc5", 5)])))
+        .await
+        .unwrap();
+    assert_eq!(
+        reaped_of(&l.reap_expired(NOW + TTL + 1).await.unwrap(), "CC"),
+        1
+    );
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let (kept, summed): (i64, i64) = sqlx::query_as(
+        "SELECT v.closed_consumed, \
+                (SELECT SUM(consumed)::BIGINT FROM leases WHERE voucher_code = v.code) \
+         FROM vouchers v WHERE v.code = 'CC'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (kept, summed),
+        (5, 5),
+        "a return and a reap each added theirs"
+    );
+    assert_eq!(balanced(&l, "CC").await.free, 5);
+    // One unit more free than the books allow (the table's own CHECK lets it through): the
+    // five consumed on closed leases make a grant of six pass the total of ten.
+    sqlx::query("UPDATE vouchers SET free = 6 WHERE code = 'CC'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    match l.grant("CC", "n3", 6, NOW, TTL).await {
+        Err(ledger::LedgerError::Unavailable(sqlx::Error::Database(e))) => {
+            assert_eq!(e.code().as_deref(), Some("23514"), "a check violation: {e}")
+        }
+        other => panic!("a grant past the total was not refused: {other:?}"),
+    }
+    sqlx::query("UPDATE vouchers SET free = 5 WHERE code = 'CC'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let again = l.grant("CC", "n3", 6, NOW, TTL).await.unwrap();
+    assert_eq!(
+        again.lease.map(|x| x.granted),
+        Some(5),
+        "repaired, it grants again"
+    );
+}
+
 /// PostgreSQL's lock order: a return (or a reap) takes its voucher rows before its leases, as a
 /// grant does. While another transaction holds the voucher row, a return therefore waits without
 /// holding its lease, and a batch on that lease goes through. Taken the other way round (leases
