@@ -6,8 +6,11 @@
 -- leases).
 --
 -- A lease's `consumed` no longer changes once it is closed (the merged commit fences on
--- state = 'ACTIVE'), and a lease closes only in `close_leases_in`, which holds the voucher's row
--- and adds what it closes here in the same statement.
+-- state = 'ACTIVE' under the lease's row lock). The copy is kept by a trigger on the lease's
+-- state, not by the statement that closes leases, so that every close counts: a node of the
+-- build before this one, still running while a rolling restart migrates the ledger, closes
+-- leases with its own statement. The reconciliation (`counters`) compares the copy with the
+-- leases.
 ALTER TABLE vouchers ADD COLUMN IF NOT EXISTS closed_consumed BIGINT NOT NULL DEFAULT 0
     CHECK (closed_consumed >= 0);
 
@@ -42,3 +45,21 @@ BEGIN
     END IF;
     RETURN NULL;
 END $$;
+
+-- What a lease consumed moves to its voucher's `closed_consumed` as it closes (and back, should a
+-- closed lease ever be made ACTIVE again by hand). Every close locks the voucher's row before its
+-- leases, so this update waits for nothing.
+CREATE OR REPLACE FUNCTION vouchers_lease_closed() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    UPDATE vouchers
+    SET closed_consumed = closed_consumed
+        + CASE WHEN NEW.state <> 'ACTIVE' THEN NEW.consumed ELSE -OLD.consumed END
+    WHERE code = NEW.voucher_code;
+    RETURN NULL;
+END $$;
+
+DROP TRIGGER IF EXISTS leases_closed ON leases;
+CREATE TRIGGER leases_closed AFTER UPDATE OF state ON leases
+    FOR EACH ROW WHEN ((OLD.state = 'ACTIVE') <> (NEW.state = 'ACTIVE'))
+    EXECUTE FUNCTION vouchers_lease_closed();

@@ -662,13 +662,14 @@ impl Ledger for PostgresLedger {
         sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
             .execute(&mut *tx)
             .await?;
-        let head: Option<(i64, i64, i64, i64)> = sqlx::query_as(
-            "SELECT total_limit, free, confirmed, released FROM vouchers WHERE code = $1",
+        let head: Option<(i64, i64, i64, i64, i64)> = sqlx::query_as(
+            "SELECT total_limit, free, confirmed, released, closed_consumed \
+             FROM vouchers WHERE code = $1",
         )
         .bind(code)
         .fetch_optional(&mut *tx)
         .await?;
-        let Some((total_limit, free, confirmed, released)) = head else {
+        let Some((total_limit, free, confirmed, released, kept_closed)) = head else {
             return Ok(None);
         };
         let by_status: Vec<(String, i64)> = sqlx::query_as(
@@ -677,9 +678,11 @@ impl Ledger for PostgresLedger {
         .bind(code)
         .fetch_all(&mut *tx)
         .await?;
-        let (leased_unused, consumed): (i64, i64) = sqlx::query_as(
+        let (leased_unused, consumed, closed): (i64, i64, i64) = sqlx::query_as(
             "SELECT COALESCE(SUM(CASE WHEN state = 'ACTIVE' THEN granted - consumed ELSE 0 END), 0)::BIGINT, \
-             COALESCE(SUM(consumed), 0)::BIGINT FROM leases WHERE voucher_code = $1",
+             COALESCE(SUM(consumed), 0)::BIGINT, \
+             COALESCE(SUM(consumed) FILTER (WHERE state <> 'ACTIVE'), 0)::BIGINT \
+             FROM leases WHERE voucher_code = $1",
         )
         .bind(code)
         .fetch_one(&mut *tx)
@@ -693,7 +696,7 @@ impl Ledger for PostgresLedger {
         tx.commit().await?;
         // Units taken by batches, less those confirmed or released since (see the migration).
         let reserved = consumed - confirmed - released;
-        Ok(Some(super::reconcile(
+        let mut counters = super::reconcile(
             Counters {
                 total_limit,
                 free,
@@ -706,7 +709,19 @@ impl Ledger for PostgresLedger {
             &by_status,
             consumed,
             usage,
-        )))
+        );
+        // The grant check reads closed leases' consumption from the voucher row (migration 10):
+        // a copy that drifted from the leases would weaken DESIGN §3's last line unseen.
+        if kept_closed != closed {
+            tracing::error!(
+                code,
+                kept_closed,
+                closed,
+                "vouchers.closed_consumed disagrees with the closed leases"
+            );
+            counters.balanced = false;
+        }
+        Ok(Some(counters))
     }
 
     async fn feed_origin(&self) -> Result<String, LedgerError> {
@@ -882,18 +897,10 @@ async fn close_leases_in(
     .bind(&codes)
     .execute(&mut **tx)
     .await?;
-    // What the closed leases consumed moves to their vouchers' `closed_consumed` in the same
-    // statement (migration 10: the grant check reads it instead of every lease ever closed).
     let rows: Vec<(String, i64)> = sqlx::query_as(&format!(
-        "WITH closed AS ( \
-             UPDATE leases SET state = $4, closed_at = $5 \
-             WHERE {LEASE_FILTER} AND voucher_code = ANY($6) \
-             RETURNING voucher_code, granted - consumed AS unused, consumed), \
-         kept AS ( \
-             UPDATE vouchers v SET closed_consumed = v.closed_consumed + c.n \
-             FROM (SELECT voucher_code, SUM(consumed) AS n FROM closed GROUP BY voucher_code) c \
-             WHERE v.code = c.voucher_code) \
-         SELECT voucher_code, unused FROM closed"
+        "UPDATE leases SET state = $4, closed_at = $5 \
+         WHERE {LEASE_FILTER} AND voucher_code = ANY($6) \
+         RETURNING voucher_code, granted - consumed"
     ))
     .bind(id)
     .bind(&node)

@@ -1282,9 +1282,9 @@ async fn postgres_ledger_conforms() {
 }
 
 /// DESIGN §3's last line on PostgreSQL after leases close: the grant check reads what closed
-/// leases consumed from the voucher's `closed_consumed` (migration 10), which every close (a
-/// return, a reap) keeps; a grant past the total is refused as it was when the check summed
-/// every lease.
+/// leases consumed from the voucher's `closed_consumed` (migration 10), which a trigger keeps at
+/// every close (a return, a reap, an older build's own statement); a grant past the total is
+/// refused as it was when the check summed every lease, and a drifted copy unbalances the books.
 #[tokio::test]
 #[cfg_attr(
     no_test_pg,
@@ -1317,42 +1317,80 @@ async fn postgres_grant_check_counts_what_closed_leases_consumed() {
         1
     );
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
-    let (kept, summed): (i64, i64) = sqlx::query_as(
-        "SELECT v.closed_consumed, \
-                (SELECT SUM(consumed)::BIGINT FROM leases WHERE voucher_code = v.code) \
-         FROM vouchers v WHERE v.code = 'CC'",
-    )
-    .fetch_one(&pool)
-    .await
-    .unwrap();
-    assert_eq!(
-        (kept, summed),
-        (5, 5),
-        "a return and a reap each added theirs"
-    );
-    assert_eq!(balanced(&l, "CC").await.free, 5);
-    // One unit more free than the books allow (the table's own CHECK lets it through): the
-    // five consumed on closed leases make a grant of six pass the total of ten.
-    sqlx::query("UPDATE vouchers SET free = 6 WHERE code = 'CC'")
+    // A node of the build before this one, still running during a rolling restart, closes with
+    // its own statement (and gives the unused unit back): still counted.
+    let c = leased(&l, "CC", "n3", 2).await;
+    l.commit_batch(&batch("CC", c.id, rows(&[("cc6", 6)])))
+        .await
+        .unwrap();
+    sqlx::query("UPDATE leases SET state = 'RETURNED', closed_at = 1 WHERE id = $1")
+        .bind(c.id)
         .execute(&pool)
         .await
         .unwrap();
-    match l.grant("CC", "n3", 6, NOW, TTL).await {
+    sqlx::query("UPDATE vouchers SET free = free + 1 WHERE code = 'CC'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let kept = || async {
+        sqlx::query_as::<_, (i64, i64)>(
+            "SELECT v.closed_consumed, \
+                    (SELECT SUM(consumed)::BIGINT FROM leases WHERE voucher_code = v.code) \
+             FROM vouchers v WHERE v.code = 'CC'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    assert_eq!(
+        kept().await,
+        (6, 6),
+        "a return, a reap and an old build's close each added theirs"
+    );
+    assert_eq!(balanced(&l, "CC").await.free, 4);
+    // One unit more free than the books allow (the table's own CHECK lets it through): the
+    // six consumed on closed leases make a grant of five pass the total of ten.
+    sqlx::query("UPDATE vouchers SET free = 5 WHERE code = 'CC'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    match l.grant("CC", "n4", 5, NOW, TTL).await {
         Err(ledger::LedgerError::Unavailable(sqlx::Error::Database(e))) => {
             assert_eq!(e.code().as_deref(), Some("23514"), "a check violation: {e}")
         }
         other => panic!("a grant past the total was not refused: {other:?}"),
     }
-    sqlx::query("UPDATE vouchers SET free = 5 WHERE code = 'CC'")
+    sqlx::query("UPDATE vouchers SET free = 4 WHERE code = 'CC'")
         .execute(&pool)
         .await
         .unwrap();
-    let again = l.grant("CC", "n3", 6, NOW, TTL).await.unwrap();
+    let again = l.grant("CC", "n4", 5, NOW, TTL).await.unwrap();
     assert_eq!(
         again.lease.map(|x| x.granted),
-        Some(5),
+        Some(4),
         "repaired, it grants again"
     );
+    // A copy that drifts from the leases is a reconciliation mismatch.
+    balanced(&l, "CC").await;
+    sqlx::query("UPDATE vouchers SET closed_consumed = closed_consumed - 1 WHERE code = 'CC'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let c = l.counters("CC").await.unwrap().expect("voucher exists");
+    assert!(
+        !c.balanced,
+        "a drifted closed_consumed went unnoticed: {c:?}"
+    );
+    // A ledger migrated before version 10 has no copy: the migration computes it from the leases.
+    for sql in [
+        "UPDATE vouchers SET closed_consumed = 0",
+        "DELETE FROM schema_migrations WHERE version = 10",
+    ] {
+        sqlx::query(sql).execute(&pool).await.unwrap();
+    }
+    let migrated = ledger::connect(&url, 2).await.unwrap();
+    assert_eq!(kept().await, (6, 6), "the backfill");
+    balanced(&migrated, "CC").await;
 }
 
 /// PostgreSQL's lock order: a return (or a reap) takes its voucher rows before its leases, as a
