@@ -53,3 +53,51 @@ BEGIN
     END IF;
 END
 $$;
+
+-- Version 2 (this build): the same grant; when nothing is granted, every unit ever consumed is
+-- the voucher's `closed_consumed` plus its active leases' instead of a sum over every lease it
+-- ever had. Version 1 stays for nodes of the build before, still running during a rollout.
+CREATE OR REPLACE FUNCTION vouchers_grant_v2(
+    p_code    TEXT,
+    p_node    TEXT,
+    p_want    BIGINT,
+    p_now     BIGINT,
+    p_expires BIGINT
+) RETURNS TABLE (
+    out_free   BIGINT,
+    out_units  BIGINT,
+    out_unused BIGINT,
+    out_lease  BIGINT,
+    out_ever   BIGINT
+)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    v_free  BIGINT;
+    v_units BIGINT;
+BEGIN
+    SELECT free INTO v_free FROM vouchers WHERE code = p_code FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    v_units := LEAST(GREATEST(p_want, 1), v_free);
+    IF v_units > 0 THEN
+        UPDATE vouchers SET free = free - v_units WHERE code = p_code;
+        RETURN QUERY
+        WITH unused AS (SELECT COALESCE(SUM(granted - consumed), 0)::BIGINT AS n
+                        FROM leases WHERE voucher_code = p_code AND state = 'ACTIVE')
+        INSERT INTO leases (voucher_code, node_id, granted, consumed, state, granted_at, expires_at)
+        SELECT p_code, p_node, v_units, 0, 'ACTIVE', p_now, p_expires FROM unused
+        RETURNING v_free, v_units, (SELECT n FROM unused), id, NULL::BIGINT;
+    ELSE
+        -- Closed leases' consumption from the voucher row (migration 10): a sold-out probe
+        -- reads the active leases only, however many leases the sale has turned over.
+        RETURN QUERY
+        SELECT v_free, 0::BIGINT, COALESCE(SUM(l.granted - l.consumed), 0)::BIGINT,
+               NULL::BIGINT,
+               ((SELECT v.closed_consumed FROM vouchers v WHERE v.code = p_code)
+                + COALESCE(SUM(l.consumed), 0))::BIGINT
+        FROM leases l WHERE l.voucher_code = p_code AND l.state = 'ACTIVE';
+    END IF;
+END
+$$;

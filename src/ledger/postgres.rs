@@ -322,12 +322,12 @@ impl Ledger for PostgresLedger {
         now: Millis,
         ttl_ms: i64,
     ) -> Result<Grant, LedgerError> {
-        // One round trip: `vouchers_grant_v1` (migrations/postgres/grant.sql) locks the voucher,
+        // One round trip: `vouchers_grant_v2` (migrations/postgres/grant.sql) locks the voucher,
         // moves the units and inserts the lease; the deferred check runs as the call commits.
         let expires_at = now + ttl_ms;
         let row: Option<(i64, i64, i64, Option<i64>, Option<i64>)> = sqlx::query_as(
             "SELECT out_free, out_units, out_unused, out_lease, out_ever \
-             FROM vouchers_grant_v1($1, $2, $3, $4, $5)",
+             FROM vouchers_grant_v2($1, $2, $3, $4, $5)",
         )
         .bind(code)
         .bind(node)

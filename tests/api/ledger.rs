@@ -1391,6 +1391,12 @@ async fn postgres_grant_check_counts_what_closed_leases_consumed() {
     let migrated = ledger::connect(&url, 2).await.unwrap();
     assert_eq!(kept().await, (6, 6), "the backfill");
     balanced(&migrated, "CC").await;
+    // Dry now: the answer says every unit ever consumed, closed leases' included.
+    let dry = migrated.grant("CC", "n5", 1, NOW, TTL).await.unwrap();
+    assert_eq!(
+        (dry.lease, dry.leased_unused, dry.ever_reserved),
+        (None, 4, Some(6))
+    );
 }
 
 /// PostgreSQL's lock order: a return (or a reap) takes its voucher rows before its leases, as a
