@@ -14,6 +14,10 @@
 ALTER TABLE vouchers ADD COLUMN IF NOT EXISTS closed_consumed BIGINT NOT NULL DEFAULT 0
     CHECK (closed_consumed >= 0);
 
+-- The backfill reads every lease ever granted (it is the table that grew): no statement
+-- deadline for it, which a long-lived ledger could pass. Lock waits keep theirs.
+SET LOCAL statement_timeout = 0;
+
 UPDATE vouchers v SET closed_consumed = c.n
 FROM (SELECT voucher_code, SUM(consumed) AS n FROM leases
       WHERE state <> 'ACTIVE' GROUP BY voucher_code) c

@@ -1335,7 +1335,8 @@ async fn postgres_grant_check_counts_what_closed_leases_consumed() {
     let kept = || async {
         sqlx::query_as::<_, (i64, i64)>(
             "SELECT v.closed_consumed, \
-                    (SELECT SUM(consumed)::BIGINT FROM leases WHERE voucher_code = v.code) \
+                    (SELECT SUM(consumed)::BIGINT FROM leases \
+                     WHERE voucher_code = v.code AND state <> 'ACTIVE') \
              FROM vouchers v WHERE v.code = 'CC'",
         )
         .fetch_one(&pool)
@@ -1348,26 +1349,47 @@ async fn postgres_grant_check_counts_what_closed_leases_consumed() {
         "a return, a reap and an old build's close each added theirs"
     );
     assert_eq!(balanced(&l, "CC").await.free, 4);
-    // One unit more free than the books allow (the table's own CHECK lets it through): the
-    // six consumed on closed leases make a grant of five pass the total of ten.
-    sqlx::query("UPDATE vouchers SET free = 5 WHERE code = 'CC'")
+    // The trigger counts a lease once: closing a closed lease again changes nothing, and a lease
+    // made ACTIVE again by hand takes its units back out (both rolled back).
+    let mut tx = pool.begin().await.unwrap();
+    for (sql, want) in [
+        ("UPDATE leases SET state = 'REAPED' WHERE id = $1", 6),
+        ("UPDATE leases SET state = 'ACTIVE' WHERE id = $1", 5),
+    ] {
+        sqlx::query(sql).bind(c.id).execute(&mut *tx).await.unwrap();
+        let now: i64 = sqlx::query_scalar("SELECT closed_consumed FROM vouchers WHERE code = 'CC'")
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+        assert_eq!(now, want, "after `{sql}`");
+    }
+    tx.rollback().await.unwrap();
+    // An active lease with one unit consumed and one unused beside the closed ones.
+    let d = leased(&l, "CC", "n4", 2).await;
+    l.commit_batch(&batch("CC", d.id, rows(&[("cc7", 7)])))
+        .await
+        .unwrap();
+    // One unit more free than the books allow (the table's own CHECK lets it through): with
+    // the six consumed on closed leases and the one on the active lease, a grant of three passes
+    // the total of ten by one.
+    sqlx::query("UPDATE vouchers SET free = 3 WHERE code = 'CC'")
         .execute(&pool)
         .await
         .unwrap();
-    match l.grant("CC", "n4", 5, NOW, TTL).await {
+    match l.grant("CC", "n5", 3, NOW, TTL).await {
         Err(ledger::LedgerError::Unavailable(sqlx::Error::Database(e))) => {
             assert_eq!(e.code().as_deref(), Some("23514"), "a check violation: {e}")
         }
         other => panic!("a grant past the total was not refused: {other:?}"),
     }
-    sqlx::query("UPDATE vouchers SET free = 4 WHERE code = 'CC'")
+    sqlx::query("UPDATE vouchers SET free = 2 WHERE code = 'CC'")
         .execute(&pool)
         .await
         .unwrap();
-    let again = l.grant("CC", "n4", 5, NOW, TTL).await.unwrap();
+    let again = l.grant("CC", "n5", 3, NOW, TTL).await.unwrap();
     assert_eq!(
         again.lease.map(|x| x.granted),
-        Some(4),
+        Some(2),
         "repaired, it grants again"
     );
     // A copy that drifts from the leases is a reconciliation mismatch.
@@ -1391,11 +1413,11 @@ async fn postgres_grant_check_counts_what_closed_leases_consumed() {
     let migrated = ledger::connect(&url, 2).await.unwrap();
     assert_eq!(kept().await, (6, 6), "the backfill");
     balanced(&migrated, "CC").await;
-    // Dry now: the answer says every unit ever consumed, closed leases' included.
-    let dry = migrated.grant("CC", "n5", 1, NOW, TTL).await.unwrap();
+    // Dry now: the answer counts every unit ever consumed, on closed and on active leases.
+    let dry = migrated.grant("CC", "n6", 1, NOW, TTL).await.unwrap();
     assert_eq!(
         (dry.lease, dry.leased_unused, dry.ever_reserved),
-        (None, 4, Some(6))
+        (None, 3, Some(7))
     );
 }
 
