@@ -1,5 +1,5 @@
 -- A lease grant in one round trip (DESIGN §2, the lease protocol). Applied at every start (it is
--- `CREATE OR REPLACE`), like the merged commit; a change of it takes a new name (`_v2`), so that
+-- `CREATE OR REPLACE`), like the merged commit; a change of it takes a new name (`_v3`), so that
 -- a node of this build restarting during a rollout never puts its version back over a newer one.
 --
 -- The voucher row is locked first; every later statement of the function takes a new snapshot,
@@ -11,52 +11,8 @@
 -- No row: no such voucher. Otherwise one row: `free` before the grant, the units granted (0: the
 -- ledger is empty), the unused units of the active leases before this one, the new lease's id
 -- (NULL when nothing was granted) and, only when nothing was granted, every unit ever consumed
--- from a lease.
-CREATE OR REPLACE FUNCTION vouchers_grant_v1(
-    p_code    TEXT,
-    p_node    TEXT,
-    p_want    BIGINT,
-    p_now     BIGINT,
-    p_expires BIGINT
-) RETURNS TABLE (
-    out_free   BIGINT,
-    out_units  BIGINT,
-    out_unused BIGINT,
-    out_lease  BIGINT,
-    out_ever   BIGINT
-)
-LANGUAGE plpgsql AS $$
-#variable_conflict use_column
-DECLARE
-    v_free  BIGINT;
-    v_units BIGINT;
-BEGIN
-    SELECT free INTO v_free FROM vouchers WHERE code = p_code FOR UPDATE;
-    IF NOT FOUND THEN
-        RETURN;
-    END IF;
-    v_units := LEAST(GREATEST(p_want, 1), v_free);
-    IF v_units > 0 THEN
-        UPDATE vouchers SET free = free - v_units WHERE code = p_code;
-        RETURN QUERY
-        WITH unused AS (SELECT COALESCE(SUM(granted - consumed), 0)::BIGINT AS n
-                        FROM leases WHERE voucher_code = p_code AND state = 'ACTIVE')
-        INSERT INTO leases (voucher_code, node_id, granted, consumed, state, granted_at, expires_at)
-        SELECT p_code, p_node, v_units, 0, 'ACTIVE', p_now, p_expires FROM unused
-        RETURNING v_free, v_units, (SELECT n FROM unused), id, NULL::BIGINT;
-    ELSE
-        RETURN QUERY
-        SELECT v_free, 0::BIGINT,
-               COALESCE(SUM(granted - consumed) FILTER (WHERE state = 'ACTIVE'), 0)::BIGINT,
-               NULL::BIGINT, COALESCE(SUM(consumed), 0)::BIGINT
-        FROM leases WHERE voucher_code = p_code;
-    END IF;
-END
-$$;
-
--- Version 2 (this build): the same grant; when nothing is granted, every unit ever consumed is
--- the voucher's `closed_consumed` plus its active leases' instead of a sum over every lease it
--- ever had. Version 1 stays for nodes of the build before, still running during a rollout.
+-- from a lease: the voucher's `closed_consumed` (migration 10) plus its active leases', so that
+-- a sold-out probe reads the active leases only, however many the sale has turned over.
 CREATE OR REPLACE FUNCTION vouchers_grant_v2(
     p_code    TEXT,
     p_node    TEXT,
@@ -90,8 +46,6 @@ BEGIN
         SELECT p_code, p_node, v_units, 0, 'ACTIVE', p_now, p_expires FROM unused
         RETURNING v_free, v_units, (SELECT n FROM unused), id, NULL::BIGINT;
     ELSE
-        -- Closed leases' consumption from the voucher row (migration 10): a sold-out probe
-        -- reads the active leases only, however many leases the sale has turned over.
         RETURN QUERY
         SELECT v_free, 0::BIGINT, COALESCE(SUM(l.granted - l.consumed), 0)::BIGINT,
                NULL::BIGINT,
@@ -100,4 +54,24 @@ BEGIN
         FROM leases l WHERE l.voucher_code = p_code AND l.state = 'ACTIVE';
     END IF;
 END
+$$;
+
+-- Version 1, called by nodes of the build before this one while a rollout replaces them: the
+-- same answers (it summed every lease for the last column; `closed_consumed` is that sum of the
+-- closed ones, kept by a trigger whichever build closes them).
+CREATE OR REPLACE FUNCTION vouchers_grant_v1(
+    p_code    TEXT,
+    p_node    TEXT,
+    p_want    BIGINT,
+    p_now     BIGINT,
+    p_expires BIGINT
+) RETURNS TABLE (
+    out_free   BIGINT,
+    out_units  BIGINT,
+    out_unused BIGINT,
+    out_lease  BIGINT,
+    out_ever   BIGINT
+)
+LANGUAGE sql AS $$
+    SELECT * FROM vouchers_grant_v2(p_code, p_node, p_want, p_now, p_expires)
 $$;
