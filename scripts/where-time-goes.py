@@ -12,59 +12,37 @@ how busy the group committer kept the ledger (merged commits in flight on averag
 vouchers per merged commit), lease grants per 1,000 reservations, and with --syscalls the log
 writes (pwrite), fsyncs and reads per 1,000 requests (perf stat on the engine's process).
 Engine settings come from the environment as usual (VOUCHERS__…), so an A/B of a setting is two
-calls with and without it; interleave them, as the machine's speed drifts between runs.
+calls with and without it; interleave them, as the machine's speed drifts between runs. The node,
+wrk and the metrics go through scripts/bench.py's helpers, as in a bench run.
 """
 import argparse
 import collections
-import json
 import os
+import random
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
-import urllib.error
-import urllib.request
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOKEN = "where-time-goes"
-PG_ADMIN = os.environ.get("TEST_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test")
+import bench
+
 SYSCALLS = ["pwrite64", "fsync", "fdatasync", "pread64"]
 
 
-def http(base, method, path, body=None):
-    req = urllib.request.Request(
-        base + path, method=method, data=json.dumps(body).encode() if body else None,
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
 def thread_cpu(pid):
-    """CPU seconds per thread name."""
-    out = collections.defaultdict(float)
-    tick = os.sysconf("SC_CLK_TCK")
-    for t in os.listdir(f"/proc/{pid}/task"):
+    """CPU seconds per thread name of process `pid` (bench.cpu_seconds, per thread)."""
+    tids = os.listdir(f"/proc/{pid}/task")
+    names = {}
+    for tid in tids:
         try:
-            st = open(f"/proc/{pid}/task/{t}/stat").read()
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                names[f"{pid}/task/{tid}"] = f.read().strip()
         except FileNotFoundError:
-            continue
-        name = st[st.index("(") + 1:st.rindex(")")]
-        f = st[st.rindex(")") + 2:].split()
-        out[name] += (int(f[11]) + int(f[12])) / tick
+            pass  # gone meanwhile
+    out = collections.defaultdict(float)
+    for task, used in bench.cpu_seconds(list(names)).items():
+        out[names[task]] += used
     return out
-
-
-def metrics(base):
-    values = collections.defaultdict(float)
-    for line in http(base, "GET", "/metrics")[1].splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            values[key] = float(value)
-    return values
 
 
 def main():
@@ -74,50 +52,27 @@ def main():
     ap.add_argument("--postgres", action="store_true")
     ap.add_argument("--duration", type=int, default=10)
     ap.add_argument("--syscalls", action="store_true")
-    ap.add_argument("--engine-bin", default=os.path.join(ROOT, "target", "release", "vouchers"))
+    ap.add_argument("--engine-bin", default=os.path.join(bench.BIN, "vouchers"))
     args = ap.parse_args()
+    # What bench.wrk_argv and bench.start_node read of bench's own arguments.
+    args.threads, args.conns = 2, 256
 
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    base = f"http://127.0.0.1:{port}"
     work = tempfile.mkdtemp(prefix="where-time-goes-")
-    env = dict(os.environ, VOUCHERS__HTTP__PORT=str(port), VOUCHERS__ADMIN__TOKEN=TOKEN,
-               VOUCHERS__NODE__ID="where-time-goes", RUST_LOG="warn")
-    argv = [args.engine_bin]
+    procs = bench.Procs(work)
     db = None
-    if args.postgres:
-        db = f"where_time_goes_{port}"
-        subprocess.run(["psql", "-q", PG_ADMIN, "-c", f"CREATE DATABASE {db}"], check=True)
-        env["VOUCHERS__LEDGER__URL"] = PG_ADMIN.rsplit("/", 1)[0] + f"/{db}"
-        env["VOUCHERS__REDIS__URL"] = ""
-        argv += ["--config", "config/cluster.toml"]
-    else:
-        env["VOUCHERS__LEDGER__URL"] = f"sqlite://{work}/ledger.db"
-    node = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=open(f"{work}/log", "w"),
-                            stderr=subprocess.STDOUT)
     try:
-        deadline = time.time() + 30
-        while True:
-            try:
-                if http(base, "GET", "/health/ready")[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.time() > deadline or node.poll() is not None:
-                raise SystemExit(f"the node did not get ready; see {work}/log")
-            time.sleep(0.1)
+        if args.postgres:
+            db = f"where_time_goes_{random.randrange(1 << 30)}"
+            bench.psql(bench.PG_ADMIN, f"CREATE DATABASE {db}")
+            url = bench.PG_ADMIN.rsplit("/", 1)[0] + "/" + db
+            node, base = bench.start_node(procs, "postgres", url, args, cluster=True)
+        else:
+            node, base = bench.start_node(procs, "sqlite", f"sqlite://{work}/ledger.db", args)
         stem = f"WTG{args.vouchers}V"
         codes = [stem] if args.vouchers == 1 else [f"{stem}{i}" for i in range(args.vouchers)]
         for code in codes:
-            status, body = http(base, "POST", "/admin/vouchers",
-                                {"code": code, "discountAmount": 100, "totalLimit": 10 ** 9,
-                                 "perUserLimit": 1})
-            assert status == 201, (status, body)
-        for code in codes:
-            assert http(base, "POST", f"/admin/vouchers/{code}/warm")[0] == 204
-        before, cpu0 = metrics(base), thread_cpu(node.pid)
+            bench.create(base, code, 10 ** 9)
+        before, cpu0 = bench.scrape(base), thread_cpu(node.pid)
         stat = None
         if args.syscalls:
             events = ",".join(f"syscalls:sys_enter_{c}" for c in SYSCALLS)
@@ -125,26 +80,21 @@ def main():
                 ["perf", "stat", "-x,", "-e", events, "-o", f"{work}/stat", "-p", str(node.pid),
                  "--", "sleep", str(args.duration)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wrk = subprocess.run(
-            ["wrk", "-t2", "-c256", f"-d{args.duration}s", "-s",
-             os.path.join(ROOT, "load-tests", "wrk-reserve.lua"), base, "--",
-             codes[0] if args.vouchers == 1 else stem, f"{stem}-n0", str(args.vouchers)]
-            + (["random"] if args.random else []),
-            capture_output=True, text=True, check=True).stdout
+        r = bench.wrk(base, codes[0] if args.vouchers == 1 else stem, f"{stem}-n0", args.vouchers,
+                      args, customers="random" if args.random else "rising")
         cpu1 = thread_cpu(node.pid)
         if stat:
             stat.wait()
         time.sleep(1)  # answers in flight when wrk stopped land before the counters are read
-        after = metrics(base)
-        d = lambda key: after[key] - before[key]
-        rps = next(float(l.split()[-1]) for l in wrk.splitlines() if "Requests/sec" in l)
-        p99 = next(l.split()[3] for l in wrk.splitlines() if l.startswith("p50"))
-        answered = rps * args.duration
+        after = bench.scrape(base)
+        d = lambda name, label="": bench.metric(after, name, label) - bench.metric(before, name, label)
+        answered = sum(r["statuses"].values()) or 1
         rows = d("vouchers_ledger_commit_rows_sum") or 1
         commits = d("vouchers_ledger_commit_rows_count") or 1
         busy = d("vouchers_ledger_commit_duration_seconds_sum")
         print(f"{args.vouchers} voucher(s), {'random' if args.random else 'rising'} customers, "
-              f"{'postgres' if args.postgres else 'sqlite'}: {rps:,.0f} req/s, p99 {p99}")
+              f"{'postgres' if args.postgres else 'sqlite'}: {r['rps']:,.0f} req/s, "
+              f"p99 {r['p99']} ms")
         for name, c in sorted(cpu1.items(), key=lambda kv: -kv[1]):
             used = c - cpu0.get(name, 0)
             if used > 0.05:
@@ -153,7 +103,7 @@ def main():
               f"{d('vouchers_ledger_commit_batches_sum') / commits:.1f} vouchers each, "
               f"{busy / args.duration:.2f} in flight on average (SQLite runs one at a time: "
               f"its share of the wall time)")
-        granted = d('vouchers_lease_events_total{event="granted"}')
+        granted = d("vouchers_lease_events_total", 'event="granted"')
         print(f"  lease grants: {granted:,.0f} ({1000 * granted / rows:.1f} per 1,000 reservations)")
         if stat:
             for line in open(f"{work}/stat"):
@@ -163,11 +113,11 @@ def main():
                     print(f"  {parts[2][len('syscalls:sys_enter_'):]:10s} "
                           f"{1000 * n / answered:8.1f} per 1,000 requests")
     finally:
-        node.terminate()
-        node.wait()
+        procs.stop_all()
         shutil.rmtree(work, ignore_errors=True)
         if db:
-            subprocess.run(["psql", "-q", PG_ADMIN, "-c", f"DROP DATABASE IF EXISTS {db}"])
+            subprocess.run(["psql", "-q", bench.PG_ADMIN, "-c",
+                            f"DROP DATABASE IF EXISTS {db} WITH (FORCE)"], capture_output=True)
 
 
 if __name__ == "__main__":
