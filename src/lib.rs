@@ -1,5 +1,5 @@
 //! Flash-sale voucher engine: never oversells, answers fast under the flood, loses nothing it
-//! acknowledged. See `../shared/DESIGN.md` for the invariants and the HTTP contract.
+//! acknowledged. See `docs/DESIGN.md` for the invariants and the HTTP contract.
 //!
 //! The map of the crate, from the outside in:
 //!
