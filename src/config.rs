@@ -32,8 +32,9 @@ pub struct LimitSettings {
     /// Reserves per second from one client address, after a burst of `per_address_burst`.
     pub per_address_per_sec: u32,
     pub per_address_burst: u32,
-    /// A header set by a trusted proxy that names the client's address (its first entry is
-    /// used, as in `X-Forwarded-For`); empty: the connection's peer address.
+    /// A header set by a trusted proxy that names the client's address (its last entry is used:
+    /// the one the trusted proxy appended to `X-Forwarded-For`); empty: the connection's peer
+    /// address.
     pub address_header: String,
     /// Reserves per second one voucher admits on this node (0: no limit).
     pub admission_per_sec: u32,
@@ -180,8 +181,11 @@ impl Settings {
     }
 
     /// The embedded defaults alone, for tests.
+    #[allow(
+        clippy::expect_used,
+        reason = "the embedded file is part of the binary and covered by tests: it always parses"
+    )]
     pub fn defaults() -> Self {
-        // The embedded file is part of the binary and covered by tests: it always parses.
         Figment::from(Toml::string(DEFAULT_TOML))
             .extract()
             .expect("embedded config/default.toml parses")
