@@ -32,10 +32,23 @@ pub struct Application {
     _data_lock: Option<std::fs::File>,
 }
 
+/// The operator reads a generated admin token where the node was started (and `scripts/smoke.sh`
+/// reads this line).
+#[allow(
+    clippy::print_stdout,
+    reason = "the token is for the operator's terminal, not the log"
+)]
+fn print_generated_token(token: &str) {
+    println!("admin token (generated, set VOUCHERS__ADMIN__TOKEN to choose one): {token}");
+}
+
 /// A random hex string from the OS generator.
+#[allow(
+    clippy::expect_used,
+    reason = "start-up only: without an OS random source the process cannot make a safe token"
+)]
 pub fn random_hex(bytes: usize) -> String {
     let mut buf = vec![0u8; bytes];
-    // Start-up only: without an OS random source the process cannot make a safe token anyway.
     getrandom::getrandom(&mut buf).expect("OS random source");
     buf.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -239,7 +252,7 @@ impl Application {
         }
         let admin_token = if settings.admin.token.is_empty() {
             let token = random_hex(16);
-            println!("admin token (generated, set VOUCHERS__ADMIN__TOKEN to choose one): {token}");
+            print_generated_token(&token);
             token
         } else {
             settings.admin.token.clone()

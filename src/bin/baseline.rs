@@ -14,6 +14,11 @@
 //! `201`, `409` or `503`; stock per voucher code is created on first use with
 //! `BASELINE_STOCK` units (default: effectively unlimited).
 
+#![allow(
+    clippy::print_stdout,
+    reason = "a command-line tool: its output is its answer"
+)]
+
 use std::sync::Arc;
 
 use actix_web::{web, App, HttpResponse, HttpServer};

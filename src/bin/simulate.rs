@@ -4,6 +4,11 @@
 //! replays it, and as its last line `N steps, N invariant checks, N violations, N steps/s`.
 //! Exits 1 on a violation, 2 on bad arguments.
 
+#![allow(
+    clippy::print_stdout,
+    reason = "a command-line tool: its output is its answer"
+)]
+
 use std::process::ExitCode;
 
 use vouchers::sim::{run, Faults, Options};

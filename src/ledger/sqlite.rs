@@ -1459,7 +1459,7 @@ mod tests {
                 .await
                 .unwrap()
                 .iter()
-                .map(|r| sqlx::Row::get::<String, _>(r, 1))
+                .map(|r| Row::get::<String, _>(r, 1))
                 .collect();
             assert!(plan.iter().any(|op| op == "Halt"), "{sql}: {plan:?}");
             assert!(

@@ -1012,7 +1012,7 @@ async fn a_half_open_redis_link_is_noticed_and_recovered() {
     let Some(redis) = redis_url() else {
         return;
     };
-    let proxy = crate::proxy::Proxy::start(&host_port(&redis)).await;
+    let proxy = Proxy::start(&host_port(&redis)).await;
     let url = format!("redis://127.0.0.1:{}", proxy.port);
     let app = crate::helpers::spawn_app_with(|s| {
         s.redis.url = url;
@@ -1022,7 +1022,7 @@ async fn a_half_open_redis_link_is_noticed_and_recovered() {
     let redis_up = || {
         let (client, base) = (app.client.clone(), app.base.clone());
         async move {
-            let m = crate::helpers::metrics_text(&client, &base).await;
+            let m = metrics_text(&client, &base).await;
             m.lines()
                 .any(|l| l.starts_with("vouchers_redis_up"))
                 .then(|| crate::helpers::metric_sum(&m, "vouchers_redis_up", &[]))
@@ -1073,7 +1073,7 @@ async fn sold_out_probes_that_find_nothing_new_publish_nothing() {
     assert_eq!(won.len(), 2);
     let metrics = || {
         let (client, base) = (app.client.clone(), app.base.clone());
-        async move { crate::helpers::metrics_text(&client, &base).await }
+        async move { metrics_text(&client, &base).await }
     };
     let published = |m: &str| {
         crate::helpers::metric_sum(m, "vouchers_signals_total", &["published", "SOLD_OUT"])

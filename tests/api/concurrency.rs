@@ -35,8 +35,7 @@ async fn two_hundred_customers_race_for_ten_units() {
         .map(|(i, (_, body))| (i + 1, body["orderId"].as_str().unwrap_or("")))
         .collect();
     assert_eq!(winners.len(), 10);
-    let created: std::collections::BTreeSet<String> =
-        winners.iter().map(|(_, o)| o.to_string()).collect();
+    let created: BTreeSet<String> = winners.iter().map(|(_, o)| o.to_string()).collect();
     crate::audit::books(&app.db_url, "RACE10")
         .await
         .assert_matches_clients("RACE10", &created);

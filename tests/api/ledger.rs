@@ -1377,7 +1377,7 @@ async fn postgres_grant_check_counts_what_closed_leases_consumed() {
         .await
         .unwrap();
     match l.grant("CC", "n5", 3, NOW, TTL).await {
-        Err(ledger::LedgerError::Unavailable(sqlx::Error::Database(e))) => {
+        Err(LedgerError::Unavailable(sqlx::Error::Database(e))) => {
             assert_eq!(e.code().as_deref(), Some("23514"), "a check violation: {e}")
         }
         other => panic!("a grant past the total was not refused: {other:?}"),

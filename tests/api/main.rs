@@ -2,6 +2,12 @@
 //! SQLite file and a manual clock; PostgreSQL and Redis tests read `TEST_DATABASE_URL` and
 //! `TEST_REDIS_URL`.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests: a panic is the failure"
+)]
+
 mod audit;
 mod bad_input;
 mod cluster;
