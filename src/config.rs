@@ -111,6 +111,50 @@ pub struct LedgerSettings {
     pub breaker_open_ms: u64,
 }
 
+/// Which store a ledger URL names: decided here, once, from the URL's scheme.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LedgerKind {
+    /// `sqlite:…`: the embedded ledger of one node.
+    Sqlite,
+    /// `postgres:…` or `postgresql:…`: the ledger a cluster's nodes share.
+    Postgres,
+}
+
+impl LedgerKind {
+    /// The store `url` names, or an error for a scheme the service has no ledger for.
+    pub fn of(url: &str) -> anyhow::Result<Self> {
+        if url.starts_with("sqlite:") {
+            Ok(Self::Sqlite)
+        } else if url.starts_with("postgres:") || url.starts_with("postgresql:") {
+            Ok(Self::Postgres)
+        } else {
+            anyhow::bail!("ledger url must start with sqlite: or postgres:")
+        }
+    }
+
+    /// Whether several nodes may share the ledger (the embedded one belongs to one process).
+    pub fn is_shared(self) -> bool {
+        self == Self::Postgres
+    }
+}
+
+impl LedgerSettings {
+    /// The store [`LedgerSettings::url`] names.
+    pub fn kind(&self) -> anyhow::Result<LedgerKind> {
+        LedgerKind::of(&self.url)
+    }
+
+    /// Merged transactions in flight at once, `commit_pipeline`'s 0 resolved: 1 on SQLite,
+    /// whose one writer would only queue a second behind the first; 2 otherwise.
+    pub fn pipeline(&self) -> usize {
+        match self.commit_pipeline {
+            0 if matches!(self.kind(), Ok(LedgerKind::Sqlite)) => 1,
+            0 => 2,
+            n => n,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Deserialize)]
 pub struct EngineSettings {
     pub shards: usize,
@@ -215,6 +259,21 @@ mod tests {
         let s = Settings::defaults();
         assert_eq!(s.http.port, 8080);
         assert!(s.ledger.url.starts_with("sqlite://"));
+        assert_eq!(s.ledger.kind().unwrap(), LedgerKind::Sqlite);
+        assert_eq!(s.ledger.pipeline(), 1);
+    }
+
+    #[test]
+    fn the_ledger_kind_is_read_from_the_url_scheme() {
+        assert_eq!(
+            LedgerKind::of("sqlite::memory:").unwrap(),
+            LedgerKind::Sqlite
+        );
+        for url in ["postgres://h/db", "postgresql://h/db"] {
+            assert_eq!(LedgerKind::of(url).unwrap(), LedgerKind::Postgres, "{url}");
+        }
+        assert!(LedgerKind::of("mysql://h/db").is_err());
+        assert!(LedgerKind::Postgres.is_shared() && !LedgerKind::Sqlite.is_shared());
     }
 
     #[test]

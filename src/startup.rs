@@ -11,7 +11,7 @@ use anyhow::Context;
 
 use crate::api::{self, AppState};
 use crate::clock::{LedgerClock, SharedClock};
-use crate::config::{EngineSettings, Settings};
+use crate::config::{EngineSettings, LedgerKind, Settings};
 use crate::engine::{EngineHandle, Shards};
 use crate::jobs::{self, Jobs};
 use crate::ledger;
@@ -60,10 +60,10 @@ pub fn random_hex(bytes: usize) -> String {
 /// Record locks belong to the process, so an embedding that opens the ledger twice in one
 /// process (the tests' two apps on one file) is not refused.
 #[cfg(unix)]
-fn lock_embedded_ledger(url: &str) -> anyhow::Result<Option<std::fs::File>> {
+fn lock_embedded_ledger(kind: LedgerKind, url: &str) -> anyhow::Result<Option<std::fs::File>> {
     use std::os::fd::AsRawFd;
     use std::str::FromStr;
-    if !url.starts_with("sqlite:") {
+    if kind != LedgerKind::Sqlite {
         return Ok(None);
     }
     let options = sqlx::sqlite::SqliteConnectOptions::from_str(url).context("ledger url")?;
@@ -101,7 +101,7 @@ fn lock_embedded_ledger(url: &str) -> anyhow::Result<Option<std::fs::File>> {
 }
 
 #[cfg(not(unix))]
-fn lock_embedded_ledger(_url: &str) -> anyhow::Result<Option<std::fs::File>> {
+fn lock_embedded_ledger(_kind: LedgerKind, _url: &str) -> anyhow::Result<Option<std::fs::File>> {
     Ok(None)
 }
 
@@ -114,10 +114,11 @@ fn lock_embedded_ledger(_url: &str) -> anyhow::Result<Option<std::fs::File>> {
 /// live process only makes its next batch fail with 503.
 async fn reclaim_leases_of_earlier_runs(
     ledger: &ledger::SharedLedger,
+    kind: LedgerKind,
     settings: &Settings,
     now: i64,
 ) -> anyhow::Result<()> {
-    let restocks = if settings.ledger.url.starts_with("sqlite:") {
+    let restocks = if kind == LedgerKind::Sqlite {
         ledger.reap_expired(i64::MAX).await
     } else if !settings.node.id.is_empty() {
         ledger.return_node_leases(&settings.node.id, now).await
@@ -231,13 +232,14 @@ impl Application {
         ledger_rt: &mut Option<tokio::runtime::Runtime>,
     ) -> anyhow::Result<Self> {
         check_liveness_settings(&settings.node)?;
+        let kind = settings.ledger.kind().context("ledger.url")?;
         // Before anything touches the ledger: one process per embedded ledger.
-        let data_lock = lock_embedded_ledger(&settings.ledger.url)?;
+        let data_lock = lock_embedded_ledger(kind, &settings.ledger.url)?;
         // First: metrics recorded from here on (jobs, relay, actors) must reach the exporter.
         let metrics = crate::metrics::install();
         let ledger =
             ledger::connect_on(ledger_handle, &settings.ledger).context("connect ledger")?;
-        if settings.admin.token.is_empty() && !settings.ledger.url.starts_with("sqlite:") {
+        if settings.admin.token.is_empty() && kind.is_shared() {
             anyhow::bail!(
                 "a shared ledger needs one admin token for every node: set VOUCHERS__ADMIN__TOKEN"
             );
@@ -258,13 +260,13 @@ impl Application {
             settings.admin.token.clone()
         };
         // On a shared ledger this node's clock follows the ledger's (corrected at every beat).
-        let shared_ledger = !settings.ledger.url.starts_with("sqlite:");
+        let shared_ledger = kind.is_shared();
         let clock: SharedClock = if shared_ledger {
             Arc::new(LedgerClock::new(clock, settings.node.clock_skew_ms))
         } else {
             clock
         };
-        reclaim_leases_of_earlier_runs(&ledger, &settings, clock.now_ms()).await?;
+        reclaim_leases_of_earlier_runs(&ledger, kind, &settings, clock.now_ms()).await?;
         let node_id = register_incarnation(&ledger, &settings, &clock).await?;
         let mut signal_tasks = Vec::new();
         let keepalive = Duration::from_millis(settings.redis.keepalive_ms.max(30));

@@ -31,6 +31,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 
 use crate::clock::Millis;
+use crate::config::LedgerKind;
 use crate::domain::{
     FeedEvent, Ineligible, Reservation, Switches, SwitchesPatch, Voucher, VoucherPatch,
     VoucherStatus,
@@ -601,12 +602,7 @@ pub fn grouped(
     settings: &crate::config::LedgerSettings,
 ) -> SharedLedger {
     let deadline = std::time::Duration::from_millis(settings.timeout_ms.max(1));
-    let pipeline = match settings.commit_pipeline {
-        // SQLite has one writer: a second transaction in flight would only queue behind it.
-        0 if settings.url.starts_with("sqlite:") => 1,
-        0 => 2,
-        n => n,
-    };
+    let pipeline = settings.pipeline();
     let breaker = Arc::new(breaker::Breaker::new(
         settings.breaker_failures,
         settings.breaker_open_ms,
@@ -641,20 +637,19 @@ pub async fn connect_with_timeout(
     acquire_timeout_ms: u64,
 ) -> anyhow::Result<SharedLedger> {
     use anyhow::Context;
-    if url.starts_with("sqlite:") {
-        let l = sqlite::SqliteLedger::connect(url, max_connections)
-            .await
-            .context("open sqlite ledger")?;
-        Ok(Arc::new(l))
-    } else if url.starts_with("postgres:") || url.starts_with("postgresql:") {
-        let l =
+    let ledger: SharedLedger = match LedgerKind::of(url)? {
+        LedgerKind::Sqlite => Arc::new(
+            sqlite::SqliteLedger::connect(url, max_connections)
+                .await
+                .context("open sqlite ledger")?,
+        ),
+        LedgerKind::Postgres => Arc::new(
             postgres::PostgresLedger::connect(url, max_connections, timeout_ms, acquire_timeout_ms)
                 .await
-                .context("open postgres ledger")?;
-        Ok(Arc::new(l))
-    } else {
-        anyhow::bail!("ledger url must start with sqlite: or postgres:")
-    }
+                .context("open postgres ledger")?,
+        ),
+    };
+    Ok(ledger)
 }
 
 /// Applies an operator's patch to a voucher; returns the new voucher and the units the total grew

@@ -6,6 +6,7 @@
 use std::collections::BTreeSet;
 
 use serde_json::json;
+use vouchers::config::LedgerKind;
 
 use crate::helpers::{metrics_text, spawn_app};
 
@@ -96,7 +97,7 @@ macro_rules! read_books {
 
 /// Reads one voucher's books straight from the ledger's tables.
 pub async fn books(db_url: &str, code: &str) -> Books {
-    if db_url.starts_with("sqlite:") {
+    if matches!(LedgerKind::of(db_url), Ok(LedgerKind::Sqlite)) {
         read_books!(
             sqlx::SqlitePool::connect(db_url).await.expect("sqlite"),
             code,
@@ -192,7 +193,7 @@ async fn corruption_is_noticed_on(app: crate::helpers::TestApp, sql: &str) {
             n
         }};
     }
-    let changed = if app.db_url.starts_with("sqlite:") {
+    let changed = if matches!(LedgerKind::of(&app.db_url), Ok(LedgerKind::Sqlite)) {
         execute_on!(sqlx::SqlitePool)
     } else {
         execute_on!(sqlx::PgPool)

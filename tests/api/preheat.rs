@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, SecondsFormat, Utc};
 use serde_json::json;
+use vouchers::config::LedgerKind;
 
 use crate::audit;
 use crate::helpers::{eventually, spawn_app_with};
@@ -195,7 +196,7 @@ async fn leases_to_sell_out(shared_pg: Option<String>) -> i64 {
         .await
         .assert_balanced("SMALL");
     let sql = "SELECT COUNT(*) FROM leases WHERE voucher_code = 'SMALL'";
-    if app.db_url.starts_with("sqlite:") {
+    if matches!(LedgerKind::of(&app.db_url), Ok(LedgerKind::Sqlite)) {
         let pool = sqlx::SqlitePool::connect(&app.db_url)
             .await
             .expect("sqlite");
