@@ -1,5 +1,8 @@
 //! The vocabulary shared by every layer: vouchers, reservations, eligibility and the input rules
-//! of DESIGN §6. Pure data and pure checks; no I/O.
+//! of DESIGN §6, and the ledger's numbers as the admin API and the metrics show them (counters,
+//! live units, the circuit breaker's state). Pure data and pure checks; no I/O, and nothing
+//! imported but the clock's `Millis`: the ledger and the metrics both read these types, so
+//! neither needs the other's.
 
 use serde::{Deserialize, Serialize};
 
@@ -245,6 +248,53 @@ pub fn valid_order_id(order_id: &str) -> bool {
     !order_id.is_empty()
         && order_id.len() <= MAX_ORDER_ID_LEN
         && order_id.bytes().all(|b| (0x20..=0x7e).contains(&b))
+}
+
+/// Units of a voucher as the ledger's counters and rows see them (`GET /admin/vouchers/{code}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Counters {
+    pub total_limit: i64,
+    pub free: i64,
+    pub leased_unused: i64,
+    pub reserved: i64,
+    pub confirmed: i64,
+    pub released: i64,
+    /// Every term recomputed from the rows agrees with the counters and
+    /// `total = free + leased_unused + reserved + confirmed`.
+    pub balanced: bool,
+}
+
+/// A voucher's units as its row and its leases say now, without scanning its reservations: the
+/// live numbers of the dashboard (the reconciler recomputes everything, less often).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveUnits {
+    pub code: String,
+    pub total_limit: i64,
+    pub free: i64,
+    pub leased_unused: i64,
+    pub reserved: i64,
+    pub confirmed: i64,
+    pub released: i64,
+}
+
+/// The state of a node's circuit breaker on its ledger (`ledger::breaker`), as readiness and the
+/// metrics show it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BreakerState {
+    Closed,
+    HalfOpen,
+    Open,
+}
+
+impl BreakerState {
+    /// The gauge's value: 0 closed, 1 half-open, 2 open.
+    pub fn level(self) -> f64 {
+        match self {
+            Self::Closed => 0.0,
+            Self::HalfOpen => 1.0,
+            Self::Open => 2.0,
+        }
+    }
 }
 
 #[cfg(test)]

@@ -1,12 +1,17 @@
 //! Every metric name and label the service exports lives here, with the helpers that record them.
 //! Labels are bounded: outcomes, routes and event kinds, never codes of customers or orders.
 //! Per-voucher gauges carry the voucher code, bounded by the number of live vouchers.
+//!
+//! Every layer records here, so this module imports none of them: what it is handed is plain
+//! numbers, its own label enums, or `domain`'s data.
 
 use std::sync::OnceLock;
 use std::time::Duration;
 
 use metrics::{counter, gauge, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+use crate::domain::{BreakerState, Counters, LiveUnits};
 
 pub const RESERVATIONS: &str = "vouchers_reservations_total";
 /// [`RESERVATIONS`] per voucher (on sale) and node, a running count set every second by the
@@ -288,7 +293,7 @@ fn register_catalogue() {
     counter!(USAGE_LOADED_ROWS).increment(0);
     counter!(USAGE_MISMATCHES).increment(0);
     counter!(BREAKER_OPENED).increment(0);
-    breaker_state(crate::ledger::breaker::BreakerState::Closed);
+    breaker_state(BreakerState::Closed);
     counter!(EXPIRED).increment(0);
     counter!(KNOWN_CODES_READS).increment(0);
     switches(false, false);
@@ -418,7 +423,7 @@ pub fn actors(n: usize) {
 /// Per-voucher unit gauges, set by the reconciler.
 /// The reconciler's verdict on a voucher: the mismatch counter always, the per-voucher series
 /// only once its sale started (the live numbers set the unit gauges).
-pub fn reconciled(code: &str, c: &crate::ledger::Counters, started: bool) {
+pub fn reconciled(code: &str, c: &Counters, started: bool) {
     if !started {
         if !c.balanced {
             reconcile_mismatch();
@@ -453,7 +458,7 @@ pub fn reconcile_mismatch() {
 
 /// `vouchers_units{voucher, kind}` from the live numbers (every second, for every voucher on
 /// sale): free, leased_unused, reserved, confirmed, released, total.
-pub fn live_units(u: &crate::ledger::LiveUnits) {
+pub fn live_units(u: &LiveUnits) {
     for (kind, v) in [
         ("free", u.free),
         ("leased_unused", u.leased_unused),
@@ -502,7 +507,7 @@ pub const BREAKER_STATE: &str = "vouchers_ledger_breaker_state";
 pub const BREAKER_OPENED: &str = "vouchers_ledger_breaker_opened_total";
 
 /// The ledger circuit breaker's state: 0 closed, 1 half-open (a probe is out), 2 open.
-pub fn breaker_state(state: crate::ledger::breaker::BreakerState) {
+pub fn breaker_state(state: BreakerState) {
     gauge!(BREAKER_STATE).set(state.level());
 }
 

@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::time::Instant;
 
 use super::LedgerError;
+pub use crate::domain::BreakerState;
 
 /// What the breaker lets a call do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,25 +31,6 @@ pub enum Admit {
     Probe,
     /// Open (or a probe is out): fail at once.
     Refuse,
-}
-
-/// The breaker's state, as readiness and the metrics show it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BreakerState {
-    Closed,
-    HalfOpen,
-    Open,
-}
-
-impl BreakerState {
-    /// The gauge's value: 0 closed, 1 half-open, 2 open.
-    pub fn level(self) -> f64 {
-        match self {
-            Self::Closed => 0.0,
-            Self::HalfOpen => 1.0,
-            Self::Open => 2.0,
-        }
-    }
 }
 
 const CLOSED: u8 = 0;

@@ -32,6 +32,7 @@ use async_trait::async_trait;
 
 use crate::clock::Millis;
 use crate::config::LedgerKind;
+pub use crate::domain::{Counters, LiveUnits};
 use crate::domain::{
     FeedEvent, Ineligible, Reservation, Switches, SwitchesPatch, Voucher, VoucherPatch,
     VoucherStatus,
@@ -149,33 +150,6 @@ pub enum RowOutcome {
     /// The ledger's copy of the voucher refuses new reservations (paused or outside its window),
     /// even if the node's copy was stale.
     NotEligible(Ineligible),
-}
-
-/// Units of a voucher as the ledger's counters and rows see them (`GET /admin/vouchers/{code}`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Counters {
-    pub total_limit: i64,
-    pub free: i64,
-    pub leased_unused: i64,
-    pub reserved: i64,
-    pub confirmed: i64,
-    pub released: i64,
-    /// Every term recomputed from the rows agrees with the counters and
-    /// `total = free + leased_unused + reserved + confirmed`.
-    pub balanced: bool,
-}
-
-/// A voucher's units as its row and its leases say now, without scanning its reservations: the
-/// live numbers of the dashboard (the reconciler recomputes everything, less often).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LiveUnits {
-    pub code: String,
-    pub total_limit: i64,
-    pub free: i64,
-    pub leased_unused: i64,
-    pub reserved: i64,
-    pub confirmed: i64,
-    pub released: i64,
 }
 
 /// Which ACTIVE leases a close (return or reap) applies to.
