@@ -120,7 +120,7 @@ where
         let fut = run(e.clone());
         async move {
             if let Err(err) = fut.await {
-                crate::metrics::ledger_error("jobs");
+                crate::metrics::ledger_error(crate::metrics::LedgerOp::Jobs);
                 tracing::warn!(error = %err, "{what} failed");
             }
         }

@@ -246,22 +246,47 @@ const LEASE_EVENTS_ALL: [LeaseEvent; 8] = [
     LeaseEvent::Fenced,
     LeaseEvent::Recalled,
 ];
-/// Ledger operations that can fail, the `op` label of [`LEDGER_ERRORS`].
-pub const LEDGER_OPS: [&str; 9] = [
-    "load_voucher",
-    "commit_batch",
-    "grant",
-    "renew",
-    "return_lease",
-    "won_orders",
-    "find_orders",
-    "jobs",
-    // A grant the ledger refused because it would hand out more than total_limit.
-    "grant_past_total",
-];
 const SIGNAL_KINDS: [&str; 6] = [
     "SOLD_OUT", "RESTOCK", "RECALL", "UPDATED", "SWITCHES", "WARM",
 ];
+
+/// Declares [`LedgerOp`] with its labels and the list of every variant, from one table: a
+/// variant cannot be left out of the list the catalogue registers.
+macro_rules! ledger_ops {
+    ($($(#[$doc:meta])* $op:ident => $label:literal,)+) => {
+        /// A ledger operation that can fail: the `op` label of [`LEDGER_ERRORS`].
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        pub enum LedgerOp {
+            $($(#[$doc])* $op,)+
+        }
+
+        impl LedgerOp {
+            /// Every operation, in declaration order.
+            pub const ALL: &'static [LedgerOp] = &[$(LedgerOp::$op,)+];
+
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $(LedgerOp::$op => $label,)+
+                }
+            }
+        }
+    };
+}
+
+ledger_ops! {
+    LoadVoucher => "load_voucher",
+    CommitBatch => "commit_batch",
+    Grant => "grant",
+    Renew => "renew",
+    ReturnLease => "return_lease",
+    WonOrders => "won_orders",
+    FindOrders => "find_orders",
+    /// The listing of a node's active leases after a grant whose answer was lost.
+    ActiveLeases => "active_leases",
+    Jobs => "jobs",
+    /// A grant the ledger refused because it would hand out more than total_limit.
+    GrantPastTotal => "grant_past_total",
+}
 
 /// Every counter and gauge of the catalogue exists from start-up at zero, so dashboards and
 /// alerts see a series (and a rate of zero) before the first event.
@@ -272,8 +297,8 @@ fn register_catalogue() {
     for e in LEASE_EVENTS_ALL {
         counter!(LEASE_EVENTS, "event" => e.label()).increment(0);
     }
-    for op in LEDGER_OPS {
-        counter!(LEDGER_ERRORS, "op" => op).increment(0);
+    for op in LedgerOp::ALL {
+        counter!(LEDGER_ERRORS, "op" => op.as_str()).increment(0);
     }
     for event in ["published", "received", "dropped"] {
         for kind in SIGNAL_KINDS {
@@ -381,8 +406,8 @@ pub fn merged_commit(batches: usize, rows: usize, elapsed: Duration, ok: bool) {
     histogram!(COMMIT_SECONDS).record(elapsed.as_secs_f64());
 }
 
-pub fn ledger_error(op: &'static str) {
-    counter!(LEDGER_ERRORS, "op" => op).increment(1);
+pub fn ledger_error(op: LedgerOp) {
+    counter!(LEDGER_ERRORS, "op" => op.as_str()).increment(1);
 }
 
 /// A request refused by a rate limit (`limiter`: address, customer or voucher).
@@ -518,12 +543,21 @@ pub fn breaker_opened() {
 
 #[cfg(test)]
 mod tests {
-    use super::Outcome;
+    use super::{LedgerOp, Outcome};
 
     #[test]
     fn outcomes_are_indexed_in_their_list_order() {
         for (i, o) in Outcome::ALL.iter().enumerate() {
             assert_eq!(o.index(), i, "{o:?}");
         }
+    }
+
+    #[test]
+    fn ledger_op_labels_are_distinct() {
+        let mut labels: Vec<&str> = LedgerOp::ALL.iter().map(|op| op.as_str()).collect();
+        labels.sort_unstable();
+        labels.dedup();
+        assert_eq!(labels.len(), LedgerOp::ALL.len());
+        assert!(labels.contains(&"active_leases"));
     }
 }

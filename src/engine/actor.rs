@@ -248,7 +248,7 @@ fn spawn_return(
                 actor.do_send(Returned(lease_id, true));
             }
             Err(e) => {
-                m::ledger_error("return_lease");
+                m::ledger_error(m::LedgerOp::ReturnLease);
                 tracing::warn!(lease_id, error = %e, "lease return failed; retried at the next tick");
                 actor.do_send(Returned(lease_id, false));
             }

@@ -1143,7 +1143,7 @@ impl EngineHandle {
                             me.after_reap(restocks);
                         }
                         Err(e) => {
-                            m::ledger_error("jobs");
+                            m::ledger_error(m::LedgerOp::Jobs);
                             tracing::warn!(holder, error = %e, "reaping a dead holder failed");
                         }
                     }

@@ -701,11 +701,11 @@ impl<R, W> VoucherCore<R, W> {
             // serving from it (a grant in flight): carry on with it. Stopping now would leave
             // the grant's lease to the reaper.
             Err(_) if self.voucher.is_some() => {
-                m::ledger_error("load_voucher");
+                m::ledger_error(m::LedgerOp::LoadVoucher);
             }
             Err(e) => {
                 tracing::warn!(code = %self.code, error = %e, "load voucher");
-                m::ledger_error("load_voucher");
+                m::ledger_error(m::LedgerOp::LoadVoucher);
                 self.fail_all(EngineError::Unavailable);
                 self.stopping = true;
                 self.out.push(Command::Stop);
@@ -982,7 +982,7 @@ impl<R, W> VoucherCore<R, W> {
                     if let Some(l) = self.leases.iter_mut().find(|l| l.id == lease_id) {
                         l.used -= n;
                     }
-                    m::ledger_error("commit_batch");
+                    m::ledger_error(m::LedgerOp::CommitBatch);
                     tracing::warn!(code = %self.code, lease_id, error = %e, "batch commit failed");
                     self.hold_for(Hold::Down, DOWN_MS);
                 }
@@ -1095,7 +1095,7 @@ impl<R, W> VoucherCore<R, W> {
                 self.fail_all(EngineError::NotFound);
             }
             Err(e) => {
-                m::ledger_error("grant");
+                m::ledger_error(m::LedgerOp::Grant);
                 tracing::warn!(code = %self.code, error = %e, "lease grant failed");
                 self.hold_for(Hold::Down, DOWN_MS);
                 self.failed_grants += 1;
@@ -1147,7 +1147,7 @@ impl<R, W> VoucherCore<R, W> {
                 }
             }
             Err(e) => {
-                m::ledger_error("won_orders");
+                m::ledger_error(m::LedgerOp::WonOrders);
                 tracing::warn!(code = %self.code, error = %e, "load winning orders");
             }
         }
@@ -1199,7 +1199,7 @@ impl<R, W> VoucherCore<R, W> {
                 }
             }
             Err(_) => {
-                m::ledger_error("find_orders");
+                m::ledger_error(m::LedgerOp::FindOrders);
                 for p in waiting {
                     let reply = Reply::Failed(EngineError::Unavailable);
                     self.out.push(Command::Answer(p.reply, reply));
@@ -1341,7 +1341,7 @@ impl<R, W> VoucherCore<R, W> {
                 }
             }
             Err(_) => {
-                m::ledger_error("active_leases");
+                m::ledger_error(m::LedgerOp::ActiveLeases);
                 self.orphan_check = Some(self.now + ORPHAN_CHECK_MS);
             }
         }
@@ -1384,7 +1384,7 @@ impl<R, W> VoucherCore<R, W> {
                 }
             }
             Err(e) => {
-                m::ledger_error("renew");
+                m::ledger_error(m::LedgerOp::Renew);
                 tracing::warn!(code = %self.code, error = %e, "lease renewal failed");
             }
         }

@@ -341,7 +341,7 @@ impl Ledger for PostgresLedger {
                 if d.code().as_deref() == Some("23514") {
                     // DESIGN §3's last line held where the books had already gone wrong.
                     tracing::error!(code, want, error = %d, "a grant would pass total_limit: refused");
-                    crate::metrics::ledger_error("grant_past_total");
+                    crate::metrics::ledger_error(crate::metrics::LedgerOp::GrantPastTotal);
                 }
             }
         })?;
