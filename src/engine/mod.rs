@@ -77,7 +77,13 @@ impl From<LedgerError> for EngineError {
             LedgerError::Released => Self::ReservationReleased,
             LedgerError::AlreadyConfirmed => Self::AlreadyConfirmed,
             LedgerError::Invalid(why) => Self::Invalid(why.to_string()),
-            LedgerError::Fenced | LedgerError::Unavailable(_) => {
+            LedgerError::Fenced
+            | LedgerError::Deadline
+            | LedgerError::QueueFull
+            | LedgerError::WorkerGone
+            | LedgerError::Unreachable { .. }
+            | LedgerError::Database { .. }
+            | LedgerError::CommitFailed(_) => {
                 tracing::warn!(error = %e, "ledger call failed");
                 Self::Unavailable
             }

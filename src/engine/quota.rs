@@ -1,5 +1,5 @@
 //! The quota protocol of one voucher on one node, as a sans-IO state machine: events in,
-//! commands out. No actix, tokio, sqlx or clock lives here; the actor
+//! commands out. No actix, tokio, database driver or clock lives here; the actor
 //! ([`super::actor::VoucherActor`]) feeds it events and carries its commands out, and the
 //! deterministic simulator (`crate::sim`) drives the same code against the model ledger.
 //!
@@ -1461,7 +1461,7 @@ mod tests {
     }
 
     fn failed() -> LedgerError {
-        LedgerError::Unavailable(sqlx::Error::PoolTimedOut)
+        LedgerError::Deadline
     }
 
     struct Rig {

@@ -178,24 +178,13 @@ impl Drop for Pending<'_> {
 }
 
 /// The ledger could not be reached, or did not answer in time: what the breaker counts. A
-/// database error is the ledger answering (a lock timeout, a deadlock victim, a constraint),
-/// unless it says the connection or the server is going away.
+/// [`LedgerError::Database`] error is the ledger answering (a lock timeout, a deadlock victim, a
+/// constraint), and a full commit queue is this node's own backlog; neither counts.
 fn is_outage<T>(res: &Result<T, LedgerError>) -> bool {
-    match res {
-        Err(LedgerError::Unavailable(e)) => match e {
-            sqlx::Error::Io(_)
-            | sqlx::Error::Tls(_)
-            | sqlx::Error::PoolTimedOut
-            | sqlx::Error::PoolClosed
-            | sqlx::Error::WorkerCrashed => true,
-            // Class 08: connection exception; 57P0x: the server is shutting down or starting.
-            sqlx::Error::Database(d) => d
-                .code()
-                .is_some_and(|c| c.starts_with("08") || c.starts_with("57P0")),
-            _ => false,
-        },
-        _ => false,
-    }
+    matches!(
+        res,
+        Err(LedgerError::Deadline | LedgerError::WorkerGone | LedgerError::Unreachable { .. })
+    )
 }
 
 #[cfg(test)]
@@ -257,22 +246,23 @@ mod tests {
     #[tokio::test]
     async fn only_an_unreachable_ledger_counts() {
         let b = Breaker::new(1, 1000);
-        let busy = b
-            .call(async {
-                Err::<(), _>(LedgerError::Unavailable(sqlx::Error::Protocol(
-                    "commit queue full".into(),
-                )))
-            })
-            .await;
+        let busy = b.call(async { Err::<(), _>(LedgerError::QueueFull) }).await;
         assert!(busy.is_err());
         assert_eq!(
             b.state(),
             BreakerState::Closed,
             "a full queue is the ledger answering"
         );
-        let down = b
-            .call(async { Err::<(), _>(LedgerError::Unavailable(sqlx::Error::PoolTimedOut)) })
+        let answered = b
+            .call(async { Err::<(), _>(LedgerError::database("lock timeout")) })
             .await;
+        assert!(answered.is_err());
+        assert_eq!(
+            b.state(),
+            BreakerState::Closed,
+            "a database error is the ledger answering"
+        );
+        let down = b.call(async { Err::<(), _>(LedgerError::Deadline) }).await;
         assert!(down.is_err());
         assert_eq!(b.state(), BreakerState::Open);
         let refused = b.call(async { Ok::<(), LedgerError>(()) }).await;

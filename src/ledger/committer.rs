@@ -14,9 +14,10 @@
 //!
 //! The queue is bounded by construction: an actor has at most `engine.batches_in_flight`
 //! batches in flight, so it holds at most that many jobs per live actor. It is still a bounded
-//! channel, and a full one answers `Unavailable` (the actor's requests get `503`) rather than
-//! growing. A transaction that takes longer than its deadline answers its batches
-//! `Unavailable` too; nothing of it was acknowledged, and the fence keeps a late commit safe.
+//! channel, and a full one answers `QueueFull` (the actor's requests get `503`) rather than
+//! growing. A transaction that fails, or takes longer than its deadline, answers each of its
+//! batches `CommitFailed` with the reason; nothing of it was acknowledged, and the fence keeps
+//! a late commit safe.
 
 use std::collections::{HashSet, VecDeque};
 use std::future::Future;
@@ -24,6 +25,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tokio::sync::mpsc::error::TrySendError;
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
 use super::{Batch, BatchResults, LedgerError, RowOutcome};
@@ -70,7 +72,10 @@ impl Committer {
         let (reply, answer) = oneshot::channel();
         self.queue
             .try_send(Job { batch, reply })
-            .map_err(|_| unavailable("group commit queue is full or closed"))?;
+            .map_err(|e| match e {
+                TrySendError::Full(_) => LedgerError::QueueFull,
+                TrySendError::Closed(_) => LedgerError::WorkerGone,
+            })?;
         Ok(answer)
     }
 
@@ -78,15 +83,11 @@ impl Committer {
     pub(crate) async fn commit(&self, batch: Batch) -> CommitResult {
         self.submit(batch)?
             .await
-            .unwrap_or_else(|_| Err(unavailable("group committer stopped")))
+            .unwrap_or_else(|_| Err(LedgerError::WorkerGone))
     }
 }
 
 type CommitResult = Result<Vec<RowOutcome>, LedgerError>;
-
-fn unavailable(why: &'static str) -> LedgerError {
-    LedgerError::Unavailable(sqlx::Error::Protocol(why.into()))
-}
 
 async fn run(
     commit: CommitFn,
@@ -143,28 +144,29 @@ async fn run(
             let started = Instant::now();
             let result = match tokio::time::timeout(deadline, transaction).await {
                 Ok(result) => result,
-                Err(_) => Err(unavailable("merged commit passed its deadline")),
+                Err(_) => Err(LedgerError::Deadline),
             };
             m::merged_commit(n, rows, started.elapsed(), result.is_ok());
             drop(permit);
-            match result {
+            let failed = match result {
                 Ok(results) if results.len() == n => {
                     for (reply, res) in replies.into_iter().zip(results) {
                         let _ = reply.send(res);
                     }
+                    return;
                 }
                 Ok(_) => {
                     tracing::error!("merged commit answered the wrong number of batches");
-                    for reply in replies {
-                        let _ = reply.send(Err(unavailable("merged commit result mismatch")));
-                    }
+                    LedgerError::database("merged commit answered the wrong number of batches")
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, batches = n, "merged commit failed");
-                    for reply in replies {
-                        let _ = reply.send(Err(unavailable("merged commit failed")));
-                    }
+                    e
                 }
+            };
+            let failed = Arc::new(failed);
+            for reply in replies {
+                let _ = reply.send(Err(LedgerError::CommitFailed(failed.clone())));
             }
         });
     }
@@ -351,7 +353,10 @@ mod tests {
             commit,
         );
         let hung = c.commit(batch("A", 1)).await;
-        assert!(matches!(hung, Err(LedgerError::Unavailable(_))), "{hung:?}");
+        let Err(LedgerError::CommitFailed(cause)) = &hung else {
+            panic!("{hung:?}");
+        };
+        assert!(matches!(**cause, LedgerError::Deadline), "{hung:?}");
         let next = c.commit(batch("B", 1)).await;
         assert!(next.is_ok(), "the slot came back: {next:?}");
         assert_eq!(*calls.lock().unwrap(), 2);
@@ -363,7 +368,10 @@ mod tests {
             Arc::new(|_| Box::pin(async { Err(LedgerError::Invalid("the database went away")) }));
         let c = Committer::start(&tokio::runtime::Handle::current(), 2, 100, LONG, commit);
         let res = c.commit(batch("A", 2)).await;
-        assert!(matches!(res, Err(LedgerError::Unavailable(_))), "{res:?}");
+        let Err(LedgerError::CommitFailed(cause)) = &res else {
+            panic!("{res:?}");
+        };
+        assert!(matches!(**cause, LedgerError::Invalid(_)), "{res:?}");
     }
 
     /// A ledger whose answer does not match the transaction's batches one for one is not
@@ -383,6 +391,6 @@ mod tests {
         });
         let c = Committer::start(&tokio::runtime::Handle::current(), 1, 100, LONG, commit);
         let res = c.commit(batch("A", 2)).await;
-        assert!(matches!(res, Err(LedgerError::Unavailable(_))), "{res:?}");
+        assert!(matches!(res, Err(LedgerError::CommitFailed(_))), "{res:?}");
     }
 }

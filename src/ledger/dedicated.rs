@@ -27,7 +27,7 @@ pub struct Dedicated {
     rt: Handle,
     /// Where the actors' batches go: merged with every other voucher's into shared transactions.
     committer: Committer,
-    /// No call waits longer than this: a hung connection answers `Unavailable`, not never.
+    /// No call waits longer than this: a hung connection answers `Deadline`, not never.
     deadline: std::time::Duration,
     /// Every call passes it: while it is open, calls fail at once without touching the ledger.
     /// The committer records each merged transaction on it once.
@@ -75,8 +75,8 @@ impl Dedicated {
     {
         match tokio::time::timeout(deadline, self.rt.spawn(fut)).await {
             Ok(Ok(res)) => res,
-            Ok(Err(_)) => Err(LedgerError::Unavailable(sqlx::Error::WorkerCrashed)),
-            Err(_) => Err(LedgerError::Unavailable(sqlx::Error::PoolTimedOut)),
+            Ok(Err(_)) => Err(LedgerError::WorkerGone),
+            Err(_) => Err(LedgerError::Deadline),
         }
     }
 }

@@ -21,6 +21,7 @@ mod merged;
 pub mod model;
 pub mod postgres;
 mod rows;
+mod sql;
 pub mod sqlite;
 mod sqlite_raw;
 mod sqlite_usage;
@@ -38,7 +39,14 @@ use crate::domain::{
     VoucherStatus,
 };
 
-/// What can go wrong at the ledger. Small and concrete: the engine decides on each variant.
+/// The cause of a [`LedgerError`] that came from the store's driver, boxed: the ledger's
+/// interface names no driver type (the SQL ledgers turn their driver's errors into these, in
+/// `sql`).
+pub type Cause = Box<dyn std::error::Error + Send + Sync>;
+
+/// What can go wrong at the ledger. Small and concrete: the engine decides on each variant, and
+/// the node's circuit [`breaker`] counts the ones that say the ledger is out of reach
+/// (`Deadline`, `WorkerGone`, `Unreachable`).
 #[derive(Debug, thiserror::Error)]
 pub enum LedgerError {
     #[error("voucher already exists")]
@@ -55,11 +63,47 @@ pub enum LedgerError {
     AlreadyConfirmed,
     #[error("invalid change: {0}")]
     Invalid(&'static str),
-    #[error("ledger unavailable: {0}")]
-    Unavailable(#[from] sqlx::Error),
     /// The node's circuit breaker is open: the call was not made (see [`breaker`]).
     #[error("ledger unavailable: circuit open")]
     CircuitOpen,
+    /// No answer within `ledger.timeout_ms` (a heartbeat: within a third of its limit). The
+    /// call may still apply after its caller gave up.
+    #[error("ledger unavailable: deadline passed")]
+    Deadline,
+    /// The node's group commit queue is full: the batch was not queued.
+    #[error("ledger unavailable: commit queue full")]
+    QueueFull,
+    /// The task that ran the call on the ledger's runtime ended without an answer: it
+    /// panicked, or the runtime or the group committer stopped.
+    #[error("ledger unavailable: ledger worker gone")]
+    WorkerGone,
+    /// The ledger could not be reached: a connection or TLS error, the connection pool timed
+    /// out or closed, or the server says the connection failed or it is shutting down
+    /// (SQLSTATE class 08, 57P0x).
+    #[error("ledger unreachable: {source}")]
+    Unreachable { source: Cause },
+    /// The database answered, with an error (a lock or statement timeout, a deadlock victim, a
+    /// constraint, a busy file) or with something this build cannot use (a row that does not
+    /// decode, a lease that changed under a merged commit). The ledger is up. `code` is the
+    /// database's own code where it gave one (SQLSTATE on PostgreSQL, the extended result code
+    /// on SQLite).
+    #[error("ledger error: {source}")]
+    Database { code: Option<String>, source: Cause },
+    /// The merged transaction (or, on PostgreSQL, the call of it) that carried this batch
+    /// failed as a whole, for the reason given: nothing of the batch was committed. The
+    /// committer logs the reason once for all the batches it fails.
+    #[error("merged commit failed: {0}")]
+    CommitFailed(Arc<LedgerError>),
+}
+
+impl LedgerError {
+    /// A [`LedgerError::Database`] this build found itself, with no code from the database.
+    pub(crate) fn database(what: impl Into<String>) -> Self {
+        Self::Database {
+            code: None,
+            source: what.into().into(),
+        }
+    }
 }
 
 /// A block of units taken off `free` for one node.
@@ -190,19 +234,6 @@ pub(crate) const LEASE_FILTER: &str = "state = 'ACTIVE' \
      AND ($1 IS NULL OR id = $1) AND ($2 IS NULL OR node_id = $2) \
      AND ($3 IS NULL OR expires_at <= $3)";
 
-/// Fails when the ledger holds a schema version this build does not know: a newer build
-/// migrated it, and this one would write what that schema no longer expects.
-pub(crate) fn refuse_newer_schema(newest: i64, known: &[(i64, &str)]) -> Result<(), sqlx::Error> {
-    let ours = known.iter().map(|(v, _)| *v).max().unwrap_or(0);
-    if newest > ours {
-        return Err(sqlx::Error::Protocol(format!(
-            "the ledger's schema is at version {newest}, newer than this build's {ours}: \
-             run the build that migrated it (or a newer one)"
-        )));
-    }
-    Ok(())
-}
-
 /// Units that went back to `free` for one voucher (release, expiry, return, reap, total raised).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Restock {
@@ -218,6 +249,24 @@ impl Restock {
             units,
         })
     }
+}
+
+/// Sums restocked units per voucher from `(code, units)` rows, dropping zeros, sorted by code.
+pub(crate) fn group_restocks(rows: Vec<(String, i64)>) -> Vec<Restock> {
+    let mut by_code: HashMap<String, i64> = HashMap::new();
+    for (code, units) in rows {
+        *by_code.entry(code).or_insert(0) += units;
+    }
+    let mut out: Vec<Restock> = by_code
+        .into_iter()
+        .filter(|(_, units)| *units > 0)
+        .map(|(voucher_code, units)| Restock {
+            voucher_code,
+            units,
+        })
+        .collect();
+    out.sort_by(|a, b| a.voucher_code.cmp(&b.voucher_code));
+    out
 }
 
 #[async_trait]
@@ -314,7 +363,7 @@ pub trait Ledger: Send + Sync + 'static {
     /// (`Fenced`, `NotFound`) takes nothing and leaves the others to commit. The outer error
     /// means the transaction failed and nothing of any batch was committed. A ledger may commit
     /// batches that share a voucher or an order id in a later transaction of their own; one
-    /// that fails answers its own batches `Unavailable` (nothing of them committed).
+    /// that fails answers its own batches `CommitFailed` (nothing of them committed).
     async fn commit_batches(&self, batches: &[Batch]) -> Result<BatchResults, LedgerError>;
     /// The reservations with these order ids (any voucher), for answering repeats without a lease.
     async fn find_orders(&self, order_ids: &[String]) -> Result<Vec<Reservation>, LedgerError>;
@@ -534,15 +583,6 @@ pub(crate) fn release_unchanged(
     }
 }
 
-/// Maps a unique violation on insert to [`LedgerError::AlreadyExists`].
-pub(crate) fn insert_unique<T>(res: Result<T, sqlx::Error>) -> Result<(), LedgerError> {
-    match res {
-        Ok(_) => Ok(()),
-        Err(sqlx::Error::Database(e)) if e.is_unique_violation() => Err(LedgerError::AlreadyExists),
-        Err(e) => Err(e.into()),
-    }
-}
-
 /// Opens the ledger the settings name on `rt` (a runtime that does nothing else, so database
 /// I/O is never delayed by busy HTTP workers) and returns a handle usable from any runtime. Its
 /// `commit_batch` goes through the node-wide group committer ([`committer`]), which merges the
@@ -692,13 +732,6 @@ pub fn reconcile(
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_build_refuses_a_schema_newer_than_it_knows() {
-        let known = [(1, ""), (4, "")];
-        assert!(refuse_newer_schema(0, &known).is_ok());
-        assert!(refuse_newer_schema(4, &known).is_ok());
-        assert!(refuse_newer_schema(5, &known).is_err());
-    }
     use crate::domain::ReservationStatus;
 
     fn row(o: &str, c: i64) -> BatchRow {

@@ -27,10 +27,9 @@ use std::sync::{Mutex, MutexGuard};
 use async_trait::async_trait;
 
 use super::merged::{plan_merged, LeaseRoom, MergedReads, Rules};
-use super::rows::group_restocks;
 use super::{
-    holder_name, split_holder, Batch, BatchResults, Beat, Closing, Counters, Grant, Incarnation,
-    Lease, Ledger, LedgerError, LiveUnits, Restock,
+    group_restocks, holder_name, split_holder, Batch, BatchResults, Beat, Closing, Counters, Grant,
+    Incarnation, Lease, Ledger, LedgerError, LiveUnits, Restock,
 };
 use crate::clock::Millis;
 use crate::domain::{

@@ -20,6 +20,7 @@
 
 use std::collections::HashSet;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -28,13 +29,14 @@ use sqlx::{Postgres, Row, Transaction};
 
 use super::rows::settled_events;
 use super::rows::{
-    event_from, group_restocks, limit_column, reservation_from, switches_from, voucher_from,
-    EventRow, FEED_ORIGIN_SQL, LIVE_CODES_SQL, RESERVATION_COLUMNS, SET_SWITCHES_SQL, STARTING_SQL,
+    event_from, limit_column, reservation_from, switches_from, voucher_from, EventRow,
+    FEED_ORIGIN_SQL, LIVE_CODES_SQL, RESERVATION_COLUMNS, SET_SWITCHES_SQL, STARTING_SQL,
     SWITCHES_SQL, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
 };
 use super::{
-    holder_name, resolve_plan, split_holder, Batch, BatchResults, Beat, Closing, Counters, Grant,
-    Incarnation, Lease, Ledger, LedgerError, LiveUnits, Planned, Restock, RowOutcome, LEASE_FILTER,
+    group_restocks, holder_name, resolve_plan, split_holder, Batch, BatchResults, Beat, Closing,
+    Counters, Grant, Incarnation, Lease, Ledger, LedgerError, LiveUnits, Planned, Restock,
+    RowOutcome, LEASE_FILTER,
 };
 use crate::clock::Millis;
 use crate::domain::{
@@ -199,7 +201,7 @@ async fn migrate(pool: &PgPool) -> Result<(), sqlx::Error> {
     let newest: i64 = sqlx::query_scalar("SELECT COALESCE(max(version), 0) FROM schema_migrations")
         .fetch_one(&mut *tx)
         .await?;
-    super::refuse_newer_schema(newest, MIGRATIONS)?;
+    super::sql::refuse_newer_schema(newest, MIGRATIONS)?;
     for (version, sql) in MIGRATIONS {
         let done = sqlx::query("SELECT 1 FROM schema_migrations WHERE version = $1")
             .bind(version)
@@ -257,7 +259,7 @@ impl Ledger for PostgresLedger {
         .bind(limit_column(v.limits.admission_per_sec))
         .execute(&self.pool)
         .await;
-        super::insert_unique(res)
+        super::sql::insert_unique(res)
     }
 
     async fn voucher(&self, code: &str) -> Result<Option<Voucher>, LedgerError> {
@@ -793,10 +795,9 @@ impl PostgresLedger {
                 Ok(rows) => rows.into_iter(),
                 Err(e) => {
                     tracing::warn!(error = %e, "a later call of a merged commit failed");
+                    let failed = Arc::new(e);
                     for &i in group {
-                        results[i] = Some(Err(LedgerError::Unavailable(sqlx::Error::Protocol(
-                            format!("merged commit call failed: {e}"),
-                        ))));
+                        results[i] = Some(Err(LedgerError::CommitFailed(failed.clone())));
                     }
                     continue;
                 }
@@ -915,7 +916,7 @@ async fn close_leases_in(
 
 /// PostgreSQL chose this call as a deadlock's victim (it ran nothing).
 fn is_deadlock(e: &LedgerError) -> bool {
-    matches!(e, LedgerError::Unavailable(sqlx::Error::Database(d)) if d.code().as_deref() == Some("40P01"))
+    matches!(e, LedgerError::Database { code: Some(c), .. } if c == "40P01")
 }
 
 /// Puts the unused units of closed leases back to `free`.
@@ -1043,9 +1044,9 @@ where
     .fetch_all(ex)
     .await?;
     if out.len() != n_rows {
-        return Err(LedgerError::Unavailable(sqlx::Error::Protocol(
-            "merged commit returned the wrong number of rows".into(),
-        )));
+        return Err(LedgerError::database(
+            "merged commit returned the wrong number of rows",
+        ));
     }
     Ok(out
         .into_iter()

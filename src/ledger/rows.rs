@@ -1,10 +1,7 @@
 //! Row decoding and grouping shared by both ledgers.
 
-use std::collections::HashMap;
-
 use sqlx::{ColumnIndex, Decode, Row, Type};
 
-use super::Restock;
 use crate::domain::{Reservation, ReservationStatus, Voucher, VoucherLimits, VoucherStatus};
 
 pub const RESERVATION_COLUMNS: &str =
@@ -153,22 +150,4 @@ pub fn live_units_from(
 /// A limit as its column stores it (the API caps limits far below `i32::MAX`).
 pub fn limit_column(v: Option<u32>) -> Option<i32> {
     v.map(|n| n.min(i32::MAX as u32) as i32)
-}
-
-/// Sums restocked units per voucher from `(code, units)` rows, dropping zeros, sorted by code.
-pub fn group_restocks(rows: Vec<(String, i64)>) -> Vec<Restock> {
-    let mut by_code: HashMap<String, i64> = HashMap::new();
-    for (code, units) in rows {
-        *by_code.entry(code).or_insert(0) += units;
-    }
-    let mut out: Vec<Restock> = by_code
-        .into_iter()
-        .filter(|(_, units)| *units > 0)
-        .map(|(voucher_code, units)| Restock {
-            voucher_code,
-            units,
-        })
-        .collect();
-    out.sort_by(|a, b| a.voucher_code.cmp(&b.voucher_code));
-    out
 }

@@ -22,15 +22,15 @@ use sqlx::sqlite::{
 use super::merged::{plan_merged, LeaseRoom, MergedReads, MergedWrites, Rules};
 use super::rows::settled_events;
 use super::rows::{
-    event_from, group_restocks, limit_column, reservation_from, switches_from, voucher_from,
-    EventRow, FEED_ORIGIN_SQL, LIVE_CODES_SQL, RESERVATION_COLUMNS, SET_SWITCHES_SQL, STARTING_SQL,
+    event_from, limit_column, reservation_from, switches_from, voucher_from, EventRow,
+    FEED_ORIGIN_SQL, LIVE_CODES_SQL, RESERVATION_COLUMNS, SET_SWITCHES_SQL, STARTING_SQL,
     SWITCHES_SQL, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
 };
 use super::sqlite_raw as raw;
 use super::sqlite_usage::UsageCache;
 use super::{
-    holder_name, split_holder, Batch, BatchResults, Beat, Closing, Counters, Grant, Incarnation,
-    Lease, Ledger, LedgerError, LiveUnits, Restock, LEASE_FILTER,
+    group_restocks, holder_name, split_holder, Batch, BatchResults, Beat, Closing, Counters, Grant,
+    Incarnation, Lease, Ledger, LedgerError, LiveUnits, Restock, LEASE_FILTER,
 };
 use crate::clock::Millis;
 use crate::domain::{
@@ -113,7 +113,7 @@ impl Writer {
 
 /// [`SqliteLedger::writer`] always leaves a connection in place: this is never seen.
 fn writer_missing() -> LedgerError {
-    LedgerError::Unavailable(sqlx::Error::Protocol("sqlite writer missing".into()))
+    LedgerError::database("sqlite writer missing")
 }
 
 impl SqliteLedger {
@@ -312,8 +312,8 @@ impl SqliteLedger {
                 // SAFETY: the handle is still locked and live; its statements go before it.
                 unsafe { stmts.clear() };
                 tracing::error!("sqlite writer left inside a transaction; connection dropped");
-                let e = sqlx::Error::Protocol("sqlite writer left inside a transaction".into());
-                (Err(LedgerError::Unavailable(e)), Some(false))
+                let e = LedgerError::database("sqlite writer left inside a transaction");
+                (Err(e), Some(false))
             }
             Err(e) => {
                 let crashed = matches!(e, sqlx::Error::WorkerCrashed);
@@ -381,7 +381,7 @@ async fn migrate(pool: &SqlitePool) -> Result<(), sqlx::Error> {
     let newest: i64 = sqlx::query_scalar("SELECT COALESCE(MAX(version), 0) FROM schema_migrations")
         .fetch_one(pool)
         .await?;
-    super::refuse_newer_schema(newest, MIGRATIONS)?;
+    super::sql::refuse_newer_schema(newest, MIGRATIONS)?;
     for (version, sql) in MIGRATIONS {
         let mut tx = pool.begin().await?;
         let done = sqlx::query("SELECT 1 FROM schema_migrations WHERE version = ?")
@@ -432,7 +432,7 @@ impl Ledger for SqliteLedger {
         .bind(limit_column(v.limits.admission_per_sec))
         .execute(self.writer().await?.conn()?)
         .await;
-        super::insert_unique(res)
+        super::sql::insert_unique(res)
     }
 
     async fn voucher(&self, code: &str) -> Result<Option<Voucher>, LedgerError> {
@@ -1205,9 +1205,7 @@ fn write_merged(db: &raw::Db, w: &MergedWrites) -> Result<(), LedgerError> {
         fence.bind_int(2, units)?;
         fence.execute()?;
         if db.changes() != 1 {
-            return Err(LedgerError::Unavailable(sqlx::Error::Protocol(
-                "lease changed under a merged commit".into(),
-            )));
+            return Err(LedgerError::database("lease changed under a merged commit"));
         }
     }
     drop(fence);

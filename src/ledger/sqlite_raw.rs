@@ -51,14 +51,20 @@ pub(crate) fn quiet_allocator() {
     });
 }
 
-/// An error from SQLite, as the ledger reports it.
+/// An error from SQLite, as the ledger reports it: the database answering, with its extended
+/// result code (as sqlx reports SQLite's codes).
 fn error(db: NonNull<ffi::sqlite3>, what: &str) -> LedgerError {
     // SAFETY: `db` is a live handle; sqlite3_errmsg returns a NUL-terminated string it owns.
-    let msg = unsafe { CStr::from_ptr(ffi::sqlite3_errmsg(db.as_ptr())) };
-    LedgerError::Unavailable(sqlx::Error::Protocol(format!(
-        "sqlite {what}: {}",
-        msg.to_string_lossy()
-    )))
+    let (code, msg) = unsafe {
+        (
+            ffi::sqlite3_extended_errcode(db.as_ptr()),
+            CStr::from_ptr(ffi::sqlite3_errmsg(db.as_ptr())),
+        )
+    };
+    LedgerError::Database {
+        code: Some(code.to_string()),
+        source: format!("sqlite {what}: {}", msg.to_string_lossy()).into(),
+    }
 }
 
 type Prepared = HashMap<&'static str, NonNull<ffi::sqlite3_stmt>>;

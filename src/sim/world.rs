@@ -1572,7 +1572,7 @@ fn attempt<T>(
 
 /// A ledger call that failed (or whose answer was lost), as its caller sees it.
 fn failed() -> LedgerError {
-    LedgerError::Unavailable(sqlx::Error::PoolTimedOut)
+    LedgerError::Deadline
 }
 
 /// The same answer, lost on the way back: the call applied, the caller sees a failure.

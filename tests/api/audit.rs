@@ -342,8 +342,12 @@ async fn postgres_refuses_a_grant_that_would_pass_the_total() {
     assert_eq!(changed, 1);
     let res = l.grant("GC", "n#1", 6, NOW, TTL).await;
     match &res {
-        Err(LedgerError::Unavailable(sqlx::Error::Database(e))) => {
-            assert_eq!(e.code().as_deref(), Some("23514"), "a check violation: {e}")
+        Err(LedgerError::Database { code, source }) => {
+            assert_eq!(
+                code.as_deref(),
+                Some("23514"),
+                "a check violation: {source}"
+            )
         }
         other => panic!("a grant past the total was not refused: {other:?}"),
     }

@@ -1377,8 +1377,12 @@ async fn postgres_grant_check_counts_what_closed_leases_consumed() {
         .await
         .unwrap();
     match l.grant("CC", "n5", 3, NOW, TTL).await {
-        Err(LedgerError::Unavailable(sqlx::Error::Database(e))) => {
-            assert_eq!(e.code().as_deref(), Some("23514"), "a check violation: {e}")
+        Err(LedgerError::Database { code, source }) => {
+            assert_eq!(
+                code.as_deref(),
+                Some("23514"),
+                "a check violation: {source}"
+            )
         }
         other => panic!("a grant past the total was not refused: {other:?}"),
     }
