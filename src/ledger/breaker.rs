@@ -1,16 +1,16 @@
 //! The node's circuit breaker on the ledger: one per process, shared by every caller.
 //!
-//! Every ledger call but the heartbeat passes it ([`super::dedicated`]; a merged commit counts once, however many
-//! batches it carries). After `failures` calls in a row that could not reach the ledger (a
-//! connection error, or no answer within the deadline; not a lock timeout, a deadlock victim or
-//! a full commit queue, which are the ledger answering) it *opens*: calls
-//! fail at once with [`super::LedgerError::CircuitOpen`] and reserves get `503` without
-//! reaching an actor, so a dead ledger costs no connection attempts, no queued batches and no
-//! waiting clients. After `open_ms` the next call is let through alone as a probe (*half-open*);
-//! its success closes the breaker, its failure opens it again. The background jobs call the
-//! ledger every half second or so (the switches, the live numbers), so a probe goes out soon
-//! after the cool-down even when no client does. Heartbeats do not pass the breaker: a node
-//! that stopped beating would be taken for dead and its leases reaped.
+//! Every ledger call but the heartbeat passes it ([`super::NodeLedger`]; a merged commit counts
+//! once, however many batches it carries). After `failures` calls in a row that could not reach
+//! the ledger ([`super::LedgerError::Unreachable`], `Deadline`, `WorkerGone`; not a lock
+//! timeout, a deadlock victim or a full commit queue, which are the ledger or this node
+//! answering) it *opens*: calls fail at once with [`super::LedgerError::CircuitOpen`] and
+//! reserves get `503` without reaching an actor, so a dead ledger costs no connection attempts,
+//! no queued batches and no waiting clients. After `open_ms` the next call is let through alone
+//! as a probe (*half-open*); its success closes the breaker, its failure opens it again. The
+//! background jobs call the ledger every half second or so (the switches, the live numbers), so
+//! a probe goes out soon after the cool-down even when no client does. Heartbeats do not pass
+//! the breaker: a node that stopped beating would be taken for dead and its leases reaped.
 //!
 //! Time is passed in (milliseconds of a monotonic clock), so the state machine is tested
 //! without waiting.

@@ -12,13 +12,15 @@
 //!
 //! Lease holders are processes, each an [`Incarnation`] of its node name that beats in the
 //! ledger; [`Ledger::heartbeat`] reaps the leases of holders that stopped beating. Every call a
-//! node makes passes its circuit [`breaker`] and a deadline ([`dedicated`]).
+//! node makes goes through its [`NodeLedger`]: onto the ledger's runtime, within a deadline,
+//! past its circuit [`breaker`] (all but the heartbeat), and for batches through the node-wide
+//! group [`committer`].
 
 pub mod breaker;
 mod committer;
-mod dedicated;
 mod merged;
 pub mod model;
+mod node;
 pub mod postgres;
 mod rows;
 mod sql;
@@ -34,6 +36,7 @@ use async_trait::async_trait;
 use crate::clock::Millis;
 use crate::config::LedgerKind;
 pub use crate::domain::{Counters, LiveUnits};
+pub use node::NodeLedger;
 use crate::domain::{
     FeedEvent, Ineligible, Reservation, Switches, SwitchesPatch, Voucher, VoucherPatch,
     VoucherStatus,
@@ -585,8 +588,8 @@ pub(crate) fn release_unchanged(
 
 /// Opens the ledger the settings name on `rt` (a runtime that does nothing else, so database
 /// I/O is never delayed by busy HTTP workers) and returns a handle usable from any runtime. Its
-/// `commit_batch` goes through the node-wide group committer ([`committer`]), which merges the
-/// batches of every voucher of the node into shared transactions.
+/// calls go through the node's [`NodeLedger`], whose group committer merges the batches of every
+/// voucher of the node into shared transactions.
 pub fn connect_on(
     rt: tokio::runtime::Handle,
     settings: &crate::config::LedgerSettings,
@@ -605,36 +608,7 @@ pub fn connect_on(
     })
     .join()
     .map_err(|_| anyhow::anyhow!("ledger start-up thread panicked"))??;
-    Ok(grouped(inner, rt, settings))
-}
-
-/// Wraps a ledger so that every call runs on `rt` and `commit_batch` goes through a node-wide
-/// group committer spawned there (see [`committer`]).
-pub fn grouped(
-    inner: SharedLedger,
-    rt: tokio::runtime::Handle,
-    settings: &crate::config::LedgerSettings,
-) -> SharedLedger {
-    let deadline = std::time::Duration::from_millis(settings.timeout_ms.max(1));
-    let pipeline = settings.pipeline();
-    let breaker = Arc::new(breaker::Breaker::new(
-        settings.breaker_failures,
-        settings.breaker_open_ms,
-    ));
-    let (merged, guard) = (inner.clone(), breaker.clone());
-    let committer = committer::Committer::start(
-        &rt,
-        pipeline,
-        settings.max_merged_rows.max(1),
-        deadline,
-        Arc::new(move |batches| {
-            let (ledger, guard) = (merged.clone(), guard.clone());
-            Box::pin(async move { guard.call(ledger.commit_batches(&batches)).await })
-        }),
-    );
-    Arc::new(dedicated::Dedicated::new(
-        inner, rt, committer, deadline, breaker,
-    ))
+    Ok(Arc::new(NodeLedger::start(inner, rt, settings)))
 }
 
 /// Opens the ledger a URL names: `sqlite://…` or `postgres://…`, and runs its migrations.

@@ -18,11 +18,11 @@ async fn engine() -> (EngineHandle, ManualClock) {
     let url = format!("sqlite://{}/ledger.db", dir.display());
     let settings = test_settings(&url);
     // Batches go through the node-wide group committer, as in the service.
-    let ledger = ledger::grouped(
+    let ledger = Arc::new(ledger::NodeLedger::start(
         ledger::connect(&url, 2).await.unwrap(),
         tokio::runtime::Handle::current(),
         &settings.ledger,
-    );
+    ));
     let clock = ManualClock::starting_now();
     let (engine, _shards) = EngineHandle::start(
         ledger,

@@ -1,11 +1,18 @@
-//! Runs every ledger call on a runtime of its own, and sends `commit_batch` through the node-wide
-//! group committer.
+//! The node's ledger: what every caller on the node (actors, routes, jobs) holds as its
+//! [`SharedLedger`], wrapped around the store ([`super::sqlite`], [`super::postgres`]).
 //!
-//! Database sockets belong to the reactor of the runtime that opened them. Without this, a pool
-//! connection opened by a busy HTTP worker would only be polled when that worker gets round to
-//! its reactor, adding the worker's loop time to every round trip of every batch. Here all
-//! connections live on a small runtime that does nothing else (`ledger.runtime_threads`, one by
-//! default); callers on any runtime (actors, routes, jobs) await a spawned task.
+//! [`NodeLedger`] owns what the node adds to each call:
+//! - the hop onto the ledger's own runtime. Database sockets belong to the reactor of the
+//!   runtime that opened them: a pool connection opened by a busy HTTP worker would only be
+//!   polled when that worker gets round to its reactor, adding the worker's loop time to every
+//!   round trip of every batch. Here all connections live on a small runtime that does nothing
+//!   else (`ledger.runtime_threads`, one by default), and callers on any runtime await a task
+//!   spawned there;
+//! - the deadline: no call waits longer than `ledger.timeout_ms` ([`LedgerError::Deadline`]);
+//!   a heartbeat a third of its liveness limit;
+//! - the node's circuit [`Breaker`], which every call but the heartbeat passes;
+//! - the node-wide group [`Committer`], which `commit_batch` goes through, so the batches of
+//!   every voucher of the node share transactions.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -20,9 +27,12 @@ use super::{
     Restock, RowOutcome, SharedLedger,
 };
 use crate::clock::Millis;
+use crate::config::LedgerSettings;
 use crate::domain::{FeedEvent, Reservation, Switches, SwitchesPatch, Voucher, VoucherPatch};
 
-pub struct Dedicated {
+/// The store a node talks to, behind the node's runtime, deadline, breaker and group committer
+/// (see the module doc).
+pub struct NodeLedger {
     inner: SharedLedger,
     rt: Handle,
     /// Where the actors' batches go: merged with every other voucher's into shared transactions.
@@ -34,14 +44,27 @@ pub struct Dedicated {
     breaker: Arc<Breaker>,
 }
 
-impl Dedicated {
-    pub(crate) fn new(
-        inner: SharedLedger,
-        rt: Handle,
-        committer: Committer,
-        deadline: std::time::Duration,
-        breaker: Arc<Breaker>,
-    ) -> Self {
+impl NodeLedger {
+    /// Wraps `inner` so that every call runs on `rt`, and starts the node's group committer
+    /// there.
+    pub fn start(inner: SharedLedger, rt: Handle, settings: &LedgerSettings) -> Self {
+        let deadline = std::time::Duration::from_millis(settings.timeout_ms.max(1));
+        let breaker = Arc::new(Breaker::new(
+            settings.breaker_failures,
+            settings.breaker_open_ms,
+        ));
+        let (merged, guard) = (inner.clone(), breaker.clone());
+        let committer = Committer::start(
+            &rt,
+            settings.pipeline(),
+            settings.max_merged_rows.max(1),
+            deadline,
+            Arc::new(move |batches| {
+                let (ledger, guard) = (merged.clone(), guard.clone());
+                // A merged transaction passes the breaker once, however many batches it carries.
+                Box::pin(async move { guard.call(ledger.commit_batches(&batches)).await })
+            }),
+        );
         Self {
             inner,
             rt,
@@ -82,7 +105,7 @@ impl Dedicated {
 }
 
 #[async_trait]
-impl Ledger for Dedicated {
+impl Ledger for NodeLedger {
     fn breaker(&self) -> Option<&Breaker> {
         Some(self.breaker.as_ref())
     }
