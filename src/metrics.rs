@@ -39,7 +39,7 @@ pub const KNOWN_CODES_READS: &str = "vouchers_known_codes_reads_total";
 pub const RATE_LIMITED: &str = "vouchers_rate_limited_total";
 pub const RATE_LIMIT_RESETS: &str = "vouchers_rate_limit_resets_total";
 /// Loads of a voucher's per-customer usage into the SQLite writer's memory, and the rows they
-/// read (`src/ledger/sqlite_usage.rs`): each stalls the node's commits while it reads.
+/// read (`src/ledger/sqlite/usage.rs`): each stalls the node's commits while it reads.
 pub const USAGE_LOADS: &str = "vouchers_ledger_usage_loads_total";
 pub const USAGE_LOADED_ROWS: &str = "vouchers_ledger_usage_loaded_rows_total";
 /// The SQLite writer's usage counts found off the books (and dropped), or loaded from rows

@@ -25,8 +25,6 @@ pub mod postgres;
 mod rows;
 mod sql;
 pub mod sqlite;
-mod sqlite_raw;
-mod sqlite_usage;
 
 use std::collections::HashMap;
 use std::sync::Arc;

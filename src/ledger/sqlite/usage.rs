@@ -34,8 +34,8 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use super::sqlite_raw as raw;
-use super::LedgerError;
+use super::raw;
+use crate::ledger::LedgerError;
 use crate::metrics as m;
 
 /// How long a voucher no merged commit used keeps its counts (at least; at most twice as long,

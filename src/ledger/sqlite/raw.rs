@@ -27,7 +27,7 @@ use std::ptr::{self, NonNull};
 
 use libsqlite3_sys as ffi;
 
-use super::LedgerError;
+use crate::ledger::LedgerError;
 
 /// Turns off SQLite's allocation statistics, process-wide, if SQLite has not started yet.
 ///
