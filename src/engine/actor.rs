@@ -14,7 +14,7 @@ use tokio::sync::oneshot;
 
 use super::quota::{Command, Event, Reply, VoucherCore, TICK_MS};
 use super::soldout::VoucherShared;
-use super::{error_outcome, settle_without_units, Core, EngineError};
+use super::{outcome_of, settle_without_units, EngineError, Node};
 use crate::clock::Millis;
 use crate::domain::{ReserveRequest, Voucher};
 use crate::metrics::{self as m, Outcome};
@@ -71,11 +71,7 @@ struct Tally(Vec<(Outcome, u64)>);
 
 impl Tally {
     fn answer(&mut self, to: ReplyTo, reply: Reply) {
-        let outcome = match &reply {
-            Reply::Created(_) => Outcome::Created,
-            Reply::Replayed(_) => Outcome::Replayed,
-            Reply::Failed(e) => error_outcome(e),
-        };
+        let outcome = outcome_of(&reply);
         match self.0.iter_mut().find(|(o, _)| *o == outcome) {
             Some((_, n)) => *n += 1,
             None => self.0.push((outcome, 1)),
@@ -94,7 +90,7 @@ impl Drop for Tally {
 
 pub(crate) struct VoucherActor {
     code: String,
-    engine: Arc<Core>,
+    node: Arc<Node>,
     shared: Arc<VoucherShared>,
     /// Tells this actor's registry entry apart from a successor's when it leaves.
     generation: u64,
@@ -104,20 +100,20 @@ pub(crate) struct VoucherActor {
 impl VoucherActor {
     pub(crate) fn new(
         code: String,
-        engine: Arc<Core>,
+        node: Arc<Node>,
         shared: Arc<VoucherShared>,
         generation: u64,
     ) -> Self {
         let core = VoucherCore::new(
             code.clone(),
-            engine.settings.clone(),
-            engine.sizing,
+            node.settings.clone(),
+            node.sizing,
             shared.clone(),
-            engine.clock.now_ms(),
+            node.clock.now_ms(),
         );
         Self {
             code,
-            engine,
+            node,
             shared,
             generation,
             core,
@@ -127,8 +123,8 @@ impl VoucherActor {
     /// Hands `event` to the core, with the node's clock and switches, and carries out what it
     /// asks.
     fn feed(&mut self, event: Event<ReplyTo, WarmTo>, ctx: &mut Context<Self>) {
-        let (now, stop) = (self.engine.clock.now_ms(), self.engine.stop());
-        self.core.handle(now, stop, event);
+        let (now, gate) = (self.node.clock.now_ms(), self.node.gate());
+        self.core.handle(now, gate, event);
         self.carry_out(ctx);
     }
 
@@ -147,7 +143,7 @@ impl VoucherActor {
     fn carry_out(&mut self, ctx: &mut Context<Self>) {
         let mut tally = Tally::default();
         let commands: Vec<_> = self.core.commands().collect();
-        let (ledger, code) = (self.engine.ledger.clone(), self.code.clone());
+        let (ledger, code) = (self.node.ledger.clone(), self.code.clone());
         for command in commands {
             let (ledger, code) = (ledger.clone(), code.clone());
             match command {
@@ -178,12 +174,12 @@ impl VoucherActor {
                     );
                 }
                 Command::Grant { want, now, ttl_ms } => {
-                    let node = self.engine.node_id.clone();
+                    let node = self.node.node_id.clone();
                     let grant = async move { ledger.grant(&code, &node, want, now, ttl_ms).await };
                     self.call(ctx, grant, Event::Granted);
                 }
                 Command::FindLeases => {
-                    let node = self.engine.node_id.clone();
+                    let node = self.node.node_id.clone();
                     let find = async move { ledger.active_leases(&code, &node).await };
                     self.call(ctx, find, Event::Found);
                 }
@@ -192,21 +188,21 @@ impl VoucherActor {
                     now,
                     ttl_ms,
                 } => {
-                    let node = self.engine.node_id.clone();
+                    let node = self.node.node_id.clone();
                     let renew = async move { ledger.renew(&lease_ids, &node, now, ttl_ms).await };
                     self.call(ctx, renew, Event::Renewed);
                 }
                 Command::Return { lease_id, now } => {
-                    spawn_return(&self.engine, &self.code, ctx.address(), lease_id, now)
+                    spawn_return(&self.node, &self.code, ctx.address(), lease_id, now)
                 }
                 Command::Lookup {
                     reqs,
                     voucher,
                     now,
-                    stop,
+                    gate,
                 } => {
                     let lookup = async move {
-                        settle_without_units(&ledger, &code, voucher.as_ref(), now, &reqs, stop)
+                        settle_without_units(&ledger, &code, voucher.as_ref(), now, &reqs, gate)
                             .await
                     };
                     self.call(ctx, lookup, Event::LookedUp);
@@ -217,9 +213,9 @@ impl VoucherActor {
                         act.feed(Event::WinnersLoaded(verdict, res), ctx)
                     }));
                 }
-                Command::Publish(signal) => self.engine.signals.publish(&self.code, signal),
-                Command::RecountSoon => self.engine.recount_soon(&self.code),
-                Command::Limits(spec) => self.shared.set_own_limits(self.engine.limits.own(spec)),
+                Command::Publish(signal) => self.node.signals.publish(&self.code, signal),
+                Command::RecountSoon => self.node.recount_soon(&self.code),
+                Command::Limits(spec) => self.shared.set_own_limits(self.node.limits.own(spec)),
                 Command::Stop => ctx.stop(),
             }
         }
@@ -230,16 +226,16 @@ impl VoucherActor {
 /// the ledger makes it idempotent). A failure goes back to the actor, which tries again; once the
 /// actor is gone, the reaper takes the lease.
 fn spawn_return(
-    core: &Arc<Core>,
+    node: &Arc<Node>,
     code: &str,
     actor: Addr<VoucherActor>,
     lease_id: i64,
     now: Millis,
 ) {
-    let engine = core.clone();
+    let engine = node.clone();
     // Not on the actor's own arbiter: an actor torn down with its thread (an HTTP worker that
     // stopped) returns its leases from `stopped`, when that thread runs nothing more.
-    core.background(code, async move {
+    node.background(code, async move {
         match engine.ledger.return_lease(lease_id, now).await {
             Ok(restock) => {
                 if let Some(r) = restock {
@@ -260,7 +256,7 @@ impl Actor for VoucherActor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
-        ctx.set_mailbox_capacity(self.engine.settings.mailbox_capacity.max(16));
+        ctx.set_mailbox_capacity(self.node.settings.mailbox_capacity.max(16));
         self.carry_out(ctx);
         let every = Duration::from_millis(TICK_MS as u64);
         ctx.run_interval(every, |act, ctx| act.feed(Event::Tick, ctx));
@@ -268,7 +264,7 @@ impl Actor for VoucherActor {
 
     fn stopped(&mut self, ctx: &mut Context<Self>) {
         self.feed(Event::Stopped, ctx);
-        self.engine.forget(&self.code, self.generation);
+        self.node.forget(&self.code, self.generation);
     }
 }
 

@@ -78,10 +78,10 @@ use std::sync::Arc;
 
 use super::sizing::{block_size, low_water, RateEstimator, SizingParams};
 use super::soldout::VoucherShared;
-use super::{EngineError, Reserved, Stop};
+use super::{EngineError, Gate, Reserved};
 use crate::clock::Millis;
 use crate::config::EngineSettings;
-use crate::domain::{Ineligible, Reservation, ReserveRequest, Voucher, VoucherLimits};
+use crate::domain::{Ineligible, ReserveRequest, Voucher, VoucherLimits};
 use crate::ledger::{Batch, BatchRow, Grant, LedgerError, RowOutcome};
 use crate::metrics::{self as m, LeaseEvent};
 use crate::signals::Signal;
@@ -105,29 +105,9 @@ const ORPHAN_CHECK_MS: Millis = 1000;
 /// Least time between two recounts of a voucher's books on its sell-outs, per node.
 const SOLD_OUT_RECOUNT_MS: Millis = 10_000;
 
-/// The core's answer to one reserve.
-#[derive(Debug, Clone)]
-pub(crate) enum Reply {
-    Created(Reservation),
-    Replayed(Reservation),
-    Failed(EngineError),
-}
-
-impl Reply {
-    pub(crate) fn into_result(self) -> Result<Reserved, EngineError> {
-        match self {
-            Self::Created(reservation) => Ok(Reserved {
-                reservation,
-                replayed: false,
-            }),
-            Self::Replayed(reservation) => Ok(Reserved {
-                reservation,
-                replayed: true,
-            }),
-            Self::Failed(e) => Err(e),
-        }
-    }
-}
+/// The core's answer to one reserve: the engine's own answer, so that one mapping
+/// ([`super::outcome_of`]) counts every answer whoever gives it.
+pub(crate) type Reply = Result<Reserved, EngineError>;
 
 /// What a sold-out verdict was given on: the winners are loaded, then the flag goes up only if
 /// nothing changed since (see [`VoucherShared::set_sold_out`]).
@@ -227,7 +207,7 @@ pub(crate) enum Command<R, W> {
         reqs: Vec<ReserveRequest>,
         voucher: Option<Voucher>,
         now: Millis,
-        stop: Stop,
+        gate: Gate,
     },
     /// Load the voucher's winners; answer with [`Event::WinnersLoaded`].
     LoadWinners(Verdict),
@@ -326,7 +306,7 @@ pub(crate) struct VoucherCore<R, W> {
     shared: Arc<VoucherShared>,
     /// The events' `now` and switches while an event is handled.
     now: Millis,
-    stop: Stop,
+    gate: Gate,
     out: Vec<Command<R, W>>,
     voucher: Option<Voucher>,
     /// The ledger has no such voucher: answer `404` from memory (a cheap negative cache against
@@ -418,7 +398,7 @@ impl<R, W> VoucherCore<R, W> {
             sizing,
             shared,
             now,
-            stop: Stop::No,
+            gate: Gate::Open,
             out: vec![Command::ReadVoucher { first: true }],
             voucher: None,
             missing: false,
@@ -469,12 +449,12 @@ impl<R, W> VoucherCore<R, W> {
     }
 
     /// Handles one event at `now`, with the switches as the node reads them.
-    pub(crate) fn handle(&mut self, now: Millis, stop: Stop, event: Event<R, W>) {
+    pub(crate) fn handle(&mut self, now: Millis, gate: Gate, event: Event<R, W>) {
         if now < self.now {
             self.clock_went_back(now);
         }
         self.now = now;
-        self.stop = stop;
+        self.gate = gate;
         match event {
             Event::Reserve(req, reply) => self.on_reserve(req, reply),
             Event::Warm(w) => self.on_warm(w),
@@ -606,10 +586,8 @@ impl<R, W> VoucherCore<R, W> {
         self.last_activity = self.now;
         if self.pending.len() + self.lookups.len() >= self.settings.max_pending {
             m::mailbox_full();
-            self.out.push(Command::Answer(
-                reply,
-                Reply::Failed(EngineError::Unavailable),
-            ));
+            self.out
+                .push(Command::Answer(reply, Err(EngineError::Unavailable)));
             return;
         }
         let since = self.now;
@@ -680,7 +658,7 @@ impl<R, W> VoucherCore<R, W> {
         };
         for p in self.pending.drain(..).chain(lookups).chain(looking) {
             self.out.push(match &err {
-                Some(e) => Command::Answer(p.reply, Reply::Failed(e.clone())),
+                Some(e) => Command::Answer(p.reply, Err(e.clone())),
                 None => Command::HandBack(p.reply),
             });
         }
@@ -717,10 +695,8 @@ impl<R, W> VoucherCore<R, W> {
     fn admit(&mut self, p: Pending<R>) {
         let now = self.now;
         if self.missing {
-            self.out.push(Command::Answer(
-                p.reply,
-                Reply::Failed(EngineError::NotFound),
-            ));
+            self.out
+                .push(Command::Answer(p.reply, Err(EngineError::NotFound)));
             return;
         }
         let Some(v) = &self.voucher else {
@@ -729,7 +705,7 @@ impl<R, W> VoucherCore<R, W> {
         };
         match v.check_eligible(now, p.req.order_amount) {
             // The switches stop new sales; a retry of a stored order still gets its 201.
-            Ok(()) if self.stop != Stop::No => {
+            Ok(()) if self.gate != Gate::Open => {
                 self.lookups.push((p, Diverted::BySwitch));
                 return;
             }
@@ -743,10 +719,10 @@ impl<R, W> VoucherCore<R, W> {
                 // Pre-heat: requests for a warmed voucher that has not started yet are the
                 // demand it will meet when it opens; counted, they size the lease it holds at
                 // the start (taken now, kept until then).
-                if reason == Ineligible::NotStarted && self.warmed && self.stop == Stop::No {
+                if reason == Ineligible::NotStarted && self.warmed && self.gate == Gate::Open {
                     self.rate.record(now, 1);
                 }
-                let reply = Reply::Failed(EngineError::NotEligible(reason));
+                let reply = Err(EngineError::NotEligible(reason));
                 self.out.push(Command::Answer(p.reply, reply));
                 return;
             }
@@ -770,7 +746,7 @@ impl<R, W> VoucherCore<R, W> {
             return;
         }
         // A switch turned on while reserves were queued: none of them becomes a batch now.
-        if self.stop != Stop::No && !self.pending.is_empty() {
+        if self.gate != Gate::Open && !self.pending.is_empty() {
             self.lookups
                 .extend(self.pending.drain(..).map(|p| (p, Diverted::BySwitch)));
         }
@@ -793,7 +769,7 @@ impl<R, W> VoucherCore<R, W> {
             // the lease still holds; no new batch starts while this lasts.
             Some((Hold::Down, _)) => {
                 for p in self.pending.drain(..) {
-                    let reply = Reply::Failed(EngineError::Unavailable);
+                    let reply = Err(EngineError::Unavailable);
                     self.out.push(Command::Answer(p.reply, reply));
                 }
             }
@@ -927,16 +903,22 @@ impl<R, W> VoucherCore<R, W> {
                     let reply = match outcomes.next() {
                         Some(RowOutcome::Created(r)) => {
                             consumed += 1;
-                            Reply::Created(r)
+                            Ok(Reserved {
+                                reservation: r,
+                                replayed: false,
+                            })
                         }
-                        Some(RowOutcome::Replayed(r)) => Reply::Replayed(r),
-                        Some(RowOutcome::AlreadyUsed) => Reply::Failed(EngineError::AlreadyUsed),
+                        Some(RowOutcome::Replayed(r)) => Ok(Reserved {
+                            reservation: r,
+                            replayed: true,
+                        }),
+                        Some(RowOutcome::AlreadyUsed) => Err(EngineError::AlreadyUsed),
                         Some(RowOutcome::NotEligible(reason)) => {
-                            Reply::Failed(EngineError::NotEligible(reason))
+                            Err(EngineError::NotEligible(reason))
                         }
                         // A ledger answering fewer rows than asked: those rows are not known
                         // to have committed.
-                        None => Reply::Failed(EngineError::Unavailable),
+                        None => Err(EngineError::Unavailable),
                     };
                     self.out.push(Command::Answer(p.reply, reply));
                 }
@@ -958,7 +940,7 @@ impl<R, W> VoucherCore<R, W> {
                 // No 201 without a commit: every request of the batch gets 503 and may retry
                 // (idempotently).
                 for p in taken {
-                    let reply = Reply::Failed(EngineError::Unavailable);
+                    let reply = Err(EngineError::Unavailable);
                     self.out.push(Command::Answer(p.reply, reply));
                 }
                 if matches!(e, LedgerError::Fenced) {
@@ -1161,7 +1143,7 @@ impl<R, W> VoucherCore<R, W> {
             return;
         }
         // Sent here only by a switch that is off again: they can be served from units.
-        if self.stop == Stop::No && self.lookups.iter().any(|(_, d)| *d == Diverted::BySwitch) {
+        if self.gate == Gate::Open && self.lookups.iter().any(|(_, d)| *d == Diverted::BySwitch) {
             let (back, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.lookups)
                 .into_iter()
                 .partition(|(_, d)| *d == Diverted::BySwitch);
@@ -1177,7 +1159,7 @@ impl<R, W> VoucherCore<R, W> {
             reqs: waiting.iter().map(|p| p.req.clone()).collect(),
             voucher: self.voucher.clone(),
             now: self.now,
-            stop: self.stop,
+            gate: self.gate,
         });
         self.looking = Some(waiting);
     }
@@ -1191,9 +1173,12 @@ impl<R, W> VoucherCore<R, W> {
                 let mut answers = answers.into_iter();
                 for p in waiting {
                     let reply = match answers.next() {
-                        Some(Ok(r)) => Reply::Replayed(r.reservation),
-                        Some(Err(e)) => Reply::Failed(e),
-                        None => Reply::Failed(EngineError::Unavailable),
+                        Some(Ok(r)) => Ok(Reserved {
+                            reservation: r.reservation,
+                            replayed: true,
+                        }),
+                        Some(Err(e)) => Err(e),
+                        None => Err(EngineError::Unavailable),
                     };
                     self.out.push(Command::Answer(p.reply, reply));
                 }
@@ -1201,7 +1186,7 @@ impl<R, W> VoucherCore<R, W> {
             Err(_) => {
                 m::ledger_error(m::LedgerOp::FindOrders);
                 for p in waiting {
-                    let reply = Reply::Failed(EngineError::Unavailable);
+                    let reply = Err(EngineError::Unavailable);
                     self.out.push(Command::Answer(p.reply, reply));
                 }
             }
@@ -1397,7 +1382,7 @@ mod tests {
 
     use super::*;
     use crate::config::Settings;
-    use crate::domain::{ReservationStatus, VoucherStatus};
+    use crate::domain::{Reservation, ReservationStatus, VoucherStatus};
     use crate::ledger::Lease;
 
     type TestCore = VoucherCore<u32, u32>;
@@ -1468,7 +1453,7 @@ mod tests {
         core: TestCore,
         shared: Arc<VoucherShared>,
         now: Millis,
-        stop: Stop,
+        gate: Gate,
     }
 
     impl Rig {
@@ -1487,7 +1472,7 @@ mod tests {
                 core,
                 shared,
                 now: T0,
-                stop: Stop::No,
+                gate: Gate::Open,
             };
             let first = rig.out();
             assert!(matches!(first[..], [Command::ReadVoucher { first: true }]));
@@ -1499,7 +1484,7 @@ mod tests {
         }
 
         fn on(&mut self, event: Event<u32, u32>) -> Out {
-            self.core.handle(self.now, self.stop, event);
+            self.core.handle(self.now, self.gate, event);
             self.out()
         }
 
@@ -1547,8 +1532,8 @@ mod tests {
     /// A reserve reaches a new core, then its first read of the voucher answers `res`.
     fn reserve_then_first_read(res: Result<Option<Voucher>, LedgerError>) -> Out {
         let mut core = bare();
-        core.handle(T0, Stop::No, Event::Reserve(req(1), 1));
-        core.handle(T0, Stop::No, Event::VoucherRead { first: true, res });
+        core.handle(T0, Gate::Open, Event::Reserve(req(1), 1));
+        core.handle(T0, Gate::Open, Event::VoucherRead { first: true, res });
         core.commands().collect()
     }
 
@@ -1565,9 +1550,16 @@ mod tests {
     fn answers(out: &Out) -> Vec<(u32, String)> {
         out.iter()
             .filter_map(|c| match c {
-                Command::Answer(n, Reply::Created(_)) => Some((*n, "201".into())),
-                Command::Answer(n, Reply::Replayed(_)) => Some((*n, "replay".into())),
-                Command::Answer(n, Reply::Failed(e)) => Some((*n, format!("{e:?}"))),
+                Command::Answer(
+                    n,
+                    Ok(Reserved {
+                        replayed: false, ..
+                    }),
+                ) => Some((*n, "201".into())),
+                Command::Answer(n, Ok(Reserved { replayed: true, .. })) => {
+                    Some((*n, "replay".into()))
+                }
+                Command::Answer(n, Err(e)) => Some((*n, format!("{e:?}"))),
                 _ => None,
             })
             .collect()
@@ -1874,12 +1866,12 @@ mod tests {
     #[test]
     fn paused_sales_send_new_reserves_to_the_ledgers_orders() {
         let mut rig = Rig::new();
-        rig.stop = Stop::SalesPaused;
+        rig.gate = Gate::SalesPaused;
         let out = rig.on(Event::Reserve(req(1), 1));
         assert!(has(&out, |c| matches!(
             c,
             Command::Lookup {
-                stop: Stop::SalesPaused,
+                gate: Gate::SalesPaused,
                 ..
             }
         )));
@@ -2021,13 +2013,13 @@ mod tests {
     #[test]
     fn a_first_read_failing_after_a_reload_does_not_stop_the_core() {
         let mut core = bare();
-        core.handle(T0, Stop::No, Event::Reload(voucher(100)));
-        core.handle(T0, Stop::No, Event::Reserve(req(1), 1));
+        core.handle(T0, Gate::Open, Event::Reload(voucher(100)));
+        core.handle(T0, Gate::Open, Event::Reserve(req(1), 1));
         let out: Out = core.commands().collect();
         assert!(has(&out, |c| matches!(c, Command::Grant { .. })));
         core.handle(
             T0,
-            Stop::No,
+            Gate::Open,
             Event::VoucherRead {
                 first: true,
                 res: Err(failed()),
@@ -2105,10 +2097,10 @@ mod tests {
         let mut core = bare();
         let mut small = req(1);
         small.order_amount = 1;
-        core.handle(T0, Stop::No, Event::Reserve(small, 1));
+        core.handle(T0, Gate::Open, Event::Reserve(small, 1));
         let mut v = voucher(100);
         v.min_order_amount = 50;
-        core.handle(T0, Stop::No, Event::Reload(v));
+        core.handle(T0, Gate::Open, Event::Reload(v));
         let out: Out = core.commands().collect();
         assert_eq!(
             answers(&out),
@@ -2122,12 +2114,12 @@ mod tests {
     #[test]
     fn reserves_a_switch_diverted_go_back_to_units_when_it_is_off_before_their_lookup() {
         let mut rig = Rig::new();
-        rig.stop = Stop::SalesPaused;
+        rig.gate = Gate::SalesPaused;
         let out = rig.on(Event::Reserve(req(1), 1));
         assert!(has(&out, |c| matches!(c, Command::Lookup { .. })));
         // A second one waits for the next lookup; sales resume meanwhile.
         rig.on(Event::Reserve(req(2), 2));
-        rig.stop = Stop::No;
+        rig.gate = Gate::Open;
         let out = rig.on(Event::LookedUp(Ok(vec![Err(EngineError::NotEligible(
             Ineligible::Paused,
         ))])));

@@ -9,6 +9,7 @@ use crate::clock::Millis;
 use crate::domain::{Ineligible, Reservation, ReservationStatus};
 use crate::engine::quota::Reply;
 use crate::engine::EngineError;
+use crate::engine::Reserved;
 use crate::ledger::model::ModelLedger;
 use crate::ledger::{Counters, LedgerError, RowOutcome, SharedLedger};
 
@@ -150,7 +151,7 @@ pub(super) fn answer(
             .map_err(|e| (format!("find_orders: {e}"), None))
     };
     match reply {
-        Reply::Created(r) | Reply::Replayed(r) => {
+        Ok(Reserved { reservation: r, .. }) => {
             if r.order_id != client.order
                 || r.customer_id != client.customer
                 || r.voucher_code != code
@@ -191,14 +192,12 @@ pub(super) fn answer(
         }
         // A node whose clock runs behind answers 422 NOT_STARTED until its clock gets to the
         // start (see `quota::VoucherCore::admit`): late, not wrong. 503 is checked by the world.
-        Reply::Failed(
-            EngineError::Unavailable | EngineError::NotEligible(Ineligible::NotStarted),
-        ) => {}
+        Err(EngineError::Unavailable | EngineError::NotEligible(Ineligible::NotStarted)) => {}
         // A sold-out flag answered OUT_OF_STOCK while a RESTOCK published before the order was
         // stored was on its way to its node: signals are asynchronous, and until one arrives
         // (or the next probe) the flag cannot know the order that won the restocked unit.
-        Reply::Failed(EngineError::OutOfStock) if excused => {}
-        Reply::Failed(e) => {
+        Err(EngineError::OutOfStock) if excused => {}
+        Err(e) => {
             let Some(&stored_at) = books.stored_at.get(&client.order) else {
                 return Ok(());
             };

@@ -16,7 +16,7 @@ use crate::domain::{
 use crate::engine::quota::{Command, Event, Reply, VoucherCore, TICK_MS};
 use crate::engine::sizing::SizingParams;
 use crate::engine::soldout::VoucherShared;
-use crate::engine::{answer_from_flag, settle_without_units, EngineError, Reserved, Stop};
+use crate::engine::{answer_from_flag, settle_without_units, EngineError, Gate};
 use crate::ledger::model::ModelLedger;
 use crate::ledger::{holder_name, LedgerError, Restock, SharedLedger};
 use crate::signals::Signal;
@@ -174,7 +174,7 @@ struct Node {
     up: bool,
     paused_until: Millis,
     skew: Millis,
-    stop: Stop,
+    gate: Gate,
     /// Its subscription to signals is up (`EngineHandle::signals_link`): only then does a
     /// sold-out flag answer from memory.
     linked: bool,
@@ -475,7 +475,7 @@ impl World {
                 up: true,
                 paused_until: 0,
                 skew: 0,
-                stop: Stop::No,
+                gate: Gate::Open,
                 switch_version: 0,
                 linked: true,
                 cores: BTreeMap::new(),
@@ -812,13 +812,7 @@ impl World {
             (cl.voucher, cl.customer, cl.order.clone())
         };
         if !self.nodes[n].up {
-            self.reply(
-                n,
-                c,
-                attempt,
-                Reply::Failed(EngineError::Unavailable),
-                false,
-            );
+            self.reply(n, c, attempt, Err(EngineError::Unavailable), false);
             return Ok(());
         }
         self.clients[c].arrive_skew = self.nodes[n].skew.abs();
@@ -828,11 +822,11 @@ impl World {
             order_amount: self.order_amount,
         };
         self.slot(n, v);
-        let (now, stop) = (self.node_now(n), self.nodes[n].stop);
+        let (now, gate) = (self.node_now(n), self.nodes[n].gate);
         let shared = self.nodes[n].cores[&v].shared.clone();
         if self.nodes[n].linked && shared.trusted(now, self.settings.soldout_probe_ms) {
             shared.count_short_circuit(now);
-            let answer = match answer_from_flag(shared.sold_out_verdict(now, &req), stop) {
+            let answer = match answer_from_flag(shared.sold_out_verdict(now, &req), gate) {
                 Some(a) => a,
                 None => {
                     let voucher = shared.voucher();
@@ -844,18 +838,18 @@ impl World {
                         voucher.as_deref(),
                         now,
                         reqs,
-                        stop,
+                        gate,
                     ))
                     .map_err(EngineError::from)
                     .and_then(|mut a| a.pop().unwrap_or(Err(EngineError::OutOfStock)))
                 }
             };
-            let reply = reply_of(answer);
+            let reply = answer;
             let code = self.vouchers[v].code.clone();
             self.note(|| format!("node {n} {code}: {} answered from the flag", req.order_id));
             // A RESTOCK was on its way here, published before the order was stored: the flag
             // could not know the unit it was sold from.
-            let excused = matches!(reply, Reply::Failed(EngineError::OutOfStock))
+            let excused = matches!(reply, Err(EngineError::OutOfStock))
                 && self
                     .restock_on_way
                     .get(&(n, v))
@@ -891,7 +885,7 @@ impl World {
 
     /// Hands an event to a core and carries out its commands.
     fn feed(&mut self, n: usize, v: usize, event: Event<Tag, ()>) {
-        let (now, stop) = (self.node_now(n), self.nodes[n].stop);
+        let (now, gate) = (self.node_now(n), self.nodes[n].gate);
         if !self.nodes[n].cores.contains_key(&v) {
             return;
         }
@@ -901,7 +895,7 @@ impl World {
             self.note(|| format!("node {n} {code} <- {what}"));
         }
         if let Some(slot) = self.nodes[n].cores.get_mut(&v) {
-            slot.core.handle(now, stop, event);
+            slot.core.handle(now, gate, event);
         }
         self.carry_out(n, v);
     }
@@ -936,9 +930,9 @@ impl World {
                     Command::Publish(signal) => self.publish(n, v, signal),
                     Command::Stop => {
                         stopped = true;
-                        let (now, stop) = (self.node_now(n), self.nodes[n].stop);
+                        let (now, gate) = (self.node_now(n), self.nodes[n].gate);
                         if let Some(slot) = self.nodes[n].cores.get_mut(&v) {
-                            slot.core.handle(now, stop, Event::Stopped);
+                            slot.core.handle(now, gate, Event::Stopped);
                         }
                     }
                     call => {
@@ -1027,7 +1021,7 @@ impl World {
                 reqs,
                 voucher,
                 now,
-                stop,
+                gate,
             } => Event::LookedUp(attempt(fail_before, || {
                 ready(settle_without_units(
                     &ledger,
@@ -1035,7 +1029,7 @@ impl World {
                     voucher.as_ref(),
                     now,
                     &reqs,
-                    stop,
+                    gate,
                 ))
             })),
             Command::LoadWinners(verdict) => Event::WinnersLoaded(
@@ -1225,15 +1219,15 @@ impl World {
             return;
         }
         node.switch_version = s.version;
-        node.stop = if s.read_only {
-            Stop::ReadOnly
+        node.gate = if s.read_only {
+            Gate::ReadOnly
         } else if s.sales_paused {
-            Stop::SalesPaused
+            Gate::SalesPaused
         } else {
-            Stop::No
+            Gate::Open
         };
-        let stop = node.stop;
-        self.note(|| format!("node {n} switches {stop:?}"));
+        let gate = node.gate;
+        self.note(|| format!("node {n} switches {gate:?}"));
     }
 
     fn crash(&mut self, n: usize) {
@@ -1481,7 +1475,7 @@ impl World {
         );
         if self.calm
             && sent >= self.quiet_at + CALM_GRACE_MS
-            && matches!(reply, Reply::Failed(EngineError::Unavailable))
+            && matches!(reply, Err(EngineError::Unavailable))
         {
             let order = self.clients[c].order.clone();
             return Err((
@@ -1495,15 +1489,15 @@ impl World {
         }
         verdict?;
         match reply {
-            Reply::Failed(EngineError::Unavailable) => {
+            Err(EngineError::Unavailable) => {
                 let d = self.rng.range(5, 300);
                 self.at(d, Job::Send(c));
             }
-            Reply::Failed(EngineError::NotEligible(_)) if !self.calm => {
+            Err(EngineError::NotEligible(_)) if !self.calm => {
                 let d = self.rng.range(100, 1000);
                 self.at(d, Job::Send(c));
             }
-            Reply::Created(_) | Reply::Replayed(_) if self.clients[c].resends > 0 => {
+            Ok(_) if self.clients[c].resends > 0 => {
                 self.clients[c].resends -= 1;
                 let d = self.rng.range(1, 3000);
                 self.at(d, Job::Send(c));
@@ -1530,13 +1524,7 @@ impl World {
                 Some(code),
             ));
         }
-        self.answered(
-            c,
-            attempt,
-            Reply::Failed(EngineError::Unavailable),
-            false,
-            0,
-        )
+        self.answered(c, attempt, Err(EngineError::Unavailable), false, 0)
     }
 
     /// The round's last checks: every acknowledged order still in the ledger as it was
@@ -1547,14 +1535,6 @@ impl World {
         }
         self.out.checks += 1;
         self.books.all_durable(&self.ledger)
-    }
-}
-
-fn reply_of(answer: Result<Reserved, EngineError>) -> Reply {
-    match answer {
-        Ok(r) if r.replayed => Reply::Replayed(r.reservation),
-        Ok(r) => Reply::Created(r.reservation),
-        Err(e) => Reply::Failed(e),
     }
 }
 
@@ -1643,8 +1623,8 @@ fn command_name(c: &Command<Tag, ()>) -> String {
 
 fn reply_name(r: &Reply) -> String {
     match r {
-        Reply::Created(x) => format!("201 {}", x.order_id),
-        Reply::Replayed(x) => format!("201 (replay) {}", x.order_id),
-        Reply::Failed(e) => format!("{e:?}"),
+        Ok(x) if x.replayed => format!("201 (replay) {}", x.reservation.order_id),
+        Ok(x) => format!("201 {}", x.reservation.order_id),
+        Err(e) => format!("{e:?}"),
     }
 }

@@ -1,0 +1,241 @@
+//! [`Node`]: this node's engine state, shared by the handle, the actors and the jobs: the registry
+//! of vouchers that have an actor here, where actors live (HTTP workers, shards), the switches
+//! as this node applies them, and the rate limiters.
+
+use std::collections::HashSet;
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::prelude::*;
+use dashmap::DashMap;
+
+use super::actor::{Restocked, VoucherActor};
+use super::known::KnownCodes;
+use super::limits::{self, RateLimits};
+use super::sizing::SizingParams;
+use super::soldout::VoucherShared;
+use crate::clock::SharedClock;
+use crate::config::EngineSettings;
+use crate::domain::Switches;
+use crate::ledger::SharedLedger;
+use crate::metrics as m;
+use crate::signals::{Publisher, Signal};
+
+/// What the node-wide emergency switches let through: the gate new reserves pass (retries of
+/// stored orders still get their `201` when it is shut).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Gate {
+    /// No switch is on.
+    Open,
+    /// `422 NOT_ELIGIBLE` with reason `PAUSED`.
+    SalesPaused,
+    /// `503 UNAVAILABLE`.
+    ReadOnly,
+}
+
+/// One registry row: the owner actor of a voucher on this node and the state the frontend reads.
+///
+/// A request clones the row, its actor's address included: each clone of an `Addr` is a sender
+/// with a guaranteed slot in the actor's mailbox, so a burst at a new actor (whose mailbox has
+/// actix's default capacity of 16 until it starts) is queued, not refused. One address shared
+/// by every request would refuse that burst (the API test of an actor whose thread ends shows
+/// it).
+#[derive(Clone)]
+pub(super) struct Entry {
+    pub(super) addr: Addr<VoucherActor>,
+    pub(super) shared: Arc<VoucherShared>,
+    pub(super) generation: u64,
+    /// The voucher's admission limiter on this node, when admission is limited.
+    pub(super) admission: Option<Arc<limits::Admission>>,
+    /// The actor was started on an HTTP worker's arbiter, not on a shard (diagnostics).
+    pub(super) on_worker: bool,
+}
+
+/// A voucher code's hash: picks its shard, and keys its customers in the per-customer limiter
+/// (which hashes the pair again with a random seed).
+pub(super) fn code_hash(code: &str) -> u64 {
+    BuildHasher::hash_one(
+        &foldhash::fast::FixedState::with_seed(0x766f_7563_6865_7273),
+        code,
+    )
+}
+
+/// State shared by the handle, the actors and the jobs.
+pub(crate) struct Node {
+    pub ledger: SharedLedger,
+    pub clock: SharedClock,
+    pub settings: EngineSettings,
+    pub sizing: SizingParams,
+    pub node_id: String,
+    pub(super) request_timeout: Duration,
+    pub signals: Publisher,
+    pub(super) known: KnownCodes,
+    pub(crate) limits: RateLimits,
+    /// Reserves waiting for their actor's answer on this node (the tarpit's "busy").
+    pub(super) in_flight: AtomicUsize,
+    /// The emergency switches as this node last read them (from the ledger, at least every
+    /// `jobs.switches_interval_ms`, and at once on the `SWITCHES` signal).
+    pub(super) sales_paused: AtomicBool,
+    pub(super) read_only: AtomicBool,
+    /// The version of the switches applied (see [`Node::apply_switches`]).
+    pub(super) switch_version: std::sync::Mutex<i64>,
+    /// Hashed with foldhash (randomly seeded per map), not SipHash: every request looks its
+    /// code up here.
+    pub(super) registry: DashMap<String, Entry, foldhash::fast::RandomState>,
+    pub(super) shards: Vec<ArbiterHandle>,
+    /// The HTTP workers' arbiters, by thread, as each worker starts (with
+    /// `actors_on_http_workers`): actors go there first, so that a reserve and its answer can
+    /// stay on one thread.
+    pub(super) workers: std::sync::RwLock<Vec<(std::thread::ThreadId, ArbiterHandle)>>,
+    pub(super) next_generation: AtomicU64,
+    /// The node hears other nodes' signals now (always without Redis, where flags rest on the
+    /// probes alone). A sold-out flag answers from memory only then: a missed `RESTOCK` could
+    /// otherwise refuse the retry of an order another node sold from the restocked units.
+    pub(super) signals_up: AtomicBool,
+    /// A task is reaping dead holders' leases: the next beat does not start another.
+    pub(super) reaping: AtomicBool,
+    /// Vouchers that sold out here since the live numbers last ran: their books are recounted
+    /// then, one after the other (not at once by every actor, competing with the sale's reads).
+    pub(super) recount: std::sync::Mutex<HashSet<String>>,
+}
+
+impl Node {
+    /// What the switches say about new reserves now.
+    pub(crate) fn gate(&self) -> Gate {
+        if self.read_only.load(Ordering::Acquire) {
+            Gate::ReadOnly
+        } else if self.sales_paused.load(Ordering::Acquire) {
+            Gate::SalesPaused
+        } else {
+            Gate::Open
+        }
+    }
+
+    /// Applies switches read from the ledger, unless they are older than what this node holds
+    /// (a read that started before a change must not undo it).
+    pub(super) fn apply_switches(&self, s: Switches) {
+        let mut held = self
+            .switch_version
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if s.version < *held {
+            return;
+        }
+        *held = s.version;
+        self.sales_paused.store(s.sales_paused, Ordering::Release);
+        self.read_only.store(s.read_only, Ordering::Release);
+        m::switches(s.sales_paused, s.read_only);
+    }
+
+    /// `code` sold out here: its books are recounted at the next live numbers.
+    pub(crate) fn recount_soon(&self, code: &str) {
+        self.recount
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(code.to_string());
+    }
+
+    /// Units went back to `free` for `code` on this node: act on it and tell the cluster.
+    pub(crate) fn restocked(&self, code: &str) {
+        self.apply_restock(code);
+        self.signals.publish(code, Signal::Restock);
+    }
+
+    /// Lowers the sold-out flag and lets the actor lease again.
+    pub(super) fn apply_restock(&self, code: &str) {
+        if let Some(e) = self.registry.get(code) {
+            e.shared.restock();
+            let _ = e.addr.try_send(Restocked);
+        }
+    }
+
+    /// Removes an actor's registry row when it stops, unless a successor already took it.
+    pub(crate) fn forget(&self, code: &str, generation: u64) {
+        self.registry
+            .remove_if(code, |_, e| e.generation == generation);
+    }
+
+    /// The arbiter `code`'s actor starts on, and whether it is an HTTP worker's: a live
+    /// worker's, chosen by the code's hash, else the code's shard. A worker that stopped
+    /// (shutdown, or a panic actix-server recovered from) leaves the list here.
+    pub(super) fn home(&self, code: &str) -> (ArbiterHandle, bool) {
+        let mut workers = self.workers.read().unwrap_or_else(|e| e.into_inner());
+        if !workers.iter().all(|(_, a)| a.alive()) {
+            drop(workers);
+            self.workers
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .retain(|(_, a)| a.alive());
+            workers = self.workers.read().unwrap_or_else(|e| e.into_inner());
+        }
+        if !workers.is_empty() {
+            let (_, worker) = &workers[(code_hash(code) % workers.len() as u64) as usize];
+            return (worker.clone(), true);
+        }
+        let shard = self.shard_of(code).cloned();
+        (shard.unwrap_or_else(Arbiter::current), false)
+    }
+
+    /// `code`'s shard, by the code's hash (`None` only without shards).
+    pub(super) fn shard_of(&self, code: &str) -> Option<&ArbiterHandle> {
+        let n = self.shards.len().max(1) as u64;
+        self.shards.get((code_hash(code) % n) as usize)
+    }
+
+    /// Runs `work` for `code` on its shard, away from the calling actor's thread, which may be
+    /// ending. Once the shards have stopped (the end of a shutdown, after the drain returned
+    /// every lease of the node) it is dropped.
+    pub(crate) fn background(
+        &self,
+        code: &str,
+        work: impl std::future::Future<Output = ()> + Send + 'static,
+    ) {
+        match self.shard_of(code) {
+            Some(shard) => {
+                shard.spawn(work);
+            }
+            None => {
+                actix::spawn(work);
+            }
+        }
+    }
+
+    pub(super) fn entry(self: &Arc<Self>, code: &str) -> Entry {
+        if let Some(e) = self.registry.get(code) {
+            return e.clone();
+        }
+        self.registry
+            .entry(code.to_string())
+            .or_insert_with(|| {
+                let generation = self.next_generation.fetch_add(1, Ordering::Relaxed);
+                let shared = Arc::new(VoucherShared::default());
+                let (home, on_worker) = self.home(code);
+                let (node, c, sh) = (self.clone(), code.to_string(), shared.clone());
+                let addr = VoucherActor::start_in_arbiter(&home, move |_| {
+                    VoucherActor::new(c, node, sh, generation)
+                });
+                Entry {
+                    addr,
+                    shared,
+                    generation,
+                    admission: self.limits.new_admission().map(Arc::new),
+                    on_worker,
+                }
+            })
+            .clone()
+    }
+}
+
+/// The shards of an engine; stop them on shutdown.
+pub struct Shards(pub(super) Vec<Arbiter>);
+
+impl Shards {
+    pub fn stop(self) {
+        for a in self.0 {
+            a.stop();
+            let _ = a.join();
+        }
+    }
+}

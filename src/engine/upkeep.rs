@@ -1,0 +1,288 @@
+//! The node's upkeep, called by the background jobs and at shutdown: expiry of unconfirmed
+//! reservations, lease reaping (by expiry and of dead holders), the heartbeat, reconciliation,
+//! the live numbers, the rate limiters' upkeep, readiness, the drain; and what other nodes'
+//! signals ask of this one.
+
+use std::collections::HashSet;
+use std::sync::atomic::Ordering;
+
+use super::actor::{Drain, Recall, Reload, SoldOutElsewhere};
+use super::{EngineError, EngineHandle};
+use crate::clock::{ledger_ahead, Millis};
+use crate::ledger::{LedgerError, Restock, SharedLedger};
+use crate::metrics as m;
+use crate::signals::Signal;
+
+impl EngineHandle {
+    /// The subscription to cluster signals came up (`true`) or ended. While it is down a
+    /// `RESTOCK` can be missed, so no sold-out flag answers for the ledger; when it comes back
+    /// every flag stays unconfirmed until its actor's next probe finds the same winners (the
+    /// winners stay: a flapping link costs one grant per sold-out voucher and probe interval).
+    pub fn signals_link(&self, up: bool) {
+        if up {
+            for e in self.node.registry.iter() {
+                e.shared.unverify();
+            }
+        }
+        self.node.signals_up.store(up, Ordering::Release);
+    }
+
+    /// Acts on a signal another node published.
+    pub fn on_signal(&self, code: &str, signal: Signal) {
+        match signal {
+            Signal::Restock => self.node.apply_restock(code),
+            Signal::SoldOut => {
+                if let Some(e) = self.node.registry.get(code) {
+                    let _ = e.addr.try_send(SoldOutElsewhere);
+                }
+            }
+            Signal::Recall => {
+                if let Some(e) = self.node.registry.get(code) {
+                    let _ = e.addr.try_send(Recall);
+                }
+            }
+            Signal::Warm => {
+                let (e, code) = (self.clone(), code.to_string());
+                tokio::spawn(async move {
+                    if let Err(err) = e.warm(&code).await {
+                        tracing::warn!(code = %code, error = %err, "warm on signal");
+                    }
+                });
+            }
+            Signal::Switches => {
+                let e = self.clone();
+                tokio::spawn(async move {
+                    if let Err(err) = e.refresh_switches().await {
+                        tracing::warn!(error = %err, "read switches");
+                    }
+                });
+            }
+            Signal::Updated => {
+                self.node.known.insert(code);
+                let Some(addr) = self.node.registry.get(code).map(|e| e.addr.clone()) else {
+                    return;
+                };
+                let (ledger, code) = (self.node.ledger.clone(), code.to_string());
+                tokio::spawn(async move {
+                    match ledger.voucher(&code).await {
+                        Ok(Some(v)) => {
+                            let _ = addr.try_send(Reload(v));
+                        }
+                        Ok(None) => {}
+                        Err(e) => tracing::warn!(code = %code, error = %e, "reload voucher"),
+                    }
+                });
+            }
+        }
+    }
+
+    /// Graceful stop, after the HTTP server stopped taking requests: actors stop serving, and
+    /// every lease this node holds goes back to `free` in one ledger call (which does not need
+    /// the actors, whose arbiters may already be stopping).
+    pub async fn drain(&self) {
+        for e in self.node.registry.iter() {
+            let _ = e.addr.try_send(Drain);
+        }
+        match self
+            .node
+            .ledger
+            .return_node_leases(&self.node.node_id, self.now_ms())
+            .await
+        {
+            Ok(restocks) => {
+                let units: i64 = restocks.iter().map(|r| r.units).sum();
+                tracing::info!(units, "returned this node's leases");
+                for r in restocks {
+                    self.node.signals.publish(&r.voucher_code, Signal::Restock);
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "could not return leases; the reaper will"),
+        }
+        // Gone from the living: nobody waits for this process, and its row does not linger.
+        if let Err(e) = self.node.ledger.retire_node(&self.node.node_id).await {
+            tracing::warn!(error = %e, "could not retire this node's heartbeat");
+        }
+    }
+
+    /// Live numbers: the units of every voucher whose sale has started and that can still change
+    /// (as the reconciler watches), from its row and active leases (no scan of its
+    /// reservations), into `vouchers_units`; every node exports the same numbers. Vouchers not
+    /// yet started are never exported: their codes are the secret of an unannounced sale.
+    pub async fn live_numbers(&self) -> Result<usize, EngineError> {
+        // These gauges are set here, so that they never go idle (see `metrics::install`).
+        m::actors(self.node.registry.len());
+        m::redis_configured(self.node.signals.enabled());
+        let now = self.now_ms();
+        let units = self
+            .node
+            .ledger
+            .live_units(now, self.watched_after(now))
+            .await?;
+        units.iter().for_each(m::live_units);
+        // Outcome rates per voucher, for vouchers on sale only (as the units).
+        let on_sale: HashSet<&str> = units.iter().map(|u| u.code.as_str()).collect();
+        for e in self.node.registry.iter() {
+            if on_sale.contains(e.key().as_str()) {
+                m::voucher_outcomes(e.key(), &e.shared.outcome_counts());
+            }
+        }
+        // The books of a voucher that just sold out, recounted now rather than at the
+        // reconciler's next round (one after the other; only vouchers on sale are exported).
+        let sold_out: Vec<String> =
+            std::mem::take(&mut *self.node.recount.lock().unwrap_or_else(|e| e.into_inner()))
+                .into_iter()
+                .collect();
+        for code in sold_out {
+            let started = on_sale.contains(code.as_str());
+            if let Err(e) = reconcile_one(&self.node.ledger, &code, started).await {
+                // Tried again at the next run.
+                tracing::warn!(code = %code, error = %e, "recount after a sell-out failed");
+                self.node.recount_soon(&code);
+            }
+        }
+        Ok(units.len())
+    }
+
+    /// Vouchers whose window ended after this can still change by themselves (sales, and expiries
+    /// up to a reservation TTL later): the reconciler and the live numbers watch them.
+    fn watched_after(&self, now: Millis) -> Millis {
+        now - self.node.settings.reservation_ttl_ms - 60_000
+    }
+
+    /// Rate limiters drop the keys that refilled.
+    pub fn limits_upkeep(&self) {
+        self.node.limits.upkeep();
+        for e in self.node.registry.iter() {
+            if let Some(own) = e.shared.own_limits() {
+                self.node.limits.upkeep_own(&own);
+            }
+        }
+    }
+
+    /// `Err` says what is down: the ledger, or the node's circuit breaker on it.
+    pub async fn ready(&self) -> Result<(), &'static str> {
+        match self.node.ledger.ping().await {
+            Ok(()) => Ok(()),
+            Err(LedgerError::CircuitOpen) => Err("ledger circuit open"),
+            Err(_) => Err("ledger does not answer"),
+        }
+    }
+
+    pub(super) fn after_restocks(&self, restocks: impl Iterator<Item = Restock>) {
+        for r in restocks {
+            self.node.restocked(&r.voucher_code);
+        }
+    }
+
+    /// Releases unconfirmed reservations whose time ran out. Returns how many were released.
+    pub async fn expire_due(&self, batch: i64) -> Result<i64, EngineError> {
+        let batch = batch.max(1);
+        let mut total = 0;
+        loop {
+            let restocks = self.node.ledger.expire_due(self.now_ms(), batch).await?;
+            let n: i64 = restocks.iter().map(|r| r.units).sum();
+            total += n;
+            self.after_restocks(restocks.into_iter());
+            if n < batch {
+                break;
+            }
+        }
+        if total > 0 {
+            m::expired(total as u64);
+        }
+        Ok(total)
+    }
+
+    /// Reaps leases whose node stopped renewing them. Returns the units given back.
+    pub async fn reap_expired(&self) -> Result<i64, EngineError> {
+        let restocks = self.node.ledger.reap_expired(self.now_ms()).await?;
+        Ok(self.after_reap(restocks))
+    }
+
+    /// Beats in the ledger, and corrects this node's clock to the ledger's; the leases of
+    /// holders it finds dead are reaped on a task of their own (one at a time per node), so reaping never delays this node's next beat. Returns how
+    /// many holders it found dead.
+    pub async fn heartbeat(&self, dead_after_ms: i64) -> Result<usize, EngineError> {
+        let sent = self.now_ms();
+        let beat = self
+            .node
+            .ledger
+            .heartbeat(&self.node.node_id, sent, dead_after_ms)
+            .await?;
+        if let Some(ahead) = ledger_ahead(beat.ledger_ms, sent, self.now_ms()) {
+            self.node.clock.follow_ledger(ahead);
+        }
+        let dead = beat.dead;
+        let found = dead.len();
+        if !dead.is_empty() && !self.node.reaping.swap(true, Ordering::AcqRel) {
+            let me = self.clone();
+            actix_rt::spawn(async move {
+                for holder in dead {
+                    match me.node.ledger.reap_holder(&holder, me.now_ms()).await {
+                        Ok(restocks) => {
+                            me.after_reap(restocks);
+                        }
+                        Err(e) => {
+                            m::ledger_error(m::LedgerOp::Jobs);
+                            tracing::warn!(holder, error = %e, "reaping a dead holder failed");
+                        }
+                    }
+                }
+                me.node.reaping.store(false, Ordering::Release);
+            });
+        }
+        Ok(found)
+    }
+
+    fn after_reap(&self, restocks: Vec<Restock>) -> i64 {
+        let units = restocks.iter().map(|r| r.units).sum();
+        for _ in &restocks {
+            m::lease(m::LeaseEvent::Reaped);
+        }
+        self.after_restocks(restocks.into_iter());
+        units
+    }
+
+    /// Recomputes the counters of every voucher that can still change (its window has not ended
+    /// more than a reservation TTL and a minute ago) from the rows; returns the codes that do
+    /// not balance. Vouchers long over stay as they were last seen.
+    pub async fn reconcile(&self) -> Result<Vec<String>, EngineError> {
+        let now = self.now_ms();
+        let ending_after = self.watched_after(now);
+        // Which of them started, in one read: the others' series are not exported (see
+        // `live_numbers`).
+        let started: HashSet<String> = self
+            .node
+            .ledger
+            .live_units(now, ending_after)
+            .await?
+            .into_iter()
+            .map(|u| u.code)
+            .collect();
+        let mut unbalanced = Vec::new();
+        for code in self.node.ledger.voucher_codes(ending_after).await? {
+            if !reconcile_one(&self.node.ledger, &code, started.contains(&code)).await? {
+                unbalanced.push(code);
+            }
+        }
+        Ok(unbalanced)
+    }
+}
+
+/// Recounts one voucher and records the verdict (exported only for a voucher whose sale
+/// `started`); `false` when its books do not balance. The reconciler runs it for every watched
+/// voucher, and an actor the moment its voucher sells out.
+async fn reconcile_one(
+    ledger: &SharedLedger,
+    code: &str,
+    started: bool,
+) -> Result<bool, LedgerError> {
+    let Some(c) = ledger.counters(code).await? else {
+        return Ok(true);
+    };
+    m::reconciled(code, &c, started);
+    if !c.balanced {
+        tracing::error!(code = %code, counters = ?c, "ledger does not balance");
+    }
+    Ok(c.balanced)
+}
