@@ -1,6 +1,16 @@
 //! The embedded ledger's own tests: its migrations and the plans of its merged commit's
 //! statements (the conformance suite, `tests/api/ledger.rs`, covers its behaviour).
 
+use std::str::FromStr;
+
+use sqlx::sqlite::{SqliteConnectOptions, SqlitePool};
+use sqlx::Row;
+
+use super::commit::{
+    COUNT_RESERVED, FEED_LAST, FEED_TAKE, FENCE, INSERT_RESERVATION, READ_LEASE, READ_RULES,
+    READ_STORED,
+};
+use super::open::MIGRATIONS;
 use super::*;
 
 /// A ledger made before the feed existed, with reservations in every state, gets every one
