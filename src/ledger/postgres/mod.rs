@@ -64,29 +64,41 @@ const EVENTS_SQL: &str = concat!(
 );
 
 const MIGRATIONS: &[(i64, &str)] = &[
-    (1, include_str!("../../migrations/postgres/0001_init.sql")),
+    (
+        1,
+        include_str!("../../../migrations/postgres/0001_init.sql"),
+    ),
     (
         2,
-        include_str!("../../migrations/postgres/0002_merged_commit.sql"),
+        include_str!("../../../migrations/postgres/0002_merged_commit.sql"),
     ),
     (
         3,
-        include_str!("../../migrations/postgres/0003_leases_by_voucher.sql"),
+        include_str!("../../../migrations/postgres/0003_leases_by_voucher.sql"),
     ),
     (
         5,
-        include_str!("../../migrations/postgres/0005_voucher_limits.sql"),
+        include_str!("../../../migrations/postgres/0005_voucher_limits.sql"),
     ),
     (
         6,
-        include_str!("../../migrations/postgres/0006_switches.sql"),
+        include_str!("../../../migrations/postgres/0006_switches.sql"),
     ),
-    (7, include_str!("../../migrations/postgres/0007_feed.sql")),
-    (8, include_str!("../../migrations/postgres/0008_settle.sql")),
-    (9, include_str!("../../migrations/postgres/0009_nodes.sql")),
+    (
+        7,
+        include_str!("../../../migrations/postgres/0007_feed.sql"),
+    ),
+    (
+        8,
+        include_str!("../../../migrations/postgres/0008_settle.sql"),
+    ),
+    (
+        9,
+        include_str!("../../../migrations/postgres/0009_nodes.sql"),
+    ),
     (
         10,
-        include_str!("../../migrations/postgres/0010_closed_consumed.sql"),
+        include_str!("../../../migrations/postgres/0010_closed_consumed.sql"),
     ),
 ];
 
@@ -94,9 +106,9 @@ const MIGRATIONS: &[(i64, &str)] = &[
 /// REPLACE`): a database made by an earlier build gets the function of this one. Version 2 made
 /// the function first; an edit of it needs no new version.
 const REPEATABLE: &[&str] = &[
-    include_str!("../../migrations/postgres/0002_merged_commit.sql"),
-    include_str!("../../migrations/postgres/0008_settle.sql"),
-    include_str!("../../migrations/postgres/grant.sql"),
+    include_str!("../../../migrations/postgres/0002_merged_commit.sql"),
+    include_str!("../../../migrations/postgres/0008_settle.sql"),
+    include_str!("../../../migrations/postgres/grant.sql"),
 ];
 
 /// An arbitrary constant that names this schema's migration lock.
