@@ -1,0 +1,276 @@
+//! Leases and their holders on PostgreSQL: a grant (one call of `vouchers_grant_v2`), returns
+//! and reaps with their locks in a fixed order (vouchers by code, then leases by id), and the
+//! holders' incarnations and beats, judged on the ledger's own clock.
+
+use sqlx::{Postgres, Transaction};
+
+use super::PostgresLedger;
+use crate::clock::Millis;
+use crate::ledger::{
+    group_restocks, holder_name, split_holder, Beat, Closing, Grant, Incarnation, Lease,
+    LedgerError, Restock, LEASE_FILTER,
+};
+
+type Tx = Transaction<'static, Postgres>;
+
+/// Locks the voucher rows of `codes` in code order; returns the codes that exist.
+async fn lock_vouchers(tx: &mut Tx, codes: &[String]) -> Result<Vec<String>, sqlx::Error> {
+    sqlx::query_scalar("SELECT code FROM vouchers WHERE code = ANY($1) ORDER BY code FOR UPDATE")
+        .bind(codes)
+        .fetch_all(&mut **tx)
+        .await
+}
+
+/// `vouchers_grant_v2`'s answer: units free before the grant, units granted, units unused in
+/// the voucher's other active leases, the new lease (none when nothing was free), and how many
+/// reservations the voucher ever had (when nothing was granted).
+type GrantRow = (i64, i64, i64, Option<i64>, Option<i64>);
+
+impl PostgresLedger {
+    /// [`Ledger::grant`](crate::ledger::Ledger::grant), in one round trip.
+    pub(super) async fn grant_lease(
+        &self,
+        code: &str,
+        node: &str,
+        want: i64,
+        now: Millis,
+        ttl_ms: i64,
+    ) -> Result<Grant, LedgerError> {
+        // One round trip: `vouchers_grant_v2` (migrations/postgres/grant.sql) locks the voucher,
+        // moves the units and inserts the lease; the deferred check runs as the call commits.
+        let expires_at = now + ttl_ms;
+        let row: Option<GrantRow> = sqlx::query_as(
+            "SELECT out_free, out_units, out_unused, out_lease, out_ever \
+             FROM vouchers_grant_v2($1, $2, $3, $4, $5)",
+        )
+        .bind(code)
+        .bind(node)
+        .bind(want)
+        .bind(now)
+        .bind(expires_at)
+        .fetch_optional(&self.pool)
+        .await
+        .inspect_err(|e| {
+            if let sqlx::Error::Database(d) = e {
+                if d.code().as_deref() == Some("23514") {
+                    // DESIGN §3's last line held where the books had already gone wrong.
+                    tracing::error!(code, want, error = %d, "a grant would pass total_limit: refused");
+                    crate::metrics::ledger_error(crate::metrics::LedgerOp::GrantPastTotal);
+                }
+            }
+        })?;
+        let (free, units, leased_unused, lease_id, ever_reserved) =
+            row.ok_or(LedgerError::NotFound)?;
+        let lease = lease_id.map(|id| Lease {
+            id,
+            granted: units,
+            expires_at,
+        });
+        Ok(Grant {
+            lease,
+            free_after: free - units,
+            leased_unused,
+            ever_reserved,
+        })
+    }
+
+    /// [`Ledger::register_node`](crate::ledger::Ledger::register_node): the name's next
+    /// number, its first beat on the ledger's clock, and its live siblings.
+    pub(super) async fn register(
+        &self,
+        name: &str,
+        _now: Millis,
+        dead_after_ms: i64,
+    ) -> Result<Incarnation, LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        let number: i64 = sqlx::query_scalar(
+            "INSERT INTO node_names (name, last_incarnation) VALUES ($1, 1) \
+             ON CONFLICT (name) DO UPDATE SET last_incarnation = node_names.last_incarnation + 1 \
+             RETURNING last_incarnation",
+        )
+        .bind(name)
+        .fetch_one(&mut *tx)
+        .await?;
+        let holder = holder_name(name, number);
+        sqlx::query(&format!(
+            "INSERT INTO nodes (holder, name, incarnation, started_at, beat_at, streak_from, \
+                                dead_after) \
+             VALUES ($1, $2, $3, {LEDGER_NOW}, {LEDGER_NOW}, {LEDGER_NOW}, $4) \
+             ON CONFLICT (holder) DO UPDATE SET beat_at = EXCLUDED.beat_at, \
+                 streak_from = EXCLUDED.streak_from, dead_after = EXCLUDED.dead_after"
+        ))
+        .bind(&holder)
+        .bind(name)
+        .bind(number)
+        .bind(dead_after_ms.max(1))
+        .execute(&mut *tx)
+        .await?;
+        let live_siblings: Vec<i64> = sqlx::query_scalar(&format!(
+            "SELECT incarnation FROM nodes WHERE name = $1 AND incarnation <> $2 \
+             AND beat_at >= {LEDGER_NOW} - dead_after ORDER BY incarnation"
+        ))
+        .bind(name)
+        .bind(number)
+        .fetch_all(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(Incarnation {
+            holder,
+            number,
+            live_siblings,
+        })
+    }
+
+    /// [`Ledger::heartbeat`](crate::ledger::Ledger::heartbeat), on the heartbeat's own
+    /// connection.
+    pub(super) async fn beat(
+        &self,
+        holder: &str,
+        _now: Millis,
+        dead_after_ms: i64,
+    ) -> Result<Beat, LedgerError> {
+        let (name, number) = split_holder(holder);
+        // One statement, one round trip: the clock reading it returns is as close to the middle
+        // of the call as can be. The dead are listed in the snapshot from before this beat.
+        let (ledger_ms, dead): (i64, Vec<String>) = sqlx::query_as(&format!(
+            "WITH b AS ( \
+                 INSERT INTO nodes (holder, name, incarnation, started_at, beat_at, streak_from, \
+                                    dead_after) \
+                 VALUES ($1, $2, $3, {LEDGER_NOW}, {LEDGER_NOW}, {LEDGER_NOW}, $4) \
+                 ON CONFLICT (holder) DO UPDATE SET beat_at = EXCLUDED.beat_at, \
+                     dead_after = EXCLUDED.dead_after, \
+                     streak_from = CASE \
+                         WHEN EXCLUDED.beat_at - nodes.beat_at > EXCLUDED.dead_after / 2 \
+                         THEN EXCLUDED.beat_at ELSE nodes.streak_from END \
+                 RETURNING beat_at - streak_from AS streak, beat_at) \
+             SELECT b.beat_at, ARRAY(SELECT n.holder FROM nodes n \
+                                     WHERE n.holder <> $1 AND n.beat_at < b.beat_at - n.dead_after \
+                                       AND n.dead_after <= b.streak ORDER BY n.holder) \
+             FROM b"
+        ))
+        .bind(holder)
+        .bind(name)
+        .bind(number)
+        .bind(dead_after_ms.max(1))
+        .fetch_one(&self.beats)
+        .await?;
+        Ok(Beat { ledger_ms, dead })
+    }
+
+    /// Returns or reaps leases, in a transaction of their own.
+    pub(super) async fn close_leases(
+        &self,
+        which: Closing<'_>,
+        now: Millis,
+    ) -> Result<Vec<Restock>, LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        let restocks = close_leases_in(&mut tx, which, now).await?;
+        tx.commit().await?;
+        Ok(restocks)
+    }
+
+    /// Reaps the leases of `holder` if it is still dead by its own limit (it may have beaten
+    /// since it was listed): its row goes, and its leases close, in one transaction. Another
+    /// node reaping the same holder holds its row: this one skips it (no queue of reapers).
+    /// Locks: the holder's row, then as [`close_leases_in`].
+    pub(super) async fn reap_dead(
+        &self,
+        holder: &str,
+        now: Millis,
+    ) -> Result<Vec<Restock>, LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        let gone: Option<String> = sqlx::query_scalar(&format!(
+            "DELETE FROM nodes WHERE holder = \
+                 (SELECT holder FROM nodes \
+                  WHERE holder = $1 AND beat_at < {LEDGER_NOW} - dead_after \
+                  FOR UPDATE SKIP LOCKED) \
+             RETURNING holder"
+        ))
+        .bind(holder)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if gone.is_none() {
+            return Ok(Vec::new());
+        }
+        let restocks = close_leases_in(&mut tx, Closing::Dead(holder), now).await?;
+        tx.commit().await?;
+        let units: i64 = restocks.iter().map(|r| r.units).sum();
+        tracing::warn!(
+            holder,
+            units,
+            "reaped the leases of a holder that stopped beating"
+        );
+        Ok(restocks)
+    }
+}
+
+/// The ledger's clock, in milliseconds since the epoch: liveness is judged on it, so no node's
+/// own clock can make a live holder look dead.
+const LEDGER_NOW: &str = "(extract(epoch from clock_timestamp()) * 1000)::BIGINT";
+
+/// Returns or reaps leases: their vouchers are locked first (in code order), then the leases
+/// close and their unused units go back to `free`.
+async fn close_leases_in(
+    tx: &mut Tx,
+    which: Closing<'_>,
+    now: Millis,
+) -> Result<Vec<Restock>, LedgerError> {
+    let (id, node, expired_by) = which.params();
+    let codes: Vec<String> = sqlx::query_scalar(&format!(
+        "SELECT DISTINCT voucher_code FROM leases WHERE {LEASE_FILTER} ORDER BY voucher_code"
+    ))
+    .bind(id)
+    .bind(&node)
+    .bind(expired_by)
+    .fetch_all(&mut **tx)
+    .await?;
+    if codes.is_empty() {
+        return Ok(Vec::new());
+    }
+    lock_vouchers(tx, &codes).await?;
+    // Then the leases, in id order, as a merged commit locks them (no deadlock).
+    sqlx::query(&format!(
+        "SELECT id FROM leases WHERE {LEASE_FILTER} AND voucher_code = ANY($4) \
+         ORDER BY id FOR UPDATE"
+    ))
+    .bind(id)
+    .bind(&node)
+    .bind(expired_by)
+    .bind(&codes)
+    .execute(&mut **tx)
+    .await?;
+    let rows: Vec<(String, i64)> = sqlx::query_as(&format!(
+        "UPDATE leases SET state = $4, closed_at = $5 \
+         WHERE {LEASE_FILTER} AND voucher_code = ANY($6) \
+         RETURNING voucher_code, granted - consumed"
+    ))
+    .bind(id)
+    .bind(&node)
+    .bind(expired_by)
+    .bind(which.state())
+    .bind(now)
+    .bind(&codes)
+    .fetch_all(&mut **tx)
+    .await?;
+    give_back(tx, rows).await
+}
+
+/// Puts the unused units of closed leases back to `free`.
+async fn give_back(tx: &mut Tx, rows: Vec<(String, i64)>) -> Result<Vec<Restock>, LedgerError> {
+    let restocks = group_restocks(rows);
+    if !restocks.is_empty() {
+        let (codes, units): (Vec<String>, Vec<i64>) = restocks
+            .iter()
+            .map(|r| (r.voucher_code.clone(), r.units))
+            .unzip();
+        sqlx::query(
+            "UPDATE vouchers SET free = free + d.units \
+             FROM UNNEST($1::text[], $2::bigint[]) AS d (code, units) WHERE vouchers.code = d.code",
+        )
+        .bind(&codes)
+        .bind(&units)
+        .execute(&mut **tx)
+        .await?;
+    }
+    Ok(restocks)
+}

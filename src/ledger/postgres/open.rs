@@ -1,0 +1,134 @@
+//! Opening the cluster ledger: the connection options (custom plans; statement and lock
+//! timeouts at the ledger's deadline), the pool and the heartbeat's own connection, and the
+//! migrations, which nodes starting together run one after the other.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+
+use super::PostgresLedger;
+
+const MIGRATIONS: &[(i64, &str)] = &[
+    (
+        1,
+        include_str!("../../../migrations/postgres/0001_init.sql"),
+    ),
+    (
+        2,
+        include_str!("../../../migrations/postgres/0002_merged_commit.sql"),
+    ),
+    (
+        3,
+        include_str!("../../../migrations/postgres/0003_leases_by_voucher.sql"),
+    ),
+    (
+        5,
+        include_str!("../../../migrations/postgres/0005_voucher_limits.sql"),
+    ),
+    (
+        6,
+        include_str!("../../../migrations/postgres/0006_switches.sql"),
+    ),
+    (
+        7,
+        include_str!("../../../migrations/postgres/0007_feed.sql"),
+    ),
+    (
+        8,
+        include_str!("../../../migrations/postgres/0008_settle.sql"),
+    ),
+    (
+        9,
+        include_str!("../../../migrations/postgres/0009_nodes.sql"),
+    ),
+    (
+        10,
+        include_str!("../../../migrations/postgres/0010_closed_consumed.sql"),
+    ),
+];
+
+/// Definitions applied on every start after the versioned migrations (each is `CREATE OR
+/// REPLACE`): a database made by an earlier build gets the function of this one. Version 2 made
+/// the function first; an edit of it needs no new version.
+const REPEATABLE: &[&str] = &[
+    include_str!("../../../migrations/postgres/0002_merged_commit.sql"),
+    include_str!("../../../migrations/postgres/0008_settle.sql"),
+    include_str!("../../../migrations/postgres/grant.sql"),
+];
+
+/// An arbitrary constant that names this schema's migration lock.
+const MIGRATION_LOCK: i64 = 0x766f_7563_6865_7273;
+
+impl PostgresLedger {
+    pub async fn connect(
+        url: &str,
+        max_connections: u32,
+        timeout_ms: u64,
+        acquire_timeout_ms: u64,
+    ) -> Result<Self, sqlx::Error> {
+        // Tables grow from empty within seconds of a sale starting: a generic plan cached while
+        // they were tiny (a sequential scan) would stay for the life of the connection. Custom
+        // plans see the real table size every time.
+        let mut options =
+            PgConnectOptions::from_str(url)?.options([("plan_cache_mode", "force_custom_plan")]);
+        if timeout_ms > 0 {
+            // No statement and no lock wait may hold a connection past the ledger's deadline.
+            let ms = timeout_ms.to_string();
+            options = options.options([
+                ("statement_timeout", ms.as_str()),
+                ("lock_timeout", ms.as_str()),
+            ]);
+        }
+        // Connections are checked before use (one short round trip per merged transaction):
+        // after an outage the pool replaces broken ones instead of failing a request on each.
+        // Waiting for a connection (and that check) fails fast, so the breaker sees a dead link
+        // within `acquire_timeout_ms` rather than at the end of each call's deadline.
+        let pool = PgPoolOptions::new()
+            .max_connections(max_connections.max(2))
+            .acquire_timeout(Duration::from_millis(acquire_timeout_ms.max(1)))
+            .connect_with(options.clone())
+            .await?;
+        migrate(&pool).await?;
+        let beats = PgPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(Duration::from_secs(1))
+            .connect_lazy_with(options);
+        Ok(Self { pool, beats })
+    }
+}
+
+async fn migrate(pool: &PgPool) -> Result<(), sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    // Nodes that start together migrate one after the other.
+    sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        .bind(MIGRATION_LOCK)
+        .execute(&mut *tx)
+        .await?;
+    sqlx::raw_sql("CREATE TABLE IF NOT EXISTS schema_migrations (version BIGINT PRIMARY KEY)")
+        .execute(&mut *tx)
+        .await?;
+    // An older build would put back its own commit function (below) and write rows the
+    // feed cannot see: it refuses a ledger a newer build migrated.
+    let newest: i64 = sqlx::query_scalar("SELECT COALESCE(max(version), 0) FROM schema_migrations")
+        .fetch_one(&mut *tx)
+        .await?;
+    crate::ledger::sql::refuse_newer_schema(newest, MIGRATIONS)?;
+    for (version, sql) in MIGRATIONS {
+        let done = sqlx::query("SELECT 1 FROM schema_migrations WHERE version = $1")
+            .bind(version)
+            .fetch_optional(&mut *tx)
+            .await?;
+        if done.is_none() {
+            sqlx::raw_sql(sql).execute(&mut *tx).await?;
+            sqlx::query("INSERT INTO schema_migrations (version) VALUES ($1)")
+                .bind(version)
+                .execute(&mut *tx)
+                .await?;
+        }
+    }
+    for sql in REPEATABLE {
+        sqlx::raw_sql(sql).execute(&mut *tx).await?;
+    }
+    tx.commit().await
+}
