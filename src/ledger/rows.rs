@@ -1,4 +1,5 @@
-//! Row decoding and grouping shared by both ledgers.
+//! Row decoding and SQL text shared by both SQL ledgers. The text numbers its parameters
+//! `$N`, which SQLite reads as PostgreSQL does.
 
 use sqlx::{ColumnIndex, Decode, Row, Type};
 
@@ -11,6 +12,17 @@ pub const VOUCHER_COLUMNS: &str = "code, discount_amount, min_order_amount, tota
 
 /// Codes of vouchers whose window ends after `$1`.
 pub const LIVE_CODES_SQL: &str = "SELECT code FROM vouchers WHERE ends_at > $1 ORDER BY code";
+
+/// The ACTIVE leases of voucher `$1` held by `$2` with units left, by id.
+pub const ACTIVE_LEASES_SQL: &str = "SELECT id FROM leases WHERE voucher_code = $1 \
+     AND node_id = $2 AND state = 'ACTIVE' AND consumed < granted ORDER BY id";
+
+/// `(order id, customer)` of voucher `$1`'s live (reserved or confirmed) reservations.
+pub const WON_ORDERS_SQL: &str = "SELECT order_id, customer_id FROM reservations \
+     WHERE voucher_code = $1 AND status <> 'RELEASED'";
+
+/// Marks holder `$1` dead at once, whatever its limit.
+pub const RETIRE_SQL: &str = "UPDATE nodes SET beat_at = 0, dead_after = 1 WHERE holder = $1";
 
 /// Active vouchers whose sale starts in `($1, $2]`, soonest first: the ones to pre-heat.
 pub const STARTING_SQL: &str = "SELECT code FROM vouchers WHERE status = 'ACTIVE' \

@@ -31,8 +31,9 @@ use sqlx::{Connection, Row};
 use super::rows::settled_events;
 use super::rows::{
     event_from, limit_column, reservation_from, switches_from, voucher_from, EventRow,
-    FEED_ORIGIN_SQL, LIVE_CODES_SQL, RESERVATION_COLUMNS, SET_SWITCHES_SQL, STARTING_SQL,
-    SWITCHES_SQL, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
+    ACTIVE_LEASES_SQL, FEED_ORIGIN_SQL, LIVE_CODES_SQL, RESERVATION_COLUMNS, RETIRE_SQL,
+    SET_SWITCHES_SQL, STARTING_SQL, SWITCHES_SQL, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
+    WON_ORDERS_SQL,
 };
 use super::{
     Batch, BatchResults, Beat, Closing, Counters, Grant, Incarnation, Ledger, LedgerError,
@@ -188,14 +189,11 @@ impl Ledger for SqliteLedger {
     }
 
     async fn active_leases(&self, code: &str, node: &str) -> Result<Vec<i64>, LedgerError> {
-        Ok(sqlx::query_scalar(
-            "SELECT id FROM leases WHERE voucher_code = ? AND node_id = ? AND state = 'ACTIVE' \
-             AND consumed < granted ORDER BY id",
-        )
-        .bind(code)
-        .bind(node)
-        .fetch_all(&self.reader)
-        .await?)
+        Ok(sqlx::query_scalar(ACTIVE_LEASES_SQL)
+            .bind(code)
+            .bind(node)
+            .fetch_all(&self.reader)
+            .await?)
     }
 
     async fn return_lease(
@@ -241,7 +239,7 @@ impl Ledger for SqliteLedger {
     }
 
     async fn retire_node(&self, holder: &str) -> Result<(), LedgerError> {
-        sqlx::query("UPDATE nodes SET beat_at = 0, dead_after = 1 WHERE holder = ?1")
+        sqlx::query(RETIRE_SQL)
             .bind(holder)
             .execute(self.writer().await?.conn()?)
             .await?;
@@ -323,13 +321,10 @@ impl Ledger for SqliteLedger {
     }
 
     async fn won_orders(&self, code: &str) -> Result<Vec<(String, i64)>, LedgerError> {
-        Ok(sqlx::query_as(
-            "SELECT order_id, customer_id FROM reservations \
-             WHERE voucher_code = ? AND status <> 'RELEASED'",
-        )
-        .bind(code)
-        .fetch_all(&self.reader)
-        .await?)
+        Ok(sqlx::query_as(WON_ORDERS_SQL)
+            .bind(code)
+            .fetch_all(&self.reader)
+            .await?)
     }
 
     async fn customer_usage(
