@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use tokio::sync::oneshot;
 
-use super::quota::{Command, Event, Reply, VoucherCore, TICK_MS};
+use super::quota::{Command, Event, Reply, Stat, VoucherCore, TICK_MS};
 use super::soldout::VoucherShared;
 use super::{outcome_of, settle_without_units, EngineError, Node};
 use crate::clock::Millis;
@@ -91,7 +91,6 @@ impl Drop for Tally {
 pub(crate) struct VoucherActor {
     code: String,
     node: Arc<Node>,
-    shared: Arc<VoucherShared>,
     /// Tells this actor's registry entry apart from a successor's when it leaves.
     generation: u64,
     core: VoucherCore<ReplyTo, WarmTo>,
@@ -108,13 +107,12 @@ impl VoucherActor {
             code.clone(),
             node.settings.clone(),
             node.sizing,
-            shared.clone(),
+            shared,
             node.clock.now_ms(),
         );
         Self {
             code,
             node,
-            shared,
             generation,
             core,
         }
@@ -141,6 +139,14 @@ impl VoucherActor {
     }
 
     fn carry_out(&mut self, ctx: &mut Context<Self>) {
+        for stat in self.core.stats() {
+            match stat {
+                Stat::Lease(event) => m::lease(event),
+                Stat::GrantedUnits(units) => m::lease_granted_units(units),
+                Stat::LedgerError(op) => m::ledger_error(op),
+                Stat::QueueFull => m::mailbox_full(),
+            }
+        }
         let mut tally = Tally::default();
         let commands: Vec<_> = self.core.commands().collect();
         let (ledger, code) = (self.node.ledger.clone(), self.code.clone());
@@ -215,7 +221,6 @@ impl VoucherActor {
                 }
                 Command::Publish(signal) => self.node.signals.publish(&self.code, signal),
                 Command::RecountSoon => self.node.recount_soon(&self.code),
-                Command::Limits(spec) => self.shared.set_own_limits(self.node.limits.own(spec)),
                 Command::Stop => ctx.stop(),
             }
         }

@@ -85,7 +85,7 @@ impl EngineHandle {
             sales_paused: AtomicBool::new(false),
             read_only: AtomicBool::new(false),
             switch_version: std::sync::Mutex::new(i64::MIN),
-            limits: RateLimits::new(limit_settings, clock.clone()),
+            limits: Arc::new(RateLimits::new(limit_settings, clock.clone())),
             ledger,
             clock,
             sizing: SizingParams::from(&settings),

@@ -72,7 +72,7 @@ pub(crate) struct Node {
     pub(super) request_timeout: Duration,
     pub signals: Publisher,
     pub(super) known: KnownCodes,
-    pub(crate) limits: RateLimits,
+    pub(crate) limits: Arc<RateLimits>,
     /// Reserves waiting for their actor's answer on this node (the tarpit's "busy").
     pub(super) in_flight: AtomicUsize,
     /// The emergency switches as this node last read them (from the ledger, at least every
@@ -210,7 +210,10 @@ impl Node {
             .entry(code.to_string())
             .or_insert_with(|| {
                 let generation = self.next_generation.fetch_add(1, Ordering::Relaxed);
-                let shared = Arc::new(VoucherShared::default());
+                let limits = self.limits.clone();
+                let shared = Arc::new(VoucherShared::with_limits(Arc::new(move |spec| {
+                    limits.own(spec)
+                })));
                 let (home, on_worker) = self.home(code);
                 let (node, c, sh) = (self.clone(), code.to_string(), shared.clone());
                 let addr = VoucherActor::start_in_arbiter(&home, move |_| {

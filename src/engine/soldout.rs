@@ -34,9 +34,28 @@ pub struct VoucherShared {
     verified_at: AtomicI64,
     /// The voucher's own rate limiters, when it sets any (the node's defaults apply otherwise).
     own_limits: RwLock<Option<Arc<OwnLimits>>>,
+    /// Makes the voucher's own limiters from its definition: they follow every definition the
+    /// actor publishes here (none in the simulator, which has no rate limits).
+    make_limits: MakeLimits,
     /// Reserves of this voucher answered on this node, by outcome (`Outcome::index`): the
     /// per-voucher outcome rates of the live numbers, one atomic add per request.
     outcomes: [AtomicU64; Outcome::COUNT],
+}
+
+/// Makes a voucher's own limiters from the limits its definition sets (`None`: it sets none).
+pub(crate) type LimitsMaker = Arc<dyn Fn(VoucherLimits) -> Option<OwnLimits> + Send + Sync>;
+
+#[derive(Default)]
+struct MakeLimits(Option<LimitsMaker>);
+
+impl std::fmt::Debug for MakeLimits {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "MakeLimits(..)"
+        } else {
+            "MakeLimits(none)"
+        })
+    }
 }
 
 /// What a sold-out voucher knows about who won: the orders with their customers (a retry of one
@@ -108,6 +127,14 @@ pub enum SoldOutVerdict {
 }
 
 impl VoucherShared {
+    /// The state of a voucher whose own limiters `make` builds from its definition.
+    pub(crate) fn with_limits(make: LimitsMaker) -> Self {
+        Self {
+            make_limits: MakeLimits(Some(make)),
+            ..Self::default()
+        }
+    }
+
     pub fn count_outcome(&self, outcome: Outcome) {
         self.outcomes[outcome.index()].fetch_add(1, Ordering::Relaxed);
     }
@@ -185,9 +212,15 @@ impl VoucherShared {
         *guard = Winners::default();
     }
 
-    /// The actor loaded or reloaded the voucher's definition.
+    /// The actor loaded or reloaded the voucher's definition; the voucher's own limiters follow
+    /// the limits it sets.
     pub fn set_voucher(&self, v: &Voucher) {
         *self.voucher.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(v.clone()));
+        if let Some(make) = &self.make_limits.0 {
+            if self.own_limits_spec() != v.limits {
+                self.set_own_limits(make(v.limits));
+            }
+        }
     }
 
     pub(crate) fn own_limits(&self) -> Option<Arc<OwnLimits>> {

@@ -909,6 +909,8 @@ impl World {
             };
             let slot_id = slot.id;
             let commands: Vec<_> = slot.core.commands().collect();
+            // The simulator keeps no metrics.
+            slot.core.stats().for_each(drop);
             if commands.is_empty() {
                 break;
             }
@@ -922,7 +924,7 @@ impl World {
                     Command::Answer((client, attempt), reply) => {
                         self.reply(n, client, attempt, reply, false)
                     }
-                    Command::AnswerWarm(..) | Command::RecountSoon | Command::Limits(_) => {}
+                    Command::AnswerWarm(..) | Command::RecountSoon => {}
                     // Only a core torn down unasked hands back, and the simulation tears none
                     // down that way (a crash drops a node's cores whole): its client's deadline
                     // would send the reserve again.
