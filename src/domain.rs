@@ -234,7 +234,57 @@ pub struct ReserveRequest {
 pub const MAX_CODE_LEN: usize = 32;
 pub const MAX_ORDER_ID_LEN: usize = 64;
 
-/// `code`: 1–32 chars of `A–Z a–z 0–9 _ -`.
+/// A voucher code that passed the rule of DESIGN §6 (1–32 chars of `A–Z a–z 0–9 _ -`): parsed
+/// once where it enters (the HTTP routes), then passed on as a `&str` that is known good.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct VoucherCode(String);
+
+/// A code that breaks the rule.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}", VoucherCode::RULE)]
+pub struct BadCode;
+
+impl VoucherCode {
+    /// The rule, as the API's error detail says it.
+    pub const RULE: &'static str = "code must be 1-32 characters of A-Z a-z 0-9 _ -";
+    /// The rule as a regular expression, for the OpenAPI document.
+    pub const PATTERN: &'static str = r"^[A-Za-z0-9_-]{1,32}$";
+
+    pub fn parse(code: impl Into<String>) -> Result<Self, BadCode> {
+        let code = code.into();
+        if valid_code(&code) {
+            Ok(Self(code))
+        } else {
+            Err(BadCode)
+        }
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    pub fn into_string(self) -> String {
+        self.0
+    }
+}
+
+impl std::ops::Deref for VoucherCode {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for VoucherCode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// The rule for an `orderId`, as the OpenAPI document states it.
+pub const ORDER_ID_PATTERN: &str = r"^[\x20-\x7E]{1,64}$";
+
+/// `code`: 1–32 chars of `A–Z a–z 0–9 _ -` (see [`VoucherCode`]).
 pub fn valid_code(code: &str) -> bool {
     !code.is_empty()
         && code.len() <= MAX_CODE_LEN

@@ -10,14 +10,17 @@ pub mod vouchers;
 
 use std::time::Instant;
 
-use actix_web::dev::Service;
-use actix_web::{web, HttpResponse};
+use actix_web::body::BoxBody;
+use actix_web::dev::{Service, ServiceRequest, ServiceResponse};
+use actix_web::middleware::{from_fn, Next};
+use actix_web::{web, HttpRequest, HttpResponse};
 use chrono::{DateTime, SecondsFormat, Utc};
 use futures_util::StreamExt;
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::de::DeserializeOwned;
 
 use crate::clock::Millis;
+use crate::domain::BadCode;
 use crate::engine::EngineHandle;
 pub use error::ApiError;
 
@@ -35,28 +38,61 @@ pub struct AppState {
 }
 
 impl AppState {
-    /// `401` for a checkout route called without one of the configured tokens (before anything
-    /// else is read, so a refused request leaves no trace).
-    pub fn authorize_checkout(&self, req: &actix_web::HttpRequest) -> Result<(), ApiError> {
+    /// Whether a checkout route may serve `req`: it carries one of the configured tokens, or
+    /// none is configured.
+    fn admits_checkout(&self, req: &HttpRequest) -> bool {
         if self.checkout_tokens.is_empty() {
-            return Ok(());
+            return true;
         }
         let given = bearer(req);
         // Every token is compared, so the time taken says nothing about which one nearly matched.
-        let matched = self
-            .checkout_tokens
+        self.checkout_tokens
             .iter()
-            .fold(false, |ok, t| ok | token_matches(given, t));
-        if matched {
-            Ok(())
-        } else {
-            Err(ApiError::Unauthorized)
-        }
+            .fold(false, |ok, t| ok | token_matches(given, t))
+    }
+
+    /// Whether an admin route may serve `req`: it carries the admin token.
+    fn admits_admin(&self, req: &HttpRequest) -> bool {
+        !self.admin_token.is_empty() && token_matches(bearer(req), &self.admin_token)
+    }
+}
+
+/// Middleware of the checkout scope: see [`admit`].
+async fn require_checkout(
+    req: ServiceRequest,
+    next: Next<BoxBody>,
+) -> Result<ServiceResponse<BoxBody>, actix_web::Error> {
+    admit(req, next, AppState::admits_checkout).await
+}
+
+/// Middleware of the admin scope: see [`admit`].
+async fn require_admin(
+    req: ServiceRequest,
+    next: Next<BoxBody>,
+) -> Result<ServiceResponse<BoxBody>, actix_web::Error> {
+    admit(req, next, AppState::admits_admin).await
+}
+
+/// A scope's token check: a request without the token its scope requires gets `401` before its
+/// handler runs (before its path, query or body is read), so a refused request changes nothing,
+/// and a route added to the scope cannot forget the check.
+async fn admit(
+    req: ServiceRequest,
+    next: Next<BoxBody>,
+    admits: fn(&AppState, &HttpRequest) -> bool,
+) -> Result<ServiceResponse<BoxBody>, actix_web::Error> {
+    let admitted = req
+        .app_data::<web::Data<AppState>>()
+        .is_some_and(|s| admits(s, req.request()));
+    if admitted {
+        next.call(req).await
+    } else {
+        Ok(req.into_response(ApiError::Unauthorized.error_response_owned()))
     }
 }
 
 /// The bearer token a request carries ("" if none; the scheme's name is case-insensitive).
-pub fn bearer(req: &actix_web::HttpRequest) -> &str {
+pub fn bearer(req: &HttpRequest) -> &str {
     req.headers()
         .get("authorization")
         .and_then(|v| v.to_str().ok())
@@ -109,7 +145,7 @@ impl ClientAddress {
         })
     }
 
-    pub fn of(&self, req: &actix_web::HttpRequest) -> Option<std::net::IpAddr> {
+    pub fn of(&self, req: &HttpRequest) -> Option<std::net::IpAddr> {
         let peer = || req.peer_addr().map(|a| a.ip());
         match self {
             Self::Off => None,
@@ -126,32 +162,33 @@ impl ClientAddress {
     }
 }
 
-/// Registers every route and the latency middleware.
+/// Registers every route. Authorization is the scopes' middleware ([`admit`]): the
+/// reservation routes need a checkout token (when any is configured), everything under `/admin`
+/// the admin token.
 pub fn configure(cfg: &mut web::ServiceConfig) {
     cfg.service(
         web::scope("/vouchers/{code}")
             .route("", web::get().to(vouchers::get))
-            .route("/reservations", web::post().to(reservations::reserve))
-            .route("/reservations/{order_id}", web::get().to(reservations::get))
-            .route(
-                "/reservations/{order_id}",
-                web::delete().to(reservations::release),
-            )
-            .route(
-                "/reservations/{order_id}/confirm",
-                web::post().to(reservations::confirm),
+            .service(
+                web::scope("/reservations")
+                    .wrap(from_fn(require_checkout))
+                    .route("", web::post().to(reservations::reserve))
+                    .route("/{order_id}", web::get().to(reservations::get))
+                    .route("/{order_id}", web::delete().to(reservations::release))
+                    .route("/{order_id}/confirm", web::post().to(reservations::confirm)),
             ),
     )
     .service(
-        web::scope("/admin/vouchers")
-            .route("", web::post().to(admin::create))
-            .route("/{code}", web::get().to(admin::get))
-            .route("/{code}", web::patch().to(admin::patch))
-            .route("/{code}/warm", web::post().to(admin::warm)),
+        web::scope("/admin")
+            .wrap(from_fn(require_admin))
+            .route("/vouchers", web::post().to(admin::create))
+            .route("/vouchers/{code}", web::get().to(admin::get))
+            .route("/vouchers/{code}", web::patch().to(admin::patch))
+            .route("/vouchers/{code}/warm", web::post().to(admin::warm))
+            .route("/events", web::get().to(admin::events))
+            .route("/switches", web::get().to(admin::get_switches))
+            .route("/switches", web::put().to(admin::put_switches)),
     )
-    .route("/admin/events", web::get().to(admin::events))
-    .route("/admin/switches", web::get().to(admin::get_switches))
-    .route("/admin/switches", web::put().to(admin::put_switches))
     .route("/openapi.json", web::get().to(openapi::openapi_json))
     .route("/metrics", web::get().to(health::metrics))
     .route("/health/live", web::get().to(health::live))
@@ -163,9 +200,9 @@ pub fn app(
     state: AppState,
 ) -> actix_web::App<
     impl actix_web::dev::ServiceFactory<
-        actix_web::dev::ServiceRequest,
+        ServiceRequest,
         Config = (),
-        Response = actix_web::dev::ServiceResponse<actix_web::body::BoxBody>,
+        Response = ServiceResponse<BoxBody>,
         Error = actix_web::Error,
         InitError = (),
     >,
@@ -252,13 +289,9 @@ pub fn timestamp(ms: Millis) -> String {
         .to_rfc3339_opts(SecondsFormat::Millis, true)
 }
 
-pub fn check_code(code: &str) -> Result<(), ApiError> {
-    if crate::domain::valid_code(code) {
-        Ok(())
-    } else {
-        Err(ApiError::invalid(
-            "code must be 1-32 characters of A-Z a-z 0-9 _ -",
-        ))
+impl From<BadCode> for ApiError {
+    fn from(e: BadCode) -> Self {
+        Self::invalid(e.to_string())
     }
 }
 

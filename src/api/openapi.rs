@@ -7,6 +7,7 @@ use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
 use super::{admin, health, reservations, vouchers};
+use crate::domain::{VoucherCode, ORDER_ID_PATTERN};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -35,7 +36,7 @@ use super::{admin, health, reservations, vouchers};
         openapi_json,
     ),
     components(schemas(super::error::ErrorBody)),
-    modifiers(&BearerSchemes, &CommonErrors),
+    modifiers(&BearerSchemes, &CommonErrors, &InputRules),
     tags(
         (name = "checkout", description = "What a checkout service calls"),
         (name = "admin", description = "Operators; bearer admin token"),
@@ -43,6 +44,56 @@ use super::{admin, health, reservations, vouchers};
     )
 )]
 pub struct ApiDoc;
+
+/// The input rules of DESIGN §6, stated once (in `domain`) and set here on every place the
+/// document names a voucher code or an order id: the `{code}` and `{order_id}` path parameters,
+/// and the bodies' `code` and `orderId`.
+struct InputRules;
+
+impl Modify for InputRules {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::{RefOr, Schema};
+        let pattern_of = |name: &str| match name {
+            "code" => Some(VoucherCode::PATTERN),
+            "order_id" | "orderId" => Some(ORDER_ID_PATTERN),
+            _ => None,
+        };
+        let set = |schema: Option<&mut RefOr<Schema>>, pattern: &str| {
+            if let Some(RefOr::T(Schema::Object(o))) = schema {
+                o.pattern = Some(pattern.to_string());
+            }
+        };
+        for item in openapi.paths.paths.values_mut() {
+            let ops = [
+                &mut item.get,
+                &mut item.post,
+                &mut item.put,
+                &mut item.patch,
+                &mut item.delete,
+            ];
+            for op in ops.into_iter().flatten() {
+                for p in op.parameters.iter_mut().flatten() {
+                    let RefOr::T(p) = p else { continue };
+                    if let Some(pattern) = pattern_of(&p.name) {
+                        set(p.schema.as_mut(), pattern);
+                    }
+                }
+            }
+        }
+        let Some(components) = openapi.components.as_mut() else {
+            return;
+        };
+        for body in ["CreateBody", "ReserveBody"] {
+            if let Some(RefOr::T(Schema::Object(o))) = components.schemas.get_mut(body) {
+                for (name, property) in o.properties.iter_mut() {
+                    if let Some(pattern) = pattern_of(name) {
+                        set(Some(property), pattern);
+                    }
+                }
+            }
+        }
+    }
+}
 
 /// The two bearer schemes: the admin token, and the optional checkout tokens.
 struct BearerSchemes;
@@ -220,6 +271,36 @@ mod tests {
         assert_eq!(
             checked, 16,
             "every operation of DESIGN §6 that exists is documented"
+        );
+    }
+
+    /// Every code and order id the document names carries the rule `domain` states.
+    #[test]
+    fn every_code_and_order_id_carries_its_pattern() {
+        let doc = serde_json::to_value(ApiDoc::openapi()).unwrap();
+        let mut seen = 0;
+        for item in doc["paths"].as_object().unwrap().values() {
+            for op in item.as_object().unwrap().values() {
+                for p in op["parameters"].as_array().into_iter().flatten() {
+                    let want = match p["name"].as_str() {
+                        Some("code") => crate::domain::VoucherCode::PATTERN,
+                        Some("order_id") => crate::domain::ORDER_ID_PATTERN,
+                        _ => continue,
+                    };
+                    assert_eq!(p["schema"]["pattern"], want, "{p}");
+                    seen += 1;
+                }
+            }
+        }
+        assert_eq!(seen, 11, "8 codes and 3 order ids in paths");
+        let schemas = &doc["components"]["schemas"];
+        assert_eq!(
+            schemas["CreateBody"]["properties"]["code"]["pattern"],
+            crate::domain::VoucherCode::PATTERN
+        );
+        assert_eq!(
+            schemas["ReserveBody"]["properties"]["orderId"]["pattern"],
+            crate::domain::ORDER_ID_PATTERN
         );
     }
 }

@@ -5,7 +5,8 @@ use serde::Serialize;
 
 use utoipa::ToSchema;
 
-use super::{check_code, timestamp, ApiError, AppState};
+use super::{timestamp, ApiError, AppState};
+use crate::domain::VoucherCode;
 use crate::domain::{Voucher, VoucherStatus};
 
 /// What anyone may see of a voucher.
@@ -42,7 +43,7 @@ impl<'a> PublicVoucher<'a> {
 /// The public view of a voucher.
 #[utoipa::path(
     get, operation_id = "getVoucher", path = "/vouchers/{code}", tag = "checkout",
-    params(("code" = String, Path, description = "The voucher code", pattern = r"^[A-Za-z0-9_-]{1,32}$")),
+    params(("code" = String, Path, description = "The voucher code")),
     responses(
         (status = 200, description = "The voucher", body = PublicVoucher),
     )
@@ -51,8 +52,7 @@ pub async fn get(
     state: web::Data<AppState>,
     path: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
-    let code = path.into_inner();
-    check_code(&code)?;
+    let code = VoucherCode::parse(path.into_inner())?;
     let (voucher, sold_out) = state.engine.public_voucher(&code).await?;
     Ok(HttpResponse::Ok().json(PublicVoucher::new(&voucher, sold_out)))
 }
