@@ -374,6 +374,24 @@ mod tests {
         assert!(matches!(**cause, LedgerError::Invalid(_)), "{res:?}");
     }
 
+    /// A committer whose loop is gone (its runtime stopped) refuses a batch at once, as the
+    /// ledger worker it is, rather than queue it for nobody.
+    #[test]
+    fn a_stopped_committer_answers_worker_gone() {
+        let stopped = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let (commit, _calls, _started) = recording(oneshot::channel().1);
+        let c = Committer::start(stopped.handle(), 1, 100, LONG, commit);
+        // The loop was spawned but never ran: it goes, with its queue, as the runtime does.
+        drop(stopped);
+        let caller = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let res = caller.block_on(c.commit(batch("A", 1)));
+        assert!(matches!(res, Err(LedgerError::WorkerGone)), "{res:?}");
+    }
+
     /// A ledger whose answer does not match the transaction's batches one for one is not
     /// trusted with any of them: nothing is answered as committed.
     #[tokio::test]

@@ -350,3 +350,42 @@ impl Ledger for NodeLedger {
             .await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::ledger::model::ModelLedger;
+
+    fn node_ledger() -> NodeLedger {
+        NodeLedger::start(
+            Arc::new(ModelLedger::new("test")),
+            Handle::current(),
+            &crate::config::Settings::defaults().ledger,
+        )
+    }
+
+    /// A call that does not answer in time, and one whose task dies, say so: the breaker counts
+    /// both as the ledger out of reach.
+    #[tokio::test]
+    async fn a_late_call_passes_its_deadline_and_a_dead_one_is_worker_gone() {
+        let l = node_ledger();
+        let late = l
+            .on_ledger_runtime(
+                Duration::from_millis(10),
+                std::future::pending::<Result<(), LedgerError>>(),
+            )
+            .await;
+        assert!(matches!(late, Err(LedgerError::Deadline)), "{late:?}");
+        let dead = l
+            .on_ledger_runtime(Duration::from_secs(10), async {
+                panic!("the call's task dies");
+                #[allow(unreachable_code)]
+                Ok::<(), LedgerError>(())
+            })
+            .await;
+        assert!(matches!(dead, Err(LedgerError::WorkerGone)), "{dead:?}");
+        assert!(l.ping().await.is_ok(), "the ledger itself still answers");
+    }
+}
