@@ -2,7 +2,7 @@
 //!
 //! Every voucher actor of a node hands its batch here instead of opening a transaction of its
 //! own. The committer merges everything pending, from every voucher, into one call of
-//! [`Ledger::commit_batches`] (one transaction: one fsync on SQLite, one round trip on
+//! [`super::Ledger::commit_batches`] (one transaction: one fsync on SQLite, one round trip on
 //! PostgreSQL) and answers each batch with its own result. Up to `pipeline` merged transactions
 //! are in flight at once; while they commit, the queue fills with the next one (double
 //! buffering), so under load the ledger is never idle and a batch waits at most one cycle

@@ -62,7 +62,7 @@ pub struct SqliteLedger {
     /// it had to be dropped.
     writer_pool: SqlitePool,
     reader: SqlitePool,
-    /// The background checkpointer ([`open::checkpoint_every`]), stopped with the ledger.
+    /// The background checkpointer (see [`open`]), stopped with the ledger.
     checkpoints: tokio::task::AbortHandle,
 }
 
