@@ -26,6 +26,7 @@ use redis::aio::MultiplexedConnection;
 use crate::domain::FeedEvent;
 use crate::engine::EngineHandle;
 use crate::metrics as m;
+use crate::shutdown::Shutdown;
 
 /// Events read from the ledger and appended per round trip.
 const PAGE: i64 = 500;
@@ -106,10 +107,11 @@ pub struct RelaySettings {
     pub node_id: String,
 }
 
-/// Starts the relay loop; it runs until aborted.
+/// Starts the relay loop; it runs until shutdown is asked, finishing the round under way.
 pub fn start(
     engine: EngineHandle,
     s: RelaySettings,
+    mut shutdown: Shutdown,
 ) -> Result<tokio::task::JoinHandle<()>, redis::RedisError> {
     let client = redis::Client::open(s.url.as_str())?;
     Ok(tokio::spawn(async move {
@@ -120,8 +122,7 @@ pub fn start(
         let mut foreign = false;
         let mut tick = tokio::time::interval(s.interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tick.tick().await;
+        while shutdown.unless(tick.tick()).await.is_some() {
             if conn.is_none() {
                 match crate::signals::connect(&client, TIMEOUT).await {
                     Ok(c) => conn = Some(c),

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use crate::config::{JobSettings, NodeSettings};
 use crate::engine::{EngineError, EngineHandle};
+use crate::shutdown::{Shutdown, Tasks};
 
 /// How often rate limiters drop the keys that refilled.
 const LIMITS_UPKEEP_MS: u64 = 10_000;
@@ -18,14 +19,14 @@ const LIMITS_UPKEEP_MS: u64 = 10_000;
 /// the run's own duration, so it never takes more than 5 % of a core from the sale.
 const RECONCILE_IDLE_FACTOR: u32 = 19;
 
-/// The running jobs; dropping or stopping them ends the loops.
-pub struct Jobs(Vec<tokio::task::JoinHandle<()>>);
+/// The running jobs.
+pub struct Jobs(Tasks);
 
 impl Jobs {
-    pub fn stop(self) {
-        for j in self.0 {
-            j.abort();
-        }
+    /// Stops every job after the run it is in (a heartbeat under way lands before the node
+    /// retires itself), waiting at most `deadline`.
+    pub async fn stop(self, deadline: Duration) {
+        self.0.stop(deadline).await;
     }
 }
 
@@ -33,90 +34,94 @@ impl Jobs {
 /// is shared with other processes.
 pub fn start(engine: &EngineHandle, s: &JobSettings, beat: Option<&NodeSettings>) -> Jobs {
     let batch = s.expiry_batch;
-    let e = engine.clone();
-    let mut jobs = Vec::new();
+    let mut t = Tasks::new();
     if let Some(node) = beat {
         let dead_after = node.dead_after_ms;
-        jobs.push(job(
+        job(
+            &mut t,
             engine,
             node.heartbeat_ms,
             "heartbeat",
             move |e| async move { e.heartbeat(dead_after).await },
-        ));
+        );
     }
-    jobs.extend([
-        job(
-            engine,
-            s.expiry_interval_ms,
-            "expiry sweep",
-            move |e| async move { e.expire_due(batch).await },
-        ),
-        job(
-            engine,
-            s.reaper_interval_ms,
-            "lease reaper",
-            |e| async move { e.reap_expired().await },
-        ),
-        paced_job(
-            engine,
-            s.reconcile_interval_ms,
-            RECONCILE_IDLE_FACTOR,
-            "reconciliation",
-            |e| async move { e.reconcile().await },
-        ),
-        job(
-            engine,
-            s.switches_interval_ms,
-            "reading the switches",
-            |e| async move { e.refresh_switches().await },
-        ),
-        job(
-            engine,
-            s.live_numbers_interval_ms,
-            "live numbers",
-            |e| async move { e.live_numbers().await },
-        ),
-        job(engine, s.preheat_interval_ms, "pre-heat", |e| async move {
-            e.preheat().await
-        }),
-        every(LIMITS_UPKEEP_MS, move || {
-            e.limits_upkeep();
-            async {}
-        }),
-    ]);
-    Jobs(jobs)
+    job(
+        &mut t,
+        engine,
+        s.expiry_interval_ms,
+        "expiry sweep",
+        move |e| async move { e.expire_due(batch).await },
+    );
+    job(
+        &mut t,
+        engine,
+        s.reaper_interval_ms,
+        "lease reaper",
+        |e| async move { e.reap_expired().await },
+    );
+    paced_job(
+        &mut t,
+        engine,
+        s.reconcile_interval_ms,
+        RECONCILE_IDLE_FACTOR,
+        "reconciliation",
+        |e| async move { e.reconcile().await },
+    );
+    job(
+        &mut t,
+        engine,
+        s.switches_interval_ms,
+        "reading the switches",
+        |e| async move { e.refresh_switches().await },
+    );
+    job(
+        &mut t,
+        engine,
+        s.live_numbers_interval_ms,
+        "live numbers",
+        |e| async move { e.live_numbers().await },
+    );
+    job(
+        &mut t,
+        engine,
+        s.preheat_interval_ms,
+        "pre-heat",
+        |e| async move { e.preheat().await },
+    );
+    let e = engine.clone();
+    let upkeep = paced(t.shutdown(), LIMITS_UPKEEP_MS, 0, move || {
+        e.limits_upkeep();
+        async {}
+    });
+    t.add("rate limiters' upkeep", upkeep);
+    Jobs(t)
 }
 
 /// Runs one engine call every `ms`; a failure is counted and logged, and the next tick tries
 /// again.
-fn job<F, Fut, T>(
-    engine: &EngineHandle,
-    ms: u64,
-    what: &'static str,
-    run: F,
-) -> tokio::task::JoinHandle<()>
+fn job<F, Fut, T>(tasks: &mut Tasks, engine: &EngineHandle, ms: u64, what: &'static str, run: F)
 where
     F: Fn(EngineHandle) -> Fut + 'static,
     Fut: Future<Output = Result<T, EngineError>> + 'static,
 {
-    paced_job(engine, ms, 0, what, run)
+    paced_job(tasks, engine, ms, 0, what, run)
 }
 
 /// [`job`], waiting at least `idle_factor` times a run's duration before the next one (0: no
 /// such wait).
 fn paced_job<F, Fut, T>(
+    tasks: &mut Tasks,
     engine: &EngineHandle,
     ms: u64,
     idle_factor: u32,
     what: &'static str,
     run: F,
-) -> tokio::task::JoinHandle<()>
-where
+) where
     F: Fn(EngineHandle) -> Fut + 'static,
     Fut: Future<Output = Result<T, EngineError>> + 'static,
 {
     let e = engine.clone();
-    paced(ms, idle_factor, move || {
+    let handle = paced(tasks.shutdown(), ms, idle_factor, move || {
         let fut = run(e.clone());
         async move {
             if let Err(err) = fut.await {
@@ -124,18 +129,17 @@ where
                 tracing::warn!(error = %err, "{what} failed");
             }
         }
-    })
+    });
+    tasks.add(what, handle);
 }
 
-fn every<F, Fut>(ms: u64, run: F) -> tokio::task::JoinHandle<()>
-where
-    F: FnMut() -> Fut + 'static,
-    Fut: Future<Output = ()> + 'static,
-{
-    paced(ms, 0, run)
-}
-
-fn paced<F, Fut>(ms: u64, idle_factor: u32, mut run: F) -> tokio::task::JoinHandle<()>
+/// Runs `run` every `ms` until shutdown is asked; a run under way is finished first.
+fn paced<F, Fut>(
+    mut shutdown: Shutdown,
+    ms: u64,
+    idle_factor: u32,
+    mut run: F,
+) -> tokio::task::JoinHandle<()>
 where
     F: FnMut() -> Fut + 'static,
     Fut: Future<Output = ()> + 'static,
@@ -145,12 +149,20 @@ where
         let mut tick = tokio::time::interval(period);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            tick.tick().await;
+            if shutdown.unless(tick.tick()).await.is_none() {
+                return;
+            }
             let started = std::time::Instant::now();
             run().await;
             let rest = started.elapsed() * idle_factor;
             if rest > period {
-                tokio::time::sleep(rest - period).await;
+                if shutdown
+                    .unless(tokio::time::sleep(rest - period))
+                    .await
+                    .is_none()
+                {
+                    return;
+                }
                 tick.reset();
             }
         }

@@ -20,6 +20,7 @@
 //!   reconciler.
 //! - [`signals`]: Redis pub/sub hints between nodes (sold out, restock, recall, updated).
 //! - [`feed`]: the relay that copies the ledger's change feed to a Redis Stream.
+//! - [`shutdown`]: the background tasks' cooperative stop, waited for.
 //! - [`metrics`]: every metric name and the helpers that record them.
 //! - [`domain`]: vouchers, reservations, eligibility and input rules.
 //! - [`clock`]: the injected clock that lease and expiry logic read.
@@ -33,6 +34,7 @@ pub mod feed;
 pub mod jobs;
 pub mod ledger;
 pub mod metrics;
+pub mod shutdown;
 pub mod signals;
 pub mod sim;
 pub mod startup;

@@ -25,6 +25,7 @@ use futures_util::StreamExt;
 use tokio::sync::mpsc;
 
 use crate::metrics as m;
+use crate::shutdown::Shutdown;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Signal {
@@ -111,28 +112,22 @@ pub type Handler = Arc<dyn Fn(&str, Signal) + Send + Sync>;
 /// re-learned from the ledger.
 pub type LinkHandler = Arc<dyn Fn(bool) + Send + Sync>;
 
-/// The background tasks of the Redis side.
-pub struct RedisSignals {
-    tasks: Vec<tokio::task::JoinHandle<()>>,
-}
-
-impl RedisSignals {
-    pub fn stop(self) {
-        for t in self.tasks {
-            t.abort();
-        }
-    }
-}
-
 /// Starts the publisher; the subscriber starts with [`subscribe`] once the handler exists.
 pub fn publisher(
     url: &str,
     node_id: &str,
     keepalive: Duration,
+    shutdown: Shutdown,
 ) -> Result<(Publisher, tokio::task::JoinHandle<()>), redis::RedisError> {
     let client = redis::Client::open(url)?;
     let (tx, rx) = mpsc::channel(QUEUE);
-    let task = tokio::spawn(run_publisher(client, node_id.to_string(), rx, keepalive));
+    let task = tokio::spawn(run_publisher(
+        client,
+        node_id.to_string(),
+        rx,
+        keepalive,
+        shutdown,
+    ));
     Ok((Publisher { tx: Some(tx) }, task))
 }
 
@@ -141,19 +136,26 @@ async fn run_publisher(
     node_id: String,
     mut rx: mpsc::Receiver<(String, Signal)>,
     keepalive: Duration,
+    mut shutdown: Shutdown,
 ) {
     let mut conn: Option<redis::aio::MultiplexedConnection> = None;
     let mut retry_at = tokio::time::Instant::now();
     let mut ping = tokio::time::interval(keepalive / 3);
     ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        // Either a signal to send or, when the ping is due, the keepalive (`None`).
+        // Either a signal to send or, when the ping is due, the keepalive (`None`). Once
+        // shutdown is asked the queue takes nothing new, and what it holds (the drain's
+        // restocks) is still sent.
         let next = tokio::select! {
             item = rx.recv() => match item {
                 Some(item) => Some(item),
                 None => return,
             },
-            _ = ping.tick() => None,
+            _ = shutdown.recv(), if !shutdown.asked() => {
+                rx.close();
+                continue;
+            }
+            _ = ping.tick(), if !shutdown.asked() => None,
         };
         if conn.is_none() && tokio::time::Instant::now() >= retry_at {
             match connect(&client, TIMEOUT).await {
@@ -220,11 +222,12 @@ pub fn subscribe(
     keepalive: Duration,
     handler: Handler,
     on_link: LinkHandler,
+    mut shutdown: Shutdown,
 ) -> Result<tokio::task::JoinHandle<()>, redis::RedisError> {
     let client = redis::Client::open(url)?;
     let node_id = node_id.to_string();
     Ok(tokio::spawn(async move {
-        loop {
+        while !shutdown.asked() {
             match tokio::time::timeout(TIMEOUT, client.get_async_pubsub()).await {
                 Ok(Ok(mut pubsub)) => match pubsub.psubscribe(PATTERN).await {
                     Ok(()) => {
@@ -233,10 +236,12 @@ pub fn subscribe(
                         on_link(true);
                         let mut stream = pubsub.on_message();
                         loop {
-                            let msg = match tokio::time::timeout(keepalive, stream.next()).await {
-                                Ok(Some(msg)) => msg,
-                                Ok(None) => break,
-                                Err(_) => {
+                            let next = tokio::time::timeout(keepalive, stream.next());
+                            let msg = match shutdown.unless(next).await {
+                                None => break,
+                                Some(Ok(Some(msg))) => msg,
+                                Some(Ok(None)) => break,
+                                Some(Err(_)) => {
                                     tracing::warn!("no traffic from redis within the keepalive");
                                     break;
                                 }
@@ -263,7 +268,9 @@ pub fn subscribe(
                                 handler(code, kind);
                             }
                         }
-                        tracing::warn!("redis subscription ended; reconnecting");
+                        if !shutdown.asked() {
+                            tracing::warn!("redis subscription ended; reconnecting");
+                        }
                     }
                     Err(e) => tracing::warn!(error = %e, "redis psubscribe failed"),
                 },
@@ -272,15 +279,9 @@ pub fn subscribe(
             }
             m::redis_up(false);
             on_link(false);
-            tokio::time::sleep(BACKOFF).await;
+            shutdown.unless(tokio::time::sleep(BACKOFF)).await;
         }
     }))
-}
-
-impl RedisSignals {
-    pub fn new(tasks: Vec<tokio::task::JoinHandle<()>>) -> Self {
-        Self { tasks }
-    }
 }
 
 #[cfg(test)]

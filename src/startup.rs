@@ -15,7 +15,8 @@ use crate::config::{EngineSettings, LedgerKind, Settings};
 use crate::engine::{EngineHandle, Shards};
 use crate::jobs::{self, Jobs};
 use crate::ledger;
-use crate::signals::{self, Publisher, RedisSignals};
+use crate::shutdown::Tasks;
+use crate::signals::{self, Publisher};
 
 pub struct Application {
     port: u16,
@@ -23,7 +24,11 @@ pub struct Application {
     engine: EngineHandle,
     shards: Shards,
     jobs: Jobs,
-    signals: RedisSignals,
+    /// The Redis side's tasks: the publisher, the subscriber, the feed relay.
+    signals: Tasks,
+    /// How long a background task may take to finish what it is doing once asked to stop: a
+    /// ledger call's deadline, and a second.
+    stop_deadline: Duration,
     /// Where every database connection lives and is polled.
     ledger_rt: tokio::runtime::Runtime,
     /// The admin token in force (configured or generated).
@@ -268,14 +273,19 @@ impl Application {
         };
         reclaim_leases_of_earlier_runs(&ledger, kind, &settings, clock.now_ms()).await?;
         let node_id = register_incarnation(&ledger, &settings, &clock).await?;
-        let mut signal_tasks = Vec::new();
+        let mut signal_tasks = Tasks::new();
         let keepalive = Duration::from_millis(settings.redis.keepalive_ms.max(30));
         let publisher = if settings.redis.url.is_empty() {
             Publisher::disabled()
         } else {
-            let (p, task) = signals::publisher(&settings.redis.url, &node_id, keepalive)
-                .context("redis url")?;
-            signal_tasks.push(task);
+            let (p, task) = signals::publisher(
+                &settings.redis.url,
+                &node_id,
+                keepalive,
+                signal_tasks.shutdown(),
+            )
+            .context("redis url")?;
+            signal_tasks.add("signal publisher", task);
             p
         };
         let engine_settings = EngineSettings {
@@ -297,13 +307,24 @@ impl Application {
             let handler: signals::Handler = Arc::new(move |code, signal| e.on_signal(code, signal));
             let e = engine.clone();
             let on_link: signals::LinkHandler = Arc::new(move |up| e.signals_link(up));
-            signal_tasks.push(
-                signals::subscribe(&settings.redis.url, &node_id, keepalive, handler, on_link)
-                    .context("redis url")?,
+            let shutdown = signal_tasks.shutdown();
+            signal_tasks.add(
+                "signal subscriber",
+                signals::subscribe(
+                    &settings.redis.url,
+                    &node_id,
+                    keepalive,
+                    handler,
+                    on_link,
+                    shutdown,
+                )
+                .context("redis url")?,
             );
         }
         if !settings.redis.url.is_empty() && !settings.redis.events_stream.is_empty() {
-            signal_tasks.push(
+            let shutdown = signal_tasks.shutdown();
+            signal_tasks.add(
+                "feed relay",
                 crate::feed::start(
                     engine.clone(),
                     crate::feed::RelaySettings {
@@ -313,11 +334,12 @@ impl Application {
                         interval: Duration::from_millis(settings.redis.events_relay_ms.max(10)),
                         node_id: node_id.clone(),
                     },
+                    shutdown,
                 )
                 .context("redis url")?,
             );
         }
-        let signals = RedisSignals::new(signal_tasks);
+        let signals = signal_tasks;
         // After subscribing: a code created meanwhile comes by signal or in this read.
         engine.load_known_codes().await;
         if let Err(e) = engine.refresh_switches().await {
@@ -363,6 +385,8 @@ impl Application {
             signals,
             ledger_rt: ledger_rt.take().context("ledger runtime")?,
             admin_token,
+            stop_deadline: Duration::from_millis(settings.ledger.timeout_ms)
+                + Duration::from_secs(1),
             _data_lock: data_lock,
         })
     }
@@ -384,15 +408,18 @@ impl Application {
             jobs,
             signals,
             ledger_rt,
+            stop_deadline,
             _data_lock: held,
             ..
         } = self;
         let result = server.await;
-        // The jobs first: a heartbeat after the drain would bring the retired process back to
-        // life in the ledger.
-        jobs.stop();
+        // The jobs first, waited for: a heartbeat landing after the drain would bring the
+        // retired process back to life in the ledger. A run under way ends within the ledger's
+        // deadline.
+        jobs.stop(stop_deadline).await;
         engine.drain().await;
-        signals.stop();
+        // After the drain, so that its restocks are published before the publisher stops.
+        signals.stop(stop_deadline).await;
         shards.stop();
         ledger_rt.shutdown_background();
         // Released only now: the leases went back first.
