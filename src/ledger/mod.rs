@@ -33,12 +33,13 @@ use async_trait::async_trait;
 
 use crate::clock::Millis;
 use crate::config::LedgerKind;
-pub use crate::domain::{Counters, LiveUnits};
-pub use node::NodeLedger;
 use crate::domain::{
     FeedEvent, Ineligible, Reservation, Switches, SwitchesPatch, Voucher, VoucherPatch,
     VoucherStatus,
 };
+
+pub use crate::domain::{Counters, LiveUnits};
+pub use node::NodeLedger;
 
 /// The cause of a [`LedgerError`] that came from the store's driver, boxed: the ledger's
 /// interface names no driver type (the SQL ledgers turn their driver's errors into these, in
