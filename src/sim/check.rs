@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use super::ready;
-use super::world::{Broken, Client, Rng};
+use super::rng::Rng;
 use crate::clock::Millis;
 use crate::domain::{Ineligible, Reservation, ReservationStatus};
 use crate::engine::quota::Reply;
@@ -12,6 +12,10 @@ use crate::engine::EngineError;
 use crate::engine::Reserved;
 use crate::ledger::model::ModelLedger;
 use crate::ledger::{Counters, LedgerError, RowOutcome, SharedLedger};
+
+/// What a check found broken: what, and the voucher involved if one is (the trace is trimmed to
+/// it). The runner makes it a [`super::Violation`] with the round, step and time it was found.
+pub(super) type Finding = (String, Option<String>);
 
 /// What the clients were told, and when the ledger stored each order.
 #[derive(Default)]
@@ -56,7 +60,7 @@ impl Books {
     }
 
     /// Every acknowledged order is in the ledger, as it was answered.
-    pub(super) fn all_durable(&self, ledger: &SharedLedger) -> Result<(), Broken> {
+    pub(super) fn all_durable(&self, ledger: &SharedLedger) -> Result<(), Finding> {
         let orders: Vec<String> = self.acked.keys().cloned().collect();
         let found =
             ready(ledger.find_orders(&orders)).map_err(|e| (format!("find_orders: {e}"), None))?;
@@ -88,7 +92,7 @@ fn same(a: &Reservation, b: &Reservation) -> bool {
         && a.discount_amount == b.discount_amount
 }
 
-pub(super) fn counters(ledger: &SharedLedger, code: &str) -> Result<Counters, Broken> {
+pub(super) fn counters(ledger: &SharedLedger, code: &str) -> Result<Counters, Finding> {
     match ready(ledger.counters(code)) {
         Ok(Some(c)) => Ok(c),
         other => Err((format!("counters of {code}: {other:?}"), Some(code.into()))),
@@ -101,7 +105,7 @@ pub(super) fn balanced(
     ledger: &SharedLedger,
     code: &str,
     model: &ModelLedger,
-) -> Result<(), Broken> {
+) -> Result<(), Finding> {
     let c = counters(ledger, code)?;
     if !c.balanced || c.reserved + c.confirmed > c.total_limit {
         return Err((
@@ -136,7 +140,8 @@ pub(super) fn balanced(
 pub(super) fn answer(
     ledger: &SharedLedger,
     books: &mut Books,
-    client: &Client,
+    order: &str,
+    customer: i64,
     code: &str,
     per_user: i64,
     reply: &Reply,
@@ -144,49 +149,43 @@ pub(super) fn answer(
     now: Millis,
     skew: Millis,
     excused: bool,
-) -> Result<(), Broken> {
+) -> Result<(), Finding> {
     let broken = |what: String| Err((what, Some(code.to_string())));
     let stored = |ledger: &SharedLedger| {
-        ready(ledger.find_orders(std::slice::from_ref(&client.order)))
+        ready(ledger.find_orders(&[order.to_string()]))
             .map_err(|e| (format!("find_orders: {e}"), None))
     };
     match reply {
         Ok(Reserved { reservation: r, .. }) => {
-            if r.order_id != client.order
-                || r.customer_id != client.customer
-                || r.voucher_code != code
-            {
-                return broken(format!(
-                    "{} got another order's reservation: {r:?}",
-                    client.order
-                ));
+            if r.order_id != order || r.customer_id != customer || r.voucher_code != code {
+                return broken(format!("{} got another order's reservation: {r:?}", order));
             }
             let rows = stored(ledger)?;
             if !rows.iter().any(|s| same(s, r)) {
                 return broken(format!(
                     "durability: {} answered 201 but the ledger holds {rows:?}",
-                    client.order
+                    order
                 ));
             }
-            match books.acked.get(&client.order) {
+            match books.acked.get(order) {
                 Some((first, _)) if !same(first, r) => {
                     return broken(format!(
                         "idempotency: {} answered 201 as {r:?}, before as {first:?}",
-                        client.order
+                        order
                     ))
                 }
                 Some(_) => {}
                 None => {
-                    books.acked.insert(client.order.clone(), (r.clone(), now));
+                    books.acked.insert(order.to_string(), (r.clone(), now));
                 }
             }
             let won =
                 ready(ledger.won_orders(code)).map_err(|e| (format!("won_orders: {e}"), None))?;
-            let live = won.iter().filter(|(_, c)| *c == client.customer).count() as i64;
+            let live = won.iter().filter(|(_, c)| *c == customer).count() as i64;
             if live > per_user {
                 return broken(format!(
                     "limit: customer {} holds {live} live reservations of {code} (limit {per_user})",
-                    client.customer
+                    customer
                 ));
             }
         }
@@ -198,7 +197,7 @@ pub(super) fn answer(
         // (or the next probe) the flag cannot know the order that won the restocked unit.
         Err(EngineError::OutOfStock) if excused => {}
         Err(e) => {
-            let Some(&stored_at) = books.stored_at.get(&client.order) else {
+            let Some(&stored_at) = books.stored_at.get(order) else {
                 return Ok(());
             };
             if stored_at >= sent {
@@ -206,11 +205,11 @@ pub(super) fn answer(
             }
             let released = books
                 .acked
-                .get(&client.order)
+                .get(order)
                 .is_some_and(|(r, _)| r.status == ReservationStatus::Released);
             let live = !released
                 && stored(ledger)?.iter().any(|s| {
-                    s.customer_id == client.customer
+                    s.customer_id == customer
                         && s.voucher_code == code
                         && match s.status {
                             ReservationStatus::Confirmed => true,
@@ -221,7 +220,7 @@ pub(super) fn answer(
             if live {
                 return broken(format!(
                     "replay refused: {} (stored at {stored_at}) got {e:?} on a retry sent at {sent}",
-                    client.order
+                    order
                 ));
             }
         }

@@ -36,13 +36,15 @@
 //! prints the trace trimmed to the failing voucher, with a one-line command that replays it.
 
 mod check;
+mod faults;
+mod rng;
 mod world;
 
 use std::future::Future;
 use std::task::{Context, Poll, Waker};
 use std::time::Instant;
 
-pub use world::Faults;
+pub use faults::{Fault, Faults};
 
 use crate::clock::Millis;
 
@@ -145,7 +147,7 @@ impl Report {
 
 /// The seed of round `i` of a run seeded `seed` (splitmix64).
 pub fn round_seed(seed: u64, i: u64) -> u64 {
-    world::Rng::new(seed ^ i.wrapping_mul(0x9E37_79B9_7F4A_7C15)).next()
+    rng::Rng::new(seed ^ i.wrapping_mul(0x9E37_79B9_7F4A_7C15)).next()
 }
 
 /// Runs rounds until the step or round budget is spent, or one fails (it is then shrunk).

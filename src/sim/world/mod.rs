@@ -1,0 +1,641 @@
+//! One simulated round: the nodes, the network, the clients and the fault schedule, all driven
+//! by one seeded RNG and one queue of timed jobs. A step is one job.
+
+use std::cmp::Ordering;
+use std::collections::{BTreeMap, BinaryHeap};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+
+use super::check::{self, Books, Finding};
+use super::faults::{Fault, Faults};
+use super::rng::Rng;
+use super::{ready, Violation, LIVENESS_MS};
+use crate::clock::Millis;
+use crate::config::{EngineSettings, Settings};
+use crate::domain::{
+    ReserveRequest, Switches, SwitchesPatch, Voucher, VoucherLimits, VoucherPatch, VoucherStatus,
+};
+use crate::engine::quota::{Command, Event, Reply, VoucherCore, TICK_MS};
+use crate::engine::sizing::SizingParams;
+use crate::engine::soldout::VoucherShared;
+use crate::engine::{answer_from_flag, settle_without_units, EngineError, Gate};
+use crate::ledger::model::ModelLedger;
+use crate::ledger::{holder_name, LedgerError, Restock, SharedLedger};
+use crate::signals::Signal;
+
+mod clients;
+mod nodes;
+mod trace;
+
+use trace::{command_name, event_name, reply_name};
+
+/// What one round did.
+#[derive(Debug, Default)]
+pub struct RoundOutcome {
+    pub steps: u64,
+    pub checks: u64,
+    pub sold: i64,
+    pub offered: i64,
+    pub reserves: u64,
+    pub faults_injected: u64,
+    pub violation: Option<Violation>,
+}
+
+/// A reserve's answer channel in the simulation: the client and its attempt.
+type Tag = (usize, u32);
+type Core = VoucherCore<Tag, ()>;
+
+/// The frontend's request timeout (`http.request_timeout_ms`).
+const REQUEST_TIMEOUT_MS: Millis = 5000;
+const HEARTBEAT_MS: Millis = 250;
+const DEAD_AFTER_MS: Millis = 1500;
+/// After faults stop (and the last pause ends), every answer is final by then: no 503.
+const CALM_GRACE_MS: Millis = 3000;
+
+struct Slot {
+    core: Core,
+    shared: Arc<VoucherShared>,
+    /// Tells this core apart from a successor on the same node: a ledger answer goes to the
+    /// core that asked (the actor's futures die with it).
+    id: u64,
+}
+
+struct Node {
+    name: String,
+    /// The ledger's number of this process; jobs of an older one are dropped.
+    inc: i64,
+    up: bool,
+    paused_until: Millis,
+    skew: Millis,
+    gate: Gate,
+    /// Its subscription to signals is up (`EngineHandle::signals_link`): only then does a
+    /// sold-out flag answer from memory.
+    linked: bool,
+    /// The version of the switches applied: an older read never undoes a newer one.
+    switch_version: i64,
+    cores: BTreeMap<usize, Slot>,
+}
+
+struct SimVoucher {
+    code: String,
+    per_user: i64,
+    /// When the calm phase saw it sold out.
+    sold_at: Option<Millis>,
+    /// Customers the calm phase sent so far.
+    calm_clients: usize,
+}
+
+pub(super) struct Client {
+    pub voucher: usize,
+    pub customer: i64,
+    pub order: String,
+    pub attempt: u32,
+    /// Where its current attempt went, and when it was sent.
+    pub outstanding: Option<(usize, Millis)>,
+    pub done: bool,
+    /// Times it sends its order again after a `201` (a double click, a lost response).
+    pub resends: u8,
+    /// How far the clock of the node its current attempt reached was off then.
+    pub arrive_skew: Millis,
+}
+
+enum Job {
+    Send(usize),
+    Arrive {
+        node: usize,
+        client: usize,
+        attempt: u32,
+    },
+    Answer {
+        client: usize,
+        attempt: u32,
+        reply: Reply,
+        /// Answered from a sold-out flag while a `RESTOCK` for it was on its way to the node:
+        /// the design's window (signals are asynchronous), not a bug; a refusal then is excused.
+        excused: bool,
+        /// How far the answering node's clock was off.
+        skew: Millis,
+    },
+    Deadline {
+        client: usize,
+        attempt: u32,
+    },
+    /// An event for a core (a ledger answer, a reload).
+    Deliver {
+        node: usize,
+        inc: i64,
+        voucher: usize,
+        core: u64,
+        event: Event<Tag, ()>,
+    },
+    /// A core's call reaches the ledger.
+    AtLedger {
+        node: usize,
+        inc: i64,
+        voucher: usize,
+        core: u64,
+        call: Command<Tag, ()>,
+    },
+    Signal {
+        node: usize,
+        voucher: usize,
+        signal: Signal,
+    },
+    /// The `SWITCHES` signal's effect: the node reads the switches (at this version).
+    Switch {
+        node: usize,
+        switches: Switches,
+    },
+    Warm {
+        node: usize,
+        voucher: usize,
+    },
+    Tick {
+        node: usize,
+        inc: i64,
+    },
+    Beat {
+        node: usize,
+        inc: i64,
+    },
+    Crash(usize),
+    Restart(usize),
+    Pause(usize),
+    Jump(usize),
+    /// A batch whose caller was already answered 503 reaches the ledger.
+    LateCommit {
+        voucher: usize,
+        batch: crate::ledger::Batch,
+    },
+    Admin,
+    RedisDown,
+    /// A node's subscription to signals is up again.
+    Relink(usize),
+    Calm,
+    Demand(usize),
+    Liveness,
+}
+
+impl Job {
+    /// The node whose process runs this job (a paused process runs nothing until it resumes).
+    fn runs_on(&self) -> Option<usize> {
+        match self {
+            Job::Arrive { node, .. }
+            | Job::Deliver { node, .. }
+            | Job::Signal { node, .. }
+            | Job::Switch { node, .. }
+            | Job::Warm { node, .. }
+            | Job::Tick { node, .. }
+            | Job::Beat { node, .. } => Some(*node),
+            _ => None,
+        }
+    }
+}
+
+struct Queued {
+    at: Millis,
+    seq: u64,
+    job: Job,
+}
+
+impl PartialEq for Queued {
+    fn eq(&self, o: &Self) -> bool {
+        (self.at, self.seq) == (o.at, o.seq)
+    }
+}
+impl Eq for Queued {}
+impl PartialOrd for Queued {
+    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Queued {
+    /// Earliest first in a max-heap.
+    fn cmp(&self, o: &Self) -> Ordering {
+        (o.at, o.seq).cmp(&(self.at, self.seq))
+    }
+}
+
+pub(super) struct World {
+    seed: u64,
+    faults: Faults,
+    rng: Rng,
+    pub now: Millis,
+    seq: u64,
+    queue: BinaryHeap<Queued>,
+    ledger: SharedLedger,
+    /// The same ledger, for diagnosis.
+    model: Arc<ModelLedger>,
+    settings: EngineSettings,
+    sizing: SizingParams,
+    nodes: Vec<Node>,
+    vouchers: Vec<SimVoucher>,
+    pub clients: Vec<Client>,
+    books: Books,
+    calm_at: Millis,
+    calm: bool,
+    /// Until when a `RESTOCK` of voucher `v` is on its way to node `n`.
+    restock_on_way: BTreeMap<(usize, usize), (Millis, Millis)>,
+    /// Cores created so far (each one's id).
+    cores_made: u64,
+    /// When the calm phase is quiet: faults stopped and the last pause ended.
+    quiet_at: Millis,
+    redis_down_until: Millis,
+    order_amount: i64,
+    pub out: RoundOutcome,
+    trace: Option<Vec<String>>,
+}
+
+/// Runs round `seed` with the fault kinds of `faults` it draws; `trace` records every step.
+pub fn run_round(seed: u64, faults: Faults, trace: bool) -> RoundOutcome {
+    let mut world = World::new(seed, faults, trace);
+    let res = catch_unwind(AssertUnwindSafe(|| world.run()));
+    let (at, step) = (world.now, world.out.steps);
+    let failure = match res {
+        Ok(Ok(())) => None,
+        Ok(Err((what, code))) => Some((what, code)),
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "panic".into());
+            Some((
+                format!("panicked (a CHECK constraint of the model, or the core): {what}"),
+                None,
+            ))
+        }
+    };
+    let mut out = std::mem::take(&mut world.out);
+    out.violation = failure.map(|(what, code)| Violation {
+        round_seed: seed,
+        faults,
+        at_ms: at,
+        step,
+        what,
+        code,
+        trace: world.trace.take().unwrap_or_default(),
+    });
+    out
+}
+
+impl World {
+    fn new(seed: u64, allowed: Faults, trace: bool) -> Self {
+        let mut rng = Rng::new(seed);
+        let faults = allowed.draw(&mut rng);
+        let mut settings = Settings::defaults().engine;
+        settings.max_batch = rng.range(1, 64) as usize;
+        settings.batches_in_flight = rng.range(1, 2) as usize;
+        settings.lease_idle_timeout_ms = rng.range(300, 5000);
+        settings.actor_idle_stop_ms = settings.lease_idle_timeout_ms * 2;
+        settings.max_block = rng.range(4, 64);
+        settings.min_block = rng.range(1, 4);
+        if rng.chance(50) {
+            settings.reservation_ttl_ms = rng.range(2000, 20_000);
+        }
+        let sizing = SizingParams::from(&settings);
+        let model = Arc::new(ModelLedger::new("sim"));
+        let ledger: SharedLedger = model.clone();
+        let mut world = World {
+            seed,
+            faults,
+            rng,
+            now: 1_000_000,
+            seq: 0,
+            queue: BinaryHeap::new(),
+            ledger,
+            model,
+            settings,
+            sizing,
+            nodes: Vec::new(),
+            vouchers: Vec::new(),
+            clients: Vec::new(),
+            books: Books::default(),
+            calm_at: 0,
+            calm: false,
+            quiet_at: Millis::MAX / 2,
+            cores_made: 0,
+            restock_on_way: BTreeMap::new(),
+            redis_down_until: 0,
+            order_amount: 1000,
+            out: RoundOutcome::default(),
+            trace: trace.then(Vec::new),
+        };
+        world.setup();
+        world
+    }
+
+    fn note(&mut self, line: impl FnOnce() -> String) {
+        if let Some(t) = &mut self.trace {
+            t.push(format!("{:>8} ms  {}", self.now - 1_000_000, line()));
+        }
+    }
+
+    fn at(&mut self, delay: Millis, job: Job) {
+        self.seq += 1;
+        self.queue.push(Queued {
+            at: self.now + delay.max(0),
+            seq: self.seq,
+            job,
+        });
+    }
+
+    /// One network hop.
+    fn hop(&mut self) -> Millis {
+        self.rng.range(0, 3)
+    }
+
+    fn node_now(&self, n: usize) -> Millis {
+        self.now + self.nodes[n].skew
+    }
+
+    fn setup(&mut self) {
+        let rng = &mut self.rng;
+        let (nodes, vouchers) = (rng.range(1, 4) as usize, rng.range(1, 3) as usize);
+        let fault_ms = rng.range(3000, 40_000);
+        self.calm_at = self.now + fault_ms;
+        for i in 0..nodes {
+            let name = format!("n{i}");
+            let inc = ready(self.ledger.register_node(&name, self.now, DEAD_AFTER_MS))
+                .map(|i| i.number)
+                .unwrap_or(1);
+            self.nodes.push(Node {
+                name,
+                inc,
+                up: true,
+                paused_until: 0,
+                skew: 0,
+                gate: Gate::Open,
+                switch_version: 0,
+                linked: true,
+                cores: BTreeMap::new(),
+            });
+            let (t, b) = (self.rng.range(0, TICK_MS), self.rng.range(0, HEARTBEAT_MS));
+            self.at(t, Job::Tick { node: i, inc });
+            self.at(b, Job::Beat { node: i, inc });
+        }
+        for v in 0..vouchers {
+            let total = self.rng.range(5, 120);
+            let per_user = self.rng.range(1, 3);
+            let starts_later = self.rng.chance(20);
+            let starts_at = if starts_later {
+                self.now + self.rng.range(200, 3000)
+            } else {
+                self.now
+            };
+            let code = format!("V{v}S{}", self.seed % 100_000);
+            let voucher = Voucher {
+                code: code.clone(),
+                discount_amount: 100,
+                min_order_amount: 0,
+                total_limit: total,
+                per_user_limit: per_user,
+                starts_at,
+                ends_at: self.now + 3_600_000 * 24,
+                status: VoucherStatus::Active,
+                limits: VoucherLimits::default(),
+            };
+            if let Err(e) = ready(self.ledger.create_voucher(&voucher, self.now)) {
+                unreachable!("a fresh model ledger creates {code}: {e}");
+            }
+            self.vouchers.push(SimVoucher {
+                code,
+                per_user,
+                sold_at: None,
+                calm_clients: 0,
+            });
+            if starts_later {
+                for node in 0..nodes {
+                    let d = self.rng.range(0, 100);
+                    self.at(d, Job::Warm { node, voucher: v });
+                }
+            }
+            // The fault phase's demand: up to three times the units, spread over the phase.
+            let demand = self.rng.range(total / 2, total * 3) as usize;
+            let customers = (demand as i64 * 3 / 4).max(1);
+            for _ in 0..demand {
+                let customer = self.rng.range(1, customers);
+                let c = self.new_client(v, customer);
+                let resends = self.draw(1, 2) as u8;
+                if self.fault(Fault::Copies, 15) {
+                    self.clients[c].resends = resends;
+                }
+                let when = self.rng.range(0, fault_ms);
+                self.at(when, Job::Send(c));
+                let d = self.draw(0, 30);
+                if self.fault(Fault::Copies, 10) {
+                    // The same order sent again, to any node, at about the same time.
+                    let twin = self.clients.len();
+                    let order = self.clients[c].order.clone();
+                    self.clients.push(Client {
+                        voucher: v,
+                        customer,
+                        order,
+                        attempt: 0,
+                        outstanding: None,
+                        done: false,
+                        resends: 0,
+                        arrive_skew: 0,
+                    });
+                    self.at(when + d, Job::Send(twin));
+                }
+            }
+        }
+        self.schedule_faults(fault_ms);
+        self.at(fault_ms, Job::Calm);
+    }
+
+    fn schedule_faults(&mut self, fault_ms: Millis) {
+        let n = self.nodes.len();
+        let per = |rng: &mut Rng, kind: Fault, faults: Faults| {
+            let n = rng.range(1, 4);
+            if faults.has(kind) {
+                n
+            } else {
+                0
+            }
+        };
+        let faults = self.faults;
+        for kind in [Fault::Crash, Fault::Pause, Fault::Clock, Fault::RedisDown] {
+            for _ in 0..per(&mut self.rng, kind, faults) {
+                let when = self.rng.range(0, fault_ms);
+                let node = self.rng.pick(n);
+                let job = match kind {
+                    Fault::Crash => Job::Crash(node),
+                    Fault::Pause => Job::Pause(node),
+                    Fault::Clock => Job::Jump(node),
+                    _ => Job::RedisDown,
+                };
+                self.at(when, job);
+            }
+        }
+        if [
+            Fault::Switches,
+            Fault::Raise,
+            Fault::Release,
+            Fault::Confirm,
+        ]
+        .into_iter()
+        .any(|k| faults.has(k))
+        {
+            let first = self.rng.range(0, 1000);
+            self.at(first, Job::Admin);
+        }
+    }
+
+    /// Whether fault `kind` strikes now (`percent` odds, in the fault phase, when the round
+    /// injects that kind). It draws from the RNG either way, so a round with a kind turned off
+    /// (when shrinking) keeps the same draws for everything else.
+    fn fault(&mut self, kind: Fault, percent: u64) -> bool {
+        let hit = self.rng.chance(percent);
+        hit && !self.calm && self.faults.has(kind)
+    }
+
+    /// A draw in `lo..=hi` made whether or not it is used (see [`World::fault`]).
+    fn draw(&mut self, lo: i64, hi: i64) -> i64 {
+        self.rng.range(lo, hi)
+    }
+
+    /// Runs jobs until the round ends.
+    fn run(&mut self) -> Result<(), Finding> {
+        while let Some(Queued { at, job, .. }) = self.queue.pop() {
+            self.now = at;
+            if let Some(n) = job.runs_on() {
+                let paused_until = self.nodes[n].paused_until;
+                if paused_until > self.now {
+                    self.seq += 1;
+                    self.queue.push(Queued {
+                        at: paused_until,
+                        seq: self.seq,
+                        job,
+                    });
+                    continue;
+                }
+            }
+            self.out.steps += 1;
+            if self.step(job)? {
+                return self.finish();
+            }
+        }
+        self.finish()
+    }
+
+    /// Runs one job; true when the round is over.
+    fn step(&mut self, job: Job) -> Result<bool, Finding> {
+        match job {
+            Job::Send(c) => self.send(c),
+            Job::Arrive {
+                node,
+                client,
+                attempt,
+            } => self.arrive(node, client, attempt)?,
+            Job::Answer {
+                client,
+                attempt,
+                reply,
+                excused,
+                skew,
+            } => self.answered(client, attempt, reply, excused, skew)?,
+            Job::Deadline { client, attempt } => self.deadline(client, attempt)?,
+            Job::Deliver {
+                node,
+                inc,
+                voucher,
+                core,
+                event,
+            } => {
+                let asked = self.nodes[node]
+                    .cores
+                    .get(&voucher)
+                    .is_some_and(|s| s.id == core);
+                if self.nodes[node].inc == inc && self.nodes[node].up && asked {
+                    self.feed(node, voucher, event);
+                }
+            }
+            Job::AtLedger {
+                node,
+                inc,
+                voucher,
+                core,
+                call,
+            } => self.at_ledger(node, inc, core, voucher, call)?,
+            Job::Signal {
+                node,
+                voucher,
+                signal,
+            } => self.signal_arrives(node, voucher, signal),
+            Job::Switch { node, switches } => self.apply_switches(node, switches),
+            Job::Warm { node, voucher } => {
+                if self.nodes[node].up {
+                    self.slot(node, voucher);
+                    self.feed(node, voucher, Event::Warm(()));
+                }
+            }
+            Job::Tick { node, inc } => {
+                if self.nodes[node].inc == inc && self.nodes[node].up {
+                    let vouchers: Vec<usize> = self.nodes[node].cores.keys().copied().collect();
+                    for v in vouchers {
+                        self.feed(node, v, Event::Tick);
+                    }
+                    self.at(TICK_MS, Job::Tick { node, inc });
+                }
+            }
+            Job::Beat { node, inc } => {
+                if self.nodes[node].inc == inc && self.nodes[node].up {
+                    self.beat(node)?;
+                    self.at(HEARTBEAT_MS, Job::Beat { node, inc });
+                }
+            }
+            Job::Crash(n) => self.crash(n),
+            Job::Restart(n) => self.restart(n),
+            Job::Pause(n) => {
+                if !self.calm {
+                    let ms = self.rng.range(500, self.settings.lease_ttl_ms + 10_000);
+                    self.out.faults_injected += 1;
+                    self.note(|| format!("node {n} pauses for {ms} ms"));
+                    let until = self.now + ms;
+                    let node = &mut self.nodes[n];
+                    node.paused_until = node.paused_until.max(until);
+                }
+            }
+            Job::Jump(n) => {
+                if !self.calm {
+                    let by = self.rng.range(-8000, 8000);
+                    self.out.faults_injected += 1;
+                    self.note(|| format!("node {n} clock jumps {by} ms"));
+                    let node = &mut self.nodes[n];
+                    node.skew = (node.skew + by).clamp(-20_000, 20_000);
+                }
+            }
+            Job::RedisDown => {
+                if !self.calm {
+                    let ms = self.rng.range(100, 5000);
+                    self.out.faults_injected += 1;
+                    self.note(|| format!("redis down for {ms} ms (every node)"));
+                    self.redis_down_until = self.now + ms;
+                    for n in 0..self.nodes.len() {
+                        self.unlink(n, ms);
+                    }
+                }
+            }
+            Job::Relink(n) => self.relink(n),
+            Job::LateCommit { voucher, batch } => {
+                let res = ready(self.ledger.commit_batch(&batch));
+                let code = batch.voucher_code.clone();
+                self.note(|| format!("{code} late commit on lease {}: {res:?}", batch.lease_id));
+                self.books.stored(&res, self.now);
+                self.check_voucher(voucher)?;
+            }
+            Job::Admin => self.admin()?,
+            Job::Calm => self.calm_down(),
+            Job::Demand(v) => self.demand(v)?,
+            Job::Liveness => return self.liveness().map(|()| true),
+        }
+        Ok(self.calm && self.vouchers.iter().all(|v| v.sold_at.is_some()) && self.idle())
+    }
+
+    /// No client waits for an answer.
+    fn idle(&self) -> bool {
+        self.clients.iter().all(|c| c.outstanding.is_none())
+    }
+}
