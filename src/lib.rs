@@ -1,13 +1,15 @@
 //! Flash-sale voucher engine: never oversells, answers fast under the flood, loses nothing it
-//! acknowledged. See `docs/DESIGN.md` for the invariants and the HTTP contract.
+//! acknowledged. See `docs/DESIGN.md` for the invariants and the HTTP contract, and
+//! `docs/ARCHITECTURE.md` for the path of a reserve through these modules.
 //!
 //! The map of the crate, from the outside in:
 //!
 //! - [`startup`]: `Application` wires everything and shuts it down in order.
 //! - [`config`]: layered settings (`config/default.toml` → `--config FILE` → `VOUCHERS__…`).
 //! - [`api`]: the HTTP routes; they call [`engine::EngineHandle`] and nothing else.
-//! - [`engine`]: registry, shards and the per-voucher actor that serves reserves from leases and
-//!   group-commits them; [`engine::sizing`] is the pure lease-sizing logic.
+//! - [`engine`]: the node's registry of vouchers and the per-voucher protocol (a sans-IO core
+//!   driven by an actor) that serves reserves from leases and hands their batches to the
+//!   ledger's node-wide committer; [`engine::sizing`] is the pure lease-sizing logic.
 //! - [`ledger`]: the transactional source of truth (SQLite embedded, PostgreSQL in a cluster)
 //!   behind one trait, with the batch planner both stores share, the node-wide group
 //!   committer that merges every voucher's batches into shared transactions, the node's

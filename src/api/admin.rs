@@ -10,10 +10,10 @@ use utoipa::ToSchema;
 use super::error::ErrorBody;
 use super::{json_body, timestamp, ApiError, AppState};
 use crate::domain::{
-    Switches, SwitchesPatch, Voucher, VoucherCode, VoucherLimits, VoucherPatch, VoucherStatus,
+    Counters, Switches, SwitchesPatch, Voucher, VoucherCode, VoucherLimits, VoucherPatch,
+    VoucherStatus,
 };
 use crate::engine::VoucherView;
-use crate::ledger::Counters;
 
 /// Largest `totalLimit` accepted: far above any real sale, far below integer trouble.
 const MAX_TOTAL_LIMIT: i64 = 1_000_000_000;
