@@ -40,6 +40,10 @@ impl From<LedgerError> for EngineError {
             LedgerError::Released => Self::ReservationReleased,
             LedgerError::AlreadyConfirmed => Self::AlreadyConfirmed,
             LedgerError::Invalid(why) => Self::Invalid(why.to_string()),
+            LedgerError::Inconsistent(_) => {
+                tracing::error!(error = %e, "the ledger's data does not fit together");
+                Self::Unavailable
+            }
             LedgerError::Fenced
             | LedgerError::Deadline
             | LedgerError::QueueFull
@@ -74,5 +78,23 @@ pub(crate) fn error_outcome(e: &EngineError) -> Outcome {
         EngineError::Invalid(_) => Outcome::Invalid,
         EngineError::RateLimited { .. } => Outcome::RateLimited,
         _ => Outcome::Unavailable,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A ledger fault is never the client's: it is a `503`, not a `400`.
+    #[test]
+    fn an_inconsistent_ledger_is_unavailable_not_a_bad_request() {
+        assert_eq!(
+            EngineError::from(LedgerError::Inconsistent("feed_head row missing")),
+            EngineError::Unavailable
+        );
+        assert_eq!(
+            EngineError::from(LedgerError::Invalid("totalLimit may only grow")),
+            EngineError::Invalid("totalLimit may only grow".into())
+        );
     }
 }

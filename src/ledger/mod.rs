@@ -63,8 +63,13 @@ pub enum LedgerError {
     Released,
     #[error("reservation is already confirmed")]
     AlreadyConfirmed,
+    /// The caller asked for something the rules refuse (a `400` for the client).
     #[error("invalid change: {0}")]
     Invalid(&'static str),
+    /// The ledger's own rows or answers do not fit together (a row missing that must exist, a
+    /// stored value it cannot read): a fault of the ledger, never of the request.
+    #[error("ledger inconsistent: {0}")]
+    Inconsistent(&'static str),
     /// The node's circuit breaker is open: the call was not made (see [`breaker`]).
     #[error("ledger unavailable: circuit open")]
     CircuitOpen,
@@ -357,7 +362,7 @@ pub trait Ledger: Send + Sync + 'static {
         let mut results = self.commit_batches(std::slice::from_ref(batch)).await?;
         results
             .pop()
-            .unwrap_or(Err(LedgerError::Invalid("no result for the batch")))
+            .unwrap_or(Err(LedgerError::Inconsistent("no result for the batch")))
     }
     /// Commits several batches (of any vouchers and leases) in one transaction: the node-wide
     /// group commit. Each batch passes its own fence and gets its own outcomes, as if the

@@ -49,7 +49,7 @@ pub fn event_from(
     Ok(crate::domain::FeedEvent {
         seq,
         kind: crate::domain::EventKind::parse(&kind)
-            .ok_or(super::LedgerError::Invalid("stored event kind"))?,
+            .ok_or(super::LedgerError::Inconsistent("stored event kind"))?,
         voucher_code,
         order_id,
         customer_id,

@@ -95,7 +95,7 @@ impl PostgresLedger {
                 let mine: Vec<Verdict> = rows.by_ref().take(batch.rows.len()).collect();
                 results[i] = Some(match &stored {
                     Err(_) if mine.iter().any(|v| v.verdict == "LOST") => {
-                        Err(LedgerError::Invalid("stored orders could not be read back"))
+                        Err(LedgerError::Inconsistent("stored orders could not be read back"))
                     }
                     Err(_) => resolve_verdicts(batch, mine, &[]),
                     Ok(stored) => resolve_verdicts(batch, mine, stored),
@@ -104,7 +104,7 @@ impl PostgresLedger {
         }
         Ok(results
             .into_iter()
-            .map(|r| r.unwrap_or(Err(LedgerError::Invalid("batch left out of the merge"))))
+            .map(|r| r.unwrap_or(Err(LedgerError::Inconsistent("batch left out of the merge"))))
             .collect())
     }
 }
@@ -252,7 +252,7 @@ fn resolve_verdicts(
     stored: &[Reservation],
 ) -> Result<Vec<RowOutcome>, LedgerError> {
     if verdicts.len() != batch.rows.len() {
-        return Err(LedgerError::Invalid("merged commit lost rows of a batch"));
+        return Err(LedgerError::Inconsistent("merged commit lost rows of a batch"));
     }
     if verdicts.iter().any(|v| v.verdict == "FENCED") {
         return Err(LedgerError::Fenced);
@@ -280,11 +280,11 @@ fn resolve_verdicts(
                         customer_id,
                         discount_amount,
                         status: ReservationStatus::parse(&status)
-                            .ok_or(LedgerError::Invalid("stored reservation status"))?,
+                            .ok_or(LedgerError::Inconsistent("stored reservation status"))?,
                         expires_at,
                     })
                 }
-                _ => return Err(LedgerError::Invalid("replay without its stored row")),
+                _ => return Err(LedgerError::Inconsistent("replay without its stored row")),
             },
             "SAME" => match batch.rows[..i]
                 .iter()

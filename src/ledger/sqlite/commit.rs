@@ -102,7 +102,7 @@ fn read_merged(
                     customer_id: stored.int(1),
                     discount_amount: stored.int(2),
                     status: ReservationStatus::parse(&status)
-                        .ok_or(LedgerError::Invalid("stored reservation status"))?,
+                        .ok_or(LedgerError::Inconsistent("stored reservation status"))?,
                     expires_at: stored.int(4),
                 };
                 reads.stored.insert(r.order_id.clone(), r);
@@ -147,12 +147,12 @@ fn write_merged(db: &raw::Db, w: &MergedWrites) -> Result<(), LedgerError> {
     let mut take = db.prepare(FEED_TAKE)?;
     take.bind_int(1, n)?;
     if db.run(take)? != 1 {
-        return Err(LedgerError::Invalid("feed_head row missing"));
+        return Err(LedgerError::Inconsistent("feed_head row missing"));
     }
     let base = {
         let mut last = db.prepare(FEED_LAST)?;
         if !last.step()? {
-            return Err(LedgerError::Invalid("feed_head row missing"));
+            return Err(LedgerError::Inconsistent("feed_head row missing"));
         }
         last.int(0) - n
     };

@@ -50,7 +50,7 @@ pub(super) fn grant_on(
         insert.bind_int(4, now)?;
         insert.bind_int(5, expires_at)?;
         if !insert.step()? {
-            return Err(LedgerError::Invalid("lease insert returned no id"));
+            return Err(LedgerError::Inconsistent("lease insert returned no id"));
         }
         let id = insert.int(0);
         drop(insert);

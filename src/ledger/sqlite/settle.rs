@@ -151,7 +151,7 @@ async fn bump_feed_head(tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>) -> Result<
         .await?
         .rows_affected();
     if bumped != 1 {
-        return Err(LedgerError::Invalid("feed_head row missing"));
+        return Err(LedgerError::Inconsistent("feed_head row missing"));
     }
     Ok(())
 }

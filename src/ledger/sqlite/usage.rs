@@ -133,7 +133,7 @@ impl UsageCache {
             }
             self.vouchers.insert(code.to_owned(), loaded);
         }
-        let v = self.vouchers.get_mut(code).ok_or(LedgerError::Invalid(
+        let v = self.vouchers.get_mut(code).ok_or(LedgerError::Inconsistent(
             "usage counts missing just after their load",
         ))?;
         v.touched = true;
@@ -225,7 +225,7 @@ impl UsageCache {
         }
         let mut q = db.prepare(DATA_VERSION)?;
         if !q.step()? {
-            return Err(LedgerError::Invalid("PRAGMA data_version returned no row"));
+            return Err(LedgerError::Inconsistent("PRAGMA data_version returned no row"));
         }
         let now = q.int(0);
         if self.data_version != Some(now) {
