@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use tokio::sync::oneshot;
 
-use super::quota::{Command, Event, Reply, Stat, VoucherCore, TICK_MS};
+use super::quota::{Command, Event, Reply, Stat, VoucherCore};
 use super::soldout::VoucherShared;
 use super::{outcome_of, settle_without_units, EngineError, Node};
 use crate::clock::Millis;
@@ -94,6 +94,10 @@ pub(crate) struct VoucherActor {
     /// Tells this actor's registry entry apart from a successor's when it leaves.
     generation: u64,
     core: VoucherCore<ReplyTo, WarmTo>,
+    /// The core's next tick, as scheduled: when it is due (node clock) and its timer. A busy
+    /// core ticks every [`super::quota::TICK_MS`]; a quiet one only when it would stop (see
+    /// [`VoucherCore::next_tick_at`]), so thousands of idle actors cost no timer wake-ups.
+    tick: Option<(Millis, SpawnHandle)>,
 }
 
 impl VoucherActor {
@@ -115,6 +119,7 @@ impl VoucherActor {
             node,
             generation,
             core,
+            tick: None,
         }
     }
 
@@ -124,6 +129,28 @@ impl VoucherActor {
         let (now, gate) = (self.node.clock.now_ms(), self.node.gate());
         self.core.handle(now, gate, event);
         self.carry_out(ctx);
+        self.schedule_tick(now, ctx);
+    }
+
+    /// Keeps a timer for the core's next tick: a new one when the core wants it sooner than
+    /// the one set (a quiet core got busy), none once the core stopped.
+    fn schedule_tick(&mut self, now: Millis, ctx: &mut Context<Self>) {
+        if ctx.state() != ActorState::Running {
+            return;
+        }
+        let at = self.core.next_tick_at();
+        if self.tick.as_ref().is_some_and(|&(set, _)| set <= at) {
+            return;
+        }
+        if let Some((_, old)) = self.tick.take() {
+            ctx.cancel_future(old);
+        }
+        let wait = Duration::from_millis(at.saturating_sub(now).max(0) as u64);
+        let handle = ctx.run_later(wait, |act, ctx| {
+            act.tick = None;
+            act.feed(Event::Tick, ctx);
+        });
+        self.tick = Some((at, handle));
     }
 
     /// Runs `call` on the ledger as a future of this actor; its answer becomes an event.
@@ -263,8 +290,8 @@ impl Actor for VoucherActor {
     fn started(&mut self, ctx: &mut Context<Self>) {
         ctx.set_mailbox_capacity(self.node.settings.mailbox_capacity.max(16));
         self.carry_out(ctx);
-        let every = Duration::from_millis(TICK_MS as u64);
-        ctx.run_interval(every, |act, ctx| act.feed(Event::Tick, ctx));
+        let now = self.node.clock.now_ms();
+        self.schedule_tick(now, ctx);
     }
 
     fn stopped(&mut self, ctx: &mut Context<Self>) {

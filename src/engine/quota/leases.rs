@@ -221,7 +221,12 @@ impl<R, W> VoucherCore<R, W> {
         if self.stopping {
             return false;
         }
-        if now >= self.next_refresh && (self.voucher.is_some() || self.missing) {
+        // The definition is re-read while the voucher is served or asked for (edits made on
+        // another node reach this one even without Redis); an idle core reads nothing: the
+        // ledger refuses what a stale definition would admit (paused, ended), and a reserve
+        // makes the core busy, so its next tick reads it again.
+        let served = !self.leases.is_empty() || now - self.last_seen() < self.seen_lately_ms();
+        if now >= self.next_refresh && (self.voucher.is_some() || self.missing) && served {
             self.refresh_voucher();
         }
         for lease_id in std::mem::take(&mut self.unreturned) {
@@ -234,11 +239,7 @@ impl<R, W> VoucherCore<R, W> {
         }
         let s = &self.settings;
         let (idle_timeout, probe_ms) = (s.lease_idle_timeout_ms, s.soldout_probe_ms);
-        let stop_after = if self.missing {
-            s.lease_idle_timeout_ms
-        } else {
-            s.actor_idle_stop_ms
-        };
+        let stop_after = self.stop_after();
         // A voucher warmed ahead of its start keeps its lease until then: idleness counts from
         // the start.
         let waiting_for_start = match (&self.voucher, self.warmed) {
@@ -248,11 +249,7 @@ impl<R, W> VoucherCore<R, W> {
         let idle = now - self.last_activity.max(waiting_for_start);
         // Reserves the frontend answered from the sold-out flag count as traffic: an actor whose
         // voucher is flooded after selling out stays, with its flag and winners.
-        let unseen = now
-            - self
-                .last_activity
-                .max(self.shared.last_short_circuit())
-                .max(waiting_for_start);
+        let unseen = now - self.last_seen();
         if idle >= idle_timeout && self.committing.is_empty() && self.pending.is_empty() {
             self.give_back_leases(LeaseEvent::Returned, |_| false);
         }

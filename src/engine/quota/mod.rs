@@ -371,6 +371,9 @@ pub(crate) struct VoucherCore<R, W> {
     hold: Option<(Hold, Millis)>,
     rate: RateEstimator,
     last_activity: Millis,
+    /// When the last [`Event::Tick`] came: the next is due [`TICK_MS`] after it (see
+    /// [`VoucherCore::next_tick_at`]).
+    last_tick: Millis,
     next_probe: Millis,
     /// When the voucher definition is next re-read from the ledger (edits made on another node
     /// reach this one even without Redis).
@@ -449,6 +452,7 @@ impl<R, W> VoucherCore<R, W> {
             hold: None,
             rate: RateEstimator::new(now),
             last_activity: now,
+            last_tick: now,
             next_probe: now,
             next_refresh: now + VOUCHER_REFRESH_MS,
             recall_pending: false,
@@ -476,6 +480,65 @@ impl<R, W> VoucherCore<R, W> {
     /// What the last events counted, for the node's metrics.
     pub(crate) fn stats(&mut self) -> std::vec::Drain<'_, Stat> {
         self.stats.drain(..)
+    }
+
+    /// When the core next needs [`Event::Tick`]. While it holds, waits for or serves anything,
+    /// or its voucher was asked for lately, or is sold out here: [`TICK_MS`] after the last tick.
+    /// Quiet (nothing of that): only when it would stop, so an idle voucher's actor costs no
+    /// periodic work; any event before then may make it busy again, and the adapter asks again
+    /// after every event.
+    pub(crate) fn next_tick_at(&self) -> Millis {
+        let due = self.last_tick + TICK_MS;
+        if !self.quiet() {
+            return due;
+        }
+        due.max(self.last_seen() + self.stop_after())
+    }
+
+    /// Nothing held, asked, in flight or queued; not sold out here; not asked for lately.
+    fn quiet(&self) -> bool {
+        !self.stopping
+            && self.leases.is_empty()
+            && self.pending.is_empty()
+            && self.lookups.is_empty()
+            && self.looking.is_none()
+            && self.committing.is_empty()
+            && self.granting.is_none()
+            && self.renewing.is_none()
+            && self.returning.is_empty()
+            && self.unreturned.is_empty()
+            && self.orphan_check.is_none()
+            && !self.finding
+            && self.warm_waiters.is_empty()
+            && !self.shared.is_sold_out()
+            && self.now - self.last_seen() >= self.seen_lately_ms()
+    }
+
+    /// The last time the voucher was asked for: here, or at the frontend's sold-out flag, or (a
+    /// voucher warmed ahead of its start) its start.
+    pub(super) fn last_seen(&self) -> Millis {
+        let waiting_for_start = match (&self.voucher, self.warmed) {
+            (Some(v), true) => v.starts_at,
+            _ => Millis::MIN,
+        };
+        self.last_activity
+            .max(self.shared.last_short_circuit())
+            .max(waiting_for_start)
+    }
+
+    /// How long after its last request a voucher counts as asked for lately: a dry or sold-out
+    /// core probes the ledger while it is, and a core re-reads its definition.
+    pub(super) fn seen_lately_ms(&self) -> Millis {
+        PROBE_WHILE_SEEN * self.settings.soldout_probe_ms
+    }
+
+    /// How long a core with nothing held goes unasked before it stops.
+    pub(super) fn stop_after(&self) -> Millis {
+        if self.missing {
+            self.settings.lease_idle_timeout_ms
+        } else {
+            self.settings.actor_idle_stop_ms
+        }
     }
 
     /// Units this node may still sell from its leases.
@@ -580,6 +643,7 @@ impl<R, W> VoucherCore<R, W> {
                 return;
             }
             Event::Tick => {
+                self.last_tick = now;
                 if !self.tick() {
                     return;
                 }
@@ -668,6 +732,7 @@ impl<R, W> VoucherCore<R, W> {
             p.since = p.since.min(now);
         }
         self.last_activity = self.last_activity.min(now);
+        self.last_tick = self.last_tick.min(now);
         self.rate.clock_went_back(now);
         if let Some(t) = &mut self.recounted_at {
             *t = (*t).min(now);

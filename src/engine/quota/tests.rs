@@ -880,3 +880,65 @@ fn only_a_warmed_voucher_counts_pre_start_requests_as_demand() {
     rig.now += 1000;
     assert!(rig.core.rate.per_sec(rig.now) > 0.0);
 }
+
+/// Ticks the rig every [`TICK_MS`] until `until`, as the adapter does when the core asks; the
+/// commands the ticks gave.
+fn tick_until(rig: &mut Rig, until: Millis) -> Out {
+    let mut out = Vec::new();
+    while rig.core.next_tick_at() <= until {
+        rig.now = rig.core.next_tick_at().max(rig.now);
+        out.extend(rig.on(Event::Tick));
+    }
+    rig.now = until;
+    out
+}
+
+#[test]
+fn an_idle_core_asks_for_no_tick_but_its_stop_and_reads_nothing() {
+    let mut rig = Rig::new();
+    let stop = rig.core.settings.actor_idle_stop_ms;
+    // Asked for lately: ticks every TICK_MS, and re-reads its definition.
+    assert_eq!(rig.core.next_tick_at(), T0 + TICK_MS);
+    let early = tick_until(&mut rig, T0 + 10_000);
+    assert!(early
+        .iter()
+        .any(|c| matches!(c, Command::ReadVoucher { .. })));
+    // Quiet: its next tick is when it would stop, and meanwhile it reads nothing.
+    assert_eq!(rig.core.next_tick_at(), T0 + stop);
+    let quiet = tick_until(&mut rig, T0 + stop - 1);
+    assert!(quiet.is_empty(), "{quiet:?}");
+    // A reserve makes it busy: the next tick is due at once and reads the definition again.
+    rig.on(Event::Reserve(req(1), 1));
+    assert!(rig.core.next_tick_at() <= rig.now);
+    let out = rig.on(Event::Tick);
+    assert!(
+        out.iter().any(|c| matches!(c, Command::ReadVoucher { .. })),
+        "{out:?}"
+    );
+}
+
+#[test]
+fn an_idle_core_stops_at_the_tick_it_asked_for() {
+    let mut rig = Rig::new();
+    let stop = rig.core.settings.actor_idle_stop_ms;
+    let out = tick_until(&mut rig, T0 + stop);
+    assert!(out.iter().any(|c| matches!(c, Command::Stop)), "{out:?}");
+}
+
+#[test]
+fn a_sold_out_or_holding_core_keeps_ticking() {
+    let mut rig = Rig::new();
+    let (id, _) = rig.served(1, 10);
+    rig.created(id, 1);
+    // Holding a lease: every TICK_MS, however long nobody asks.
+    rig.now = T0 + 60_000;
+    rig.on(Event::Tick);
+    assert_eq!(rig.core.next_tick_at(), rig.now + TICK_MS);
+    // Sold out here (the frontend answers from its flag): every TICK_MS too.
+    let mut rig = Rig::new();
+    rig.shared
+        .set_sold_out(rig.shared.restock_epoch(), vec![], 1, 16);
+    rig.now = T0 + 60_000;
+    rig.on(Event::Tick);
+    assert_eq!(rig.core.next_tick_at(), rig.now + TICK_MS);
+}

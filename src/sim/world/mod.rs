@@ -573,8 +573,16 @@ impl World {
             }
             Job::Tick { node, inc } => {
                 if self.nodes[node].inc == inc && self.nodes[node].up {
-                    let vouchers: Vec<usize> = self.nodes[node].cores.keys().copied().collect();
-                    for v in vouchers {
+                    // As the actor does: a core gets the tick it asks for (every TICK_MS while
+                    // busy, only when it would stop while quiet).
+                    let now = self.node_now(node);
+                    let due: Vec<usize> = self.nodes[node]
+                        .cores
+                        .iter()
+                        .filter(|(_, slot)| now >= slot.core.next_tick_at())
+                        .map(|(v, _)| *v)
+                        .collect();
+                    for v in due {
                         self.feed(node, v, Event::Tick);
                     }
                     self.at(TICK_MS, Job::Tick { node, inc });
