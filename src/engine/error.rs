@@ -50,7 +50,8 @@ impl From<LedgerError> for EngineError {
             | LedgerError::WorkerGone
             | LedgerError::Unreachable { .. }
             | LedgerError::Database { .. }
-            | LedgerError::CommitFailed(_) => {
+            | LedgerError::CommitFailed(_)
+            | LedgerError::Unanswered(_) => {
                 tracing::warn!(error = %e, "ledger call failed");
                 Self::Unavailable
             }

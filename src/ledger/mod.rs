@@ -101,6 +101,11 @@ pub enum LedgerError {
     /// committer logs the reason once for all the batches it fails.
     #[error("merged commit failed: {0}")]
     CommitFailed(Arc<LedgerError>),
+    /// The transaction that carried this batch committed, but the batch's answer could not be
+    /// completed (a read of rows another transaction stored failed, for the reason given): what
+    /// it took is unknown to the caller, as after a lost answer.
+    #[error("batch answer lost: {0}")]
+    Unanswered(Arc<LedgerError>),
 }
 
 impl LedgerError {

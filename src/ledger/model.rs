@@ -557,6 +557,10 @@ impl Ledger for ModelLedger {
             streak_from: now,
             dead_after,
         });
+        if row.beat_at == 0 {
+            // Retired: a beat that landed after its own process's retire changes nothing.
+            return Err(LedgerError::NotFound);
+        }
         if now - row.beat_at > dead_after / 2 {
             row.streak_from = now;
         }

@@ -300,6 +300,13 @@ async fn holders_that_stop_beating_are_reaped_at_once(l: &SharedLedger) {
     );
     // A retired holder is dead at once, whatever its limit.
     l.retire_node(&c.holder).await.unwrap();
+    // A beat of its own process that lands after the retire (sent before it) brings it back
+    // to life for nobody.
+    let late = l.heartbeat(&c.holder, wall_ms(), LIMIT).await;
+    assert!(
+        matches!(late, Err(LedgerError::NotFound)),
+        "a beat after the retire: {late:?}"
+    );
     beat_until_dead(l, &a.holder, LIMIT, &[&c.holder]).await;
     let r = l.reap_holder(&c.holder, wall_ms()).await.unwrap();
     assert_eq!(reaped_of(&r, "HB"), 1, "{r:?}");

@@ -74,7 +74,7 @@ impl PostgresLedger {
         let stored = if lost.is_empty() {
             Ok(Vec::new())
         } else {
-            self.find_orders(&lost).await
+            self.find_orders(&lost).await.map_err(Arc::new)
         };
         let mut results: Vec<Option<Result<Vec<RowOutcome>, LedgerError>>> =
             batches.iter().map(|_| None).collect();
@@ -94,8 +94,9 @@ impl PostgresLedger {
                 let batch = &batches[i];
                 let mine: Vec<Verdict> = rows.by_ref().take(batch.rows.len()).collect();
                 results[i] = Some(match &stored {
-                    Err(_) if mine.iter().any(|v| v.verdict == "LOST") => {
-                        Err(LedgerError::Inconsistent("stored orders could not be read back"))
+                    // The read failed (a timeout, a broken link): not bad data.
+                    Err(e) if mine.iter().any(|v| v.verdict == "LOST") => {
+                        Err(LedgerError::Unanswered(e.clone()))
                     }
                     Err(_) => resolve_verdicts(batch, mine, &[]),
                     Ok(stored) => resolve_verdicts(batch, mine, stored),
@@ -104,7 +105,11 @@ impl PostgresLedger {
         }
         Ok(results
             .into_iter()
-            .map(|r| r.unwrap_or(Err(LedgerError::Inconsistent("batch left out of the merge"))))
+            .map(|r| {
+                r.unwrap_or(Err(LedgerError::Inconsistent(
+                    "batch left out of the merge",
+                )))
+            })
             .collect())
     }
 }
@@ -252,7 +257,9 @@ fn resolve_verdicts(
     stored: &[Reservation],
 ) -> Result<Vec<RowOutcome>, LedgerError> {
     if verdicts.len() != batch.rows.len() {
-        return Err(LedgerError::Inconsistent("merged commit lost rows of a batch"));
+        return Err(LedgerError::Inconsistent(
+            "merged commit lost rows of a batch",
+        ));
     }
     if verdicts.iter().any(|v| v.verdict == "FENCED") {
         return Err(LedgerError::Fenced);

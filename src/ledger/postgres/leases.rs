@@ -142,6 +142,7 @@ impl PostgresLedger {
                      streak_from = CASE \
                          WHEN EXCLUDED.beat_at - nodes.beat_at > EXCLUDED.dead_after / 2 \
                          THEN EXCLUDED.beat_at ELSE nodes.streak_from END \
+                 WHERE nodes.beat_at <> 0 \
                  RETURNING beat_at - streak_from AS streak, beat_at) \
              SELECT b.beat_at, ARRAY(SELECT n.holder FROM nodes n \
                                      WHERE n.holder <> $1 AND n.beat_at < b.beat_at - n.dead_after \
@@ -152,8 +153,10 @@ impl PostgresLedger {
         .bind(name)
         .bind(number)
         .bind(dead_after_ms.max(1))
-        .fetch_one(&self.beats)
-        .await?;
+        .fetch_optional(&self.beats)
+        .await?
+        // No row: this holder retired (a beat that landed after its own process's retire).
+        .ok_or(LedgerError::NotFound)?;
         Ok(Beat { ledger_ms, dead })
     }
 

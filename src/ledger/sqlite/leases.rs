@@ -162,6 +162,7 @@ impl SqliteLedger {
              VALUES (?1, ?2, ?3, ?4, ?4, ?4, ?5) ON CONFLICT (holder) DO UPDATE SET \
                  beat_at = ?4, dead_after = ?5, \
                  streak_from = CASE WHEN ?4 - beat_at > ?5 / 2 THEN ?4 ELSE streak_from END \
+             WHERE nodes.beat_at <> 0 \
              RETURNING beat_at - streak_from",
         )
         .bind(holder)
@@ -169,8 +170,10 @@ impl SqliteLedger {
         .bind(number)
         .bind(now)
         .bind(dead_after_ms.max(1))
-        .fetch_one(&mut *tx)
-        .await?;
+        .fetch_optional(&mut *tx)
+        .await?
+        // No row: this holder retired (a beat that landed after its own process's retire).
+        .ok_or(LedgerError::NotFound)?;
         let dead: Vec<String> = sqlx::query_scalar(
             "SELECT holder FROM nodes WHERE holder <> ?1 AND beat_at < ?2 - dead_after \
              AND dead_after <= ?3 ORDER BY holder",

@@ -133,9 +133,12 @@ impl UsageCache {
             }
             self.vouchers.insert(code.to_owned(), loaded);
         }
-        let v = self.vouchers.get_mut(code).ok_or(LedgerError::Inconsistent(
-            "usage counts missing just after their load",
-        ))?;
+        let v = self
+            .vouchers
+            .get_mut(code)
+            .ok_or(LedgerError::Inconsistent(
+                "usage counts missing just after their load",
+            ))?;
         v.touched = true;
         Ok(v)
     }
@@ -225,7 +228,9 @@ impl UsageCache {
         }
         let mut q = db.prepare(DATA_VERSION)?;
         if !q.step()? {
-            return Err(LedgerError::Inconsistent("PRAGMA data_version returned no row"));
+            return Err(LedgerError::Inconsistent(
+                "PRAGMA data_version returned no row",
+            ));
         }
         let now = q.int(0);
         if self.data_version != Some(now) {
