@@ -19,14 +19,21 @@ const LIMITS_UPKEEP_MS: u64 = 10_000;
 /// the run's own duration, so it never takes more than 5 % of a core from the sale.
 const RECONCILE_IDLE_FACTOR: u32 = 19;
 
-/// The running jobs.
-pub struct Jobs(Tasks);
+/// The running jobs: the heartbeat apart, since it must end before the node retires itself
+/// and must not wait for the others' longer runs (a node silent past its limit is reaped).
+pub struct Jobs {
+    beat: Tasks,
+    rest: Tasks,
+}
 
 impl Jobs {
-    /// Stops every job after the run it is in (a heartbeat under way lands before the node
-    /// retires itself), waiting at most `deadline`.
-    pub async fn stop(self, deadline: Duration) {
-        self.0.stop(deadline).await;
+    /// Asks every job to stop after the run it is in, and waits (at most `deadline`) for the
+    /// heartbeat alone, so that no beat of this process is under way when it retires. The
+    /// other jobs are returned, to be waited for after the drain.
+    pub async fn stop_heartbeat(self, deadline: Duration) -> Tasks {
+        self.rest.ask();
+        let _ = self.beat.stop(deadline).await;
+        self.rest
     }
 }
 
@@ -34,17 +41,18 @@ impl Jobs {
 /// is shared with other processes.
 pub fn start(engine: &EngineHandle, s: &JobSettings, beat: Option<&NodeSettings>) -> Jobs {
     let batch = s.expiry_batch;
-    let mut t = Tasks::new();
+    let mut beats = Tasks::new();
     if let Some(node) = beat {
         let dead_after = node.dead_after_ms;
         job(
-            &mut t,
+            &mut beats,
             engine,
             node.heartbeat_ms,
             "heartbeat",
             move |e| async move { e.heartbeat(dead_after).await },
         );
     }
+    let mut t = Tasks::new();
     job(
         &mut t,
         engine,
@@ -94,7 +102,10 @@ pub fn start(engine: &EngineHandle, s: &JobSettings, beat: Option<&NodeSettings>
         async {}
     });
     t.add("rate limiters' upkeep", upkeep);
-    Jobs(t)
+    Jobs {
+        beat: beats,
+        rest: t,
+    }
 }
 
 /// Runs one engine call every `ms`; a failure is counted and logged, and the next tick tries

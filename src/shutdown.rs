@@ -21,9 +21,10 @@ impl Shutdown {
         let _ = self.0.wait_for(|asked| *asked).await;
     }
 
-    /// Whether shutdown was asked.
+    /// Whether shutdown was asked (or its owner is gone, which [`Shutdown::recv`] takes as
+    /// asked too).
     pub fn asked(&self) -> bool {
-        *self.0.borrow()
+        *self.0.borrow() || self.0.has_changed().is_err()
     }
 
     /// Runs `work` unless shutdown is asked first: `None` then.
@@ -66,17 +67,26 @@ impl Tasks {
         self.handles.push((name, handle));
     }
 
-    /// Asks every task to stop and waits for each to finish what it was doing, for at most
-    /// `deadline` in all; a task still running then is aborted (and logged).
-    pub async fn stop(self, deadline: Duration) {
+    /// Asks every task to stop, without waiting.
+    pub fn ask(&self) {
         let _ = self.ask.send(true);
+    }
+
+    /// Asks every task to stop and waits for each to finish what it was doing, for at most
+    /// `deadline` in all; a task still running then is aborted (and logged). Returns how many
+    /// were aborted.
+    pub async fn stop(self, deadline: Duration) -> usize {
+        self.ask();
         let until = tokio::time::Instant::now() + deadline;
+        let mut aborted = 0;
         for (name, mut handle) in self.handles {
             if tokio::time::timeout_at(until, &mut handle).await.is_err() {
                 tracing::warn!(task = name, "did not stop in time; aborted");
                 handle.abort();
+                aborted += 1;
             }
         }
+        aborted
     }
 }
 
@@ -121,7 +131,7 @@ mod tests {
         let abort = handle.abort_handle();
         tasks.add("stuck", handle);
         let started = tokio::time::Instant::now();
-        tasks.stop(Duration::from_secs(3)).await;
+        assert_eq!(tasks.stop(Duration::from_secs(3)).await, 1);
         assert_eq!(started.elapsed(), Duration::from_secs(3));
         tokio::task::yield_now().await;
         assert!(abort.is_finished(), "the stuck task was not aborted");
@@ -136,5 +146,15 @@ mod tests {
         let _ = tasks.ask.send(true);
         assert_eq!(shutdown.unless(std::future::pending::<u8>()).await, None);
         assert!(shutdown.asked());
+    }
+
+    /// A task whose owner is gone takes that as a shutdown, in `asked` as in `recv`.
+    #[tokio::test]
+    async fn a_dropped_owner_is_a_shutdown() {
+        let tasks = Tasks::new();
+        let mut shutdown = tasks.shutdown();
+        drop(tasks);
+        assert!(shutdown.asked());
+        shutdown.recv().await;
     }
 }

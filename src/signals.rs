@@ -141,21 +141,24 @@ async fn run_publisher(
     let mut conn: Option<redis::aio::MultiplexedConnection> = None;
     let mut retry_at = tokio::time::Instant::now();
     let mut ping = tokio::time::interval(keepalive / 3);
+    // Shutdown was asked and the queue takes nothing new: what it holds is still sent.
+    let mut closed = false;
     ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         // Either a signal to send or, when the ping is due, the keepalive (`None`). Once
         // shutdown is asked the queue takes nothing new, and what it holds (the drain's
         // restocks) is still sent.
+        if !closed && shutdown.asked() {
+            rx.close();
+            closed = true;
+        }
         let next = tokio::select! {
             item = rx.recv() => match item {
                 Some(item) => Some(item),
                 None => return,
             },
-            _ = shutdown.recv(), if !shutdown.asked() => {
-                rx.close();
-                continue;
-            }
-            _ = ping.tick(), if !shutdown.asked() => None,
+            _ = shutdown.recv(), if !closed => continue,
+            _ = ping.tick(), if !closed => None,
         };
         if conn.is_none() && tokio::time::Instant::now() >= retry_at {
             match connect(&client, TIMEOUT).await {
@@ -302,6 +305,30 @@ mod tests {
             Signal::Warm,
         ] {
             assert_eq!(Signal::parse(s.as_str()), Some(s));
+        }
+    }
+
+    /// Asked to stop with signals queued (the drain's restocks), the publisher sends or drops
+    /// them and ends by itself, whichever way the shutdown meets its loop: it is never left
+    /// waiting on the queue until its deadline aborts it. Redis is unreachable here, so each
+    /// signal is dropped at once; time is paused and jumps ahead when the runtime idles.
+    #[tokio::test(start_paused = true)]
+    async fn the_publisher_stops_by_itself_with_signals_queued() {
+        for _ in 0..20 {
+            let mut tasks = crate::shutdown::Tasks::new();
+            let (publisher, task) = publisher(
+                "redis://127.0.0.1:1",
+                "n",
+                Duration::from_millis(300),
+                tasks.shutdown(),
+            )
+            .unwrap();
+            tasks.add("publisher", task);
+            for i in 0..5 {
+                publisher.publish(&format!("V{i}"), Signal::Restock);
+            }
+            assert_eq!(tasks.stop(Duration::from_secs(60)).await, 0);
+            drop(publisher);
         }
     }
 }

@@ -18,6 +18,9 @@ use crate::ledger;
 use crate::shutdown::Tasks;
 use crate::signals::{self, Publisher};
 
+/// How long the Redis tasks may take to stop: the publisher sends the drain's restocks first.
+const SIGNALS_STOP: Duration = Duration::from_secs(2);
+
 pub struct Application {
     port: u16,
     server: Server,
@@ -26,8 +29,8 @@ pub struct Application {
     jobs: Jobs,
     /// The Redis side's tasks: the publisher, the subscriber, the feed relay.
     signals: Tasks,
-    /// How long a background task may take to finish what it is doing once asked to stop: a
-    /// ledger call's deadline, and a second.
+    /// How long a job may take to finish its run once asked to stop: a ledger call's deadline,
+    /// and a second.
     stop_deadline: Duration,
     /// Where every database connection lives and is polled.
     ledger_rt: tokio::runtime::Runtime,
@@ -413,13 +416,15 @@ impl Application {
             ..
         } = self;
         let result = server.await;
-        // The jobs first, waited for: a heartbeat landing after the drain would bring the
-        // retired process back to life in the ledger. A run under way ends within the ledger's
-        // deadline.
-        jobs.stop(stop_deadline).await;
+        // Every job is asked to stop and the heartbeat is waited for before the drain: no beat
+        // of this process is under way when it retires (and the ledger refuses one that is
+        // late all the same). The others end their run meanwhile and are waited for after.
+        let jobs = jobs.stop_heartbeat(stop_deadline).await;
         engine.drain().await;
-        // After the drain, so that its restocks are published before the publisher stops.
-        signals.stop(stop_deadline).await;
+        let _ = jobs.stop(stop_deadline).await;
+        // After the drain, so that its restocks are published before the publisher stops;
+        // it sends what it queued, each within Redis's own command timeout.
+        let _ = signals.stop(SIGNALS_STOP).await;
         shards.stop();
         ledger_rt.shutdown_background();
         // Released only now: the leases went back first.
