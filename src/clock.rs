@@ -137,6 +137,14 @@ pub fn ledger_ahead(ledger_ms: Millis, sent: Millis, received: Millis) -> Option
     (ahead.abs() > rtt / 2 + FOLLOW_MIN_MS).then_some(ahead)
 }
 
+/// Milliseconds since the Unix epoch as RFC 3339 text with milliseconds, in UTC (the API's and
+/// the change feed's form).
+pub fn rfc3339(ms: Millis) -> String {
+    chrono::DateTime::<chrono::Utc>::from_timestamp_millis(ms)
+        .unwrap_or_default()
+        .to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -263,7 +263,7 @@ fn append_cmd(stream: &str, maxlen: u64, events: &[FeedEvent]) -> redis::Cmd {
             .arg(&e.voucher_code)
             .arg(&e.order_id)
             .arg(e.customer_id)
-            .arg(crate::api::timestamp(e.at));
+            .arg(crate::clock::rfc3339(e.at));
     }
     cmd
 }

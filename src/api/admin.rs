@@ -1,6 +1,7 @@
 //! `/admin/vouchers…`: create, inspect (with the ledger's counters), edit, warm up; and
-//! `/admin/switches`, the emergency switches. Every route checks the bearer token before it reads
-//! the body, so a refused request changes nothing.
+//! `/admin/switches`, the emergency switches; `/admin/events`, the change feed. The `/admin`
+//! scope's middleware (`api::admit`) checks the bearer token before any of these runs, so a
+//! refused request changes nothing.
 
 use actix_web::{web, HttpRequest, HttpResponse};
 use chrono::{DateTime, Utc};

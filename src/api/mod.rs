@@ -14,7 +14,6 @@ use actix_web::body::BoxBody;
 use actix_web::dev::{Service, ServiceRequest, ServiceResponse};
 use actix_web::middleware::{from_fn, Next};
 use actix_web::{web, HttpRequest, HttpResponse};
-use chrono::{DateTime, SecondsFormat, Utc};
 use futures_util::StreamExt;
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::de::DeserializeOwned;
@@ -284,9 +283,7 @@ pub async fn json_body<T: DeserializeOwned>(
 
 /// Milliseconds as the RFC 3339 text the API uses.
 pub fn timestamp(ms: Millis) -> String {
-    DateTime::<Utc>::from_timestamp_millis(ms)
-        .unwrap_or_default()
-        .to_rfc3339_opts(SecondsFormat::Millis, true)
+    crate::clock::rfc3339(ms)
 }
 
 impl From<BadCode> for ApiError {

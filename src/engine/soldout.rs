@@ -231,12 +231,12 @@ impl VoucherShared {
     }
 
     /// The limits the voucher's own limiters were made from (the default when it has none).
-    pub(crate) fn own_limits_spec(&self) -> VoucherLimits {
+    fn own_limits_spec(&self) -> VoucherLimits {
         self.own_limits()
             .map_or_else(VoucherLimits::default, |o| o.spec())
     }
 
-    pub(crate) fn set_own_limits(&self, own: Option<OwnLimits>) {
+    fn set_own_limits(&self, own: Option<OwnLimits>) {
         *self.own_limits.write().unwrap_or_else(|e| e.into_inner()) = own.map(Arc::new);
     }
 

@@ -97,7 +97,7 @@ impl Faults {
         Self(0)
     }
 
-    pub fn has(self, kind: Fault) -> bool {
+    pub(super) fn has(self, kind: Fault) -> bool {
         self.0 & kind.bit() != 0
     }
 

@@ -6,10 +6,12 @@
 //! What leaves the core, and how:
 //! - everything that needs I/O or the cluster: a [`Command`] (ledger calls, answers, signals);
 //! - what the frontend answers from without messaging the actor (the sold-out flag and its
-//!   winners, the voucher's definition and with it its own rate limiters): written to the one
-//!   [`VoucherShared`] the core is given, which is also where it reads the restock epoch and
-//!   the short-circuits the frontend counted;
-//! - what the node's metrics count: a [`Stat`], drained by the adapter.
+//!   winners, the voucher's definition and with it its own rate limiters, which the node's
+//!   maker builds when the definition's limits change): written to the one [`VoucherShared`]
+//!   the core is given, which is also where it reads the restock epoch and the short-circuits
+//!   the frontend counted;
+//! - what the node's metrics count: a [`Stat`], drained by the adapter. (Warnings still go to
+//!   the log through `tracing`.)
 //!
 //! In debug builds the core checks its local invariants after every event
 //! (`check_local_invariants`), so the simulator's runs in `cargo test` check them at every step.
