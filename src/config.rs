@@ -19,6 +19,16 @@ pub struct Settings {
     pub jobs: JobSettings,
     pub redis: RedisSettings,
     pub limits: LimitSettings,
+    pub metrics: MetricsSettings,
+}
+
+/// What `/metrics` shows per voucher (see `engine::spotlight`).
+#[derive(Debug, Clone, Deserialize)]
+pub struct MetricsSettings {
+    /// The most vouchers a node shows series of its own for because of their traffic.
+    pub top_vouchers: usize,
+    /// Vouchers always shown (besides those watched through the admin API).
+    pub watch: Vec<String>,
 }
 
 /// Rate limits (DESIGN §6); a rate of 0 turns that limit off. Each node enforces them on what it
@@ -210,6 +220,9 @@ pub struct JobSettings {
     pub live_numbers_interval_ms: u64,
     /// How often every node looks for vouchers to pre-heat.
     pub preheat_interval_ms: u64,
+    /// Vouchers of the catalogue each reconciler run audits besides the ones changed since the
+    /// last run, in code order, going round.
+    pub reconcile_audit_page: i64,
 }
 
 impl Settings {

@@ -34,6 +34,10 @@ pub const RECONCILE_MISMATCHES: &str = "vouchers_reconcile_mismatches_total";
 pub const RECONCILE_BALANCED: &str = "vouchers_reconcile_balanced";
 pub const EXPIRED: &str = "vouchers_expired_reservations_total";
 pub const ACTIVE_ACTORS: &str = "vouchers_active_actors";
+/// How many vouchers of the catalogue have series of their own on this page (`view="shown"`)
+/// and how many count only in the node-wide series (`view="not_shown"`): the per-voucher view
+/// is capped (`metrics.top_vouchers` hottest here, plus the watched).
+pub const VOUCHER_VIEW: &str = "vouchers_voucher_view";
 pub const SWITCH: &str = "vouchers_switch";
 pub const KNOWN_CODES_READS: &str = "vouchers_known_codes_reads_total";
 pub const RATE_LIMITED: &str = "vouchers_rate_limited_total";
@@ -440,16 +444,22 @@ pub fn expired(n: u64) {
     counter!(EXPIRED).increment(n);
 }
 
+/// The per-voucher view: `shown` vouchers have series of their own, the rest of the `catalogue`
+/// (the voucher codes this node knows) does not.
+pub fn voucher_view(shown: usize, catalogue: usize) {
+    gauge!(VOUCHER_VIEW, "view" => "shown").set(shown as f64);
+    gauge!(VOUCHER_VIEW, "view" => "not_shown").set(catalogue.saturating_sub(shown) as f64);
+}
+
 /// Voucher actors on this node (set every second by the live numbers).
 pub fn actors(n: usize) {
     gauge!(ACTIVE_ACTORS).set(n as f64);
 }
 
-/// Per-voucher unit gauges, set by the reconciler.
 /// The reconciler's verdict on a voucher: the mismatch counter always, the per-voucher series
-/// only once its sale started (the live numbers set the unit gauges).
-pub fn reconciled(code: &str, c: &Counters, started: bool) {
-    if !started {
+/// only for a voucher `shown` on `/metrics` (picked, and its sale started).
+pub fn reconciled(code: &str, c: &Counters, shown: bool) {
+    if !shown {
         if !c.balanced {
             reconcile_mismatch();
         }

@@ -303,7 +303,7 @@ impl Application {
             node_id.clone(),
             Duration::from_millis(settings.http.request_timeout_ms),
             publisher,
-            &settings.limits,
+            &settings,
         );
         if !settings.redis.url.is_empty() {
             let e = engine.clone();

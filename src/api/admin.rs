@@ -332,6 +332,39 @@ pub async fn warm(
     Ok(HttpResponse::NoContent().finish())
 }
 
+/// Watch a voucher: every node exports its live numbers (`vouchers_units`, its reserves by
+/// outcome, its reconciliation verdict) whatever its traffic, besides its hottest vouchers.
+#[utoipa::path(
+    put, operation_id = "watchVoucher", path = "/admin/vouchers/{code}/watch", tag = "admin",
+    params(("code" = String, Path, description = "The voucher code")),
+    security(("admin_token" = [])),
+    responses((status = 204, description = "Watched (idempotent)"))
+)]
+pub async fn watch(
+    state: web::Data<AppState>,
+    path: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    let code = VoucherCode::parse(path.into_inner())?;
+    state.engine.watch(&code, true).await?;
+    Ok(HttpResponse::NoContent().finish())
+}
+
+/// Stop watching a voucher: it keeps series of its own only while it is among the hottest.
+#[utoipa::path(
+    delete, operation_id = "unwatchVoucher", path = "/admin/vouchers/{code}/watch", tag = "admin",
+    params(("code" = String, Path, description = "The voucher code")),
+    security(("admin_token" = [])),
+    responses((status = 204, description = "Not watched (idempotent)"))
+)]
+pub async fn unwatch(
+    state: web::Data<AppState>,
+    path: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    let code = VoucherCode::parse(path.into_inner())?;
+    state.engine.watch(&code, false).await?;
+    Ok(HttpResponse::NoContent().finish())
+}
+
 /// A change of the emergency switches; a key left out stays as it is.
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]

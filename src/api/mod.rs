@@ -184,6 +184,8 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
             .route("/vouchers/{code}", web::get().to(admin::get))
             .route("/vouchers/{code}", web::patch().to(admin::patch))
             .route("/vouchers/{code}/warm", web::post().to(admin::warm))
+            .route("/vouchers/{code}/watch", web::put().to(admin::watch))
+            .route("/vouchers/{code}/watch", web::delete().to(admin::unwatch))
             .route("/events", web::get().to(admin::events))
             .route("/switches", web::get().to(admin::get_switches))
             .route("/switches", web::put().to(admin::put_switches)),

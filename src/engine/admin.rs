@@ -46,6 +46,7 @@ impl EngineHandle {
 
     pub async fn create_voucher(&self, v: &Voucher) -> Result<(), EngineError> {
         self.node.ledger.create_voucher(v, self.now_ms()).await?;
+        self.node.changed(&v.code);
         self.node.known.insert(&v.code);
         // Other nodes learn the code now rather than at their next re-read.
         self.node.signals.publish(&v.code, Signal::Updated);
@@ -58,6 +59,7 @@ impl EngineHandle {
         patch: &VoucherPatch,
     ) -> Result<Voucher, EngineError> {
         let (voucher, restock) = self.node.ledger.update_voucher(code, patch).await?;
+        self.node.changed(code);
         if let Some(e) = self.node.registry.get(code) {
             let _ = e.addr.try_send(Reload(voucher.clone()));
         }
@@ -74,6 +76,12 @@ impl EngineHandle {
     /// The change feed after `after`, at most `limit` events (`GET /admin/events`).
     pub async fn events(&self, after: i64, limit: i64) -> Result<Vec<FeedEvent>, EngineError> {
         Ok(self.node.ledger.events(after, limit).await?)
+    }
+
+    /// Watches the voucher (its live numbers are exported on every node whatever its traffic)
+    /// or stops watching it. Held by the ledger: every node's next live numbers follow.
+    pub async fn watch(&self, code: &str, watched: bool) -> Result<(), EngineError> {
+        Ok(self.node.ledger.set_watched(code, watched).await?)
     }
 
     /// Warms the voucher on this node and tells every other node to do the same (`WARM`).

@@ -149,7 +149,7 @@ impl EngineHandle {
     /// Reads every voucher code into memory (start-up). On failure the first request for an
     /// unknown code tries again.
     pub async fn load_known_codes(&self) {
-        match self.node.known.load(&self.node.ledger).await {
+        match self.node.known.load(&self.node.ledger, self.now_ms()).await {
             Ok(()) => tracing::info!(codes = self.node.known.len(), "voucher codes loaded"),
             Err(e) => tracing::warn!(error = %e, "could not load voucher codes yet"),
         }
@@ -162,7 +162,12 @@ impl EngineHandle {
     /// (the request was still parsed), so a bot's connections cannot crowd out real checkouts.
     /// An idle node answers at once.
     async fn known(&self, code: &str) -> Result<(), EngineError> {
-        match self.node.known.check(code, &self.node.ledger).await {
+        match self
+            .node
+            .known
+            .check(code, &self.node.ledger, self.now_ms())
+            .await
+        {
             Known::Yes => Ok(()),
             Known::No => {
                 let tarpit = self.node.settings.unknown_code_tarpit_ms;
@@ -316,11 +321,13 @@ impl EngineHandle {
     /// and never take the ledger's writer (on SQLite the one connection every commit needs).
     pub async fn confirm(&self, code: &str, order_id: &str) -> Result<Reservation, EngineError> {
         self.reservation(code, order_id).await?;
-        Ok(self
+        let r = self
             .node
             .ledger
             .confirm(code, order_id, self.now_ms())
-            .await?)
+            .await?;
+        self.node.changed(code);
+        Ok(r)
     }
 
     pub async fn release(&self, code: &str, order_id: &str) -> Result<Reservation, EngineError> {

@@ -1,16 +1,27 @@
 //! Which voucher codes exist, in memory (DESIGN §6): a request for a code that does not exist is
 //! answered `404` without an actor, a timer or a ledger read, so a flood of random codes costs a
 //! set lookup each. The set is loaded at start, grows on create here and on the cluster's
-//! `UPDATED` signal, and is re-read from the ledger on a miss at most once per
-//! `engine.known_codes_refresh_ms` (so a code created on another node is found without Redis).
-//! It holds only codes the ledger has: junk never enters it.
+//! `UPDATED` signal, and on a miss the ledger is asked at most once per
+//! `engine.known_codes_refresh_ms` for the codes created since the last read (so a code created
+//! on another node is found without Redis, and a miss costs an indexed read of what is new, not
+//! of the whole catalogue). It holds only codes the ledger has: junk never enters it.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::time::Instant;
 
 use dashmap::DashSet;
 
+use crate::clock::Millis;
 use crate::ledger::{LedgerError, SharedLedger};
+
+/// A re-read asks for codes created this long before the last read started: a code's
+/// `created_at` is its creating node's clock, which may lag this one's (nodes follow the
+/// ledger's clock, within milliseconds), and a create may commit a while after it took its
+/// time.
+const CREATED_OVERLAP_MS: Millis = 60_000;
+
+/// Codes read per page of a full read.
+const PAGE: i64 = 10_000;
 
 pub(crate) struct KnownCodes {
     /// Hashed with foldhash, randomly seeded (clients choose the codes they ask for), not
@@ -31,6 +42,8 @@ pub(crate) struct KnownCodes {
     /// Reads of the codes so far, failed ones included: a miss that waited for a read takes its
     /// result. Also for tests and diagnostics (the metric is process-wide).
     reads: AtomicU64,
+    /// The next re-read asks for codes created since this time (set by each successful read).
+    since: AtomicI64,
 }
 
 /// Whether a code exists, as far as this node can tell.
@@ -52,6 +65,7 @@ impl KnownCodes {
             refresh_ms,
             refreshing: tokio::sync::Mutex::new(()),
             reads: AtomicU64::new(0),
+            since: AtomicI64::new(Millis::MIN),
         }
     }
 
@@ -88,14 +102,14 @@ impl KnownCodes {
         }
     }
 
-    /// Reads every code from the ledger into the set.
-    pub(crate) async fn load(&self, ledger: &SharedLedger) -> Result<(), LedgerError> {
+    /// Reads the codes from the ledger into the set: every code, page by page, the first time;
+    /// after that, the codes created since the last read. `now` is the engine's clock.
+    pub(crate) async fn load(&self, ledger: &SharedLedger, now: Millis) -> Result<(), LedgerError> {
         self.last_refresh
             .store(self.since_epoch() + 1, Ordering::Release);
-        let res = ledger.voucher_codes(i64::MIN).await.map(|codes| {
-            for code in codes {
-                self.insert(&code);
-            }
+        let res = self.read(ledger).await.map(|()| {
+            self.since
+                .store(now - CREATED_OVERLAP_MS, Ordering::Release);
             self.loaded.store(true, Ordering::Release);
         });
         crate::metrics::known_codes_read();
@@ -107,10 +121,31 @@ impl KnownCodes {
         res
     }
 
+    async fn read(&self, ledger: &SharedLedger) -> Result<(), LedgerError> {
+        if self.loaded.load(Ordering::Acquire) {
+            let since = self.since.load(Ordering::Acquire);
+            for code in ledger.codes_created_since(since).await? {
+                self.insert(&code);
+            }
+            return Ok(());
+        }
+        let mut after = String::new();
+        loop {
+            let page = ledger.voucher_codes(Millis::MIN, &after, PAGE).await?;
+            for code in &page {
+                self.insert(code);
+            }
+            match page.last() {
+                Some(last) if page.len() as i64 >= PAGE => after = last.clone(),
+                _ => return Ok(()),
+            }
+        }
+    }
+
     /// Whether `code` exists: from memory, or after one (shared, throttled) re-read. Misses that
     /// queue behind a read take its result instead of reading again, so a slow or hung ledger
     /// costs one read at a time (each bounded by the ledger's deadline), never a queue of them.
-    pub(crate) async fn check(&self, code: &str, ledger: &SharedLedger) -> Known {
+    pub(crate) async fn check(&self, code: &str, ledger: &SharedLedger, now: Millis) -> Known {
         if self.codes.contains(code) {
             return Known::Yes;
         }
@@ -121,7 +156,7 @@ impl KnownCodes {
         let _turn = self.refreshing.lock().await;
         let read_meanwhile = self.reads.load(Ordering::Acquire) != reads_before;
         if !read_meanwhile && !self.codes.contains(code) && !self.recently_read() {
-            if let Err(e) = self.load(ledger).await {
+            if let Err(e) = self.load(ledger, now).await {
                 tracing::warn!(error = %e, "read voucher codes");
             }
         }

@@ -29,6 +29,7 @@ mod node;
 pub(crate) mod quota;
 pub mod sizing;
 pub mod soldout;
+mod spotlight;
 mod upkeep;
 
 use std::collections::HashSet;
@@ -40,12 +41,13 @@ use actix::prelude::*;
 use dashmap::DashMap;
 
 use crate::clock::SharedClock;
-use crate::config::{EngineSettings, LimitSettings};
+use crate::config::{EngineSettings, Settings};
 use crate::ledger::SharedLedger;
 use crate::signals::Publisher;
 use known::KnownCodes;
 use limits::RateLimits;
 use sizing::SizingParams;
+use spotlight::Spotlight;
 
 pub use admin::VoucherView;
 pub use checkout::Reserved;
@@ -62,7 +64,8 @@ pub struct EngineHandle {
 }
 
 impl EngineHandle {
-    /// Starts the shards. Must run inside an actix `System`.
+    /// Starts the shards. Must run inside an actix `System`. `settings` is the engine's own;
+    /// `all` gives the rate limits, the metrics' view and the reconciler's audit page.
     pub fn start(
         ledger: SharedLedger,
         clock: SharedClock,
@@ -70,7 +73,7 @@ impl EngineHandle {
         node_id: String,
         request_timeout: Duration,
         signals: Publisher,
-        limit_settings: &LimitSettings,
+        all: &Settings,
     ) -> (Self, Shards) {
         let n = if settings.shards == 0 {
             std::thread::available_parallelism().map_or(1, |n| n.get())
@@ -85,7 +88,11 @@ impl EngineHandle {
             sales_paused: AtomicBool::new(false),
             read_only: AtomicBool::new(false),
             switch_version: std::sync::Mutex::new(i64::MIN),
-            limits: Arc::new(RateLimits::new(limit_settings, clock.clone())),
+            limits: Arc::new(RateLimits::new(&all.limits, clock.clone())),
+            spotlight: Spotlight::new(all.metrics.top_vouchers, all.metrics.watch.clone()),
+            changed: std::sync::Mutex::new(HashSet::new()),
+            audit: std::sync::Mutex::new(String::new()),
+            audit_page: all.jobs.reconcile_audit_page.max(1),
             ledger,
             clock,
             sizing: SizingParams::from(&settings),

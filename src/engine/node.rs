@@ -99,6 +99,16 @@ pub(crate) struct Node {
     /// Vouchers that sold out here since the live numbers last ran: their books are recounted
     /// then, one after the other (not at once by every actor, competing with the sale's reads).
     pub(super) recount: std::sync::Mutex<HashSet<String>>,
+    /// Which vouchers get series of their own on `/metrics`.
+    pub(super) spotlight: super::spotlight::Spotlight,
+    /// Vouchers whose books this node changed outside their actors (confirm, release, expiry,
+    /// reaping, edits) or whose actor stopped, since the reconciler's last run: it recounts
+    /// them. Actors mark their own voucher on its [`VoucherShared`].
+    pub(super) changed: std::sync::Mutex<HashSet<String>>,
+    /// Where the reconciler's audit of the whole catalogue goes on (the last code audited).
+    pub(super) audit: std::sync::Mutex<String>,
+    /// Vouchers the audit covers per run.
+    pub(super) audit_page: i64,
 }
 
 impl Node {
@@ -153,8 +163,22 @@ impl Node {
 
     /// Removes an actor's registry row when it stops, unless a successor already took it.
     pub(crate) fn forget(&self, code: &str, generation: u64) {
-        self.registry
-            .remove_if(code, |_, e| e.generation == generation);
+        if let Some((_, e)) = self
+            .registry
+            .remove_if(code, |_, e| e.generation == generation)
+        {
+            if e.shared.take_changed() {
+                self.changed(code);
+            }
+        }
+    }
+
+    /// This node changed `code`'s books: the reconciler recounts it at its next run.
+    pub(crate) fn changed(&self, code: &str) {
+        let mut changed = self.changed.lock().unwrap_or_else(|e| e.into_inner());
+        if !changed.contains(code) {
+            changed.insert(code.to_string());
+        }
     }
 
     /// The arbiter `code`'s actor starts on, and whether it is an HTTP worker's: a live

@@ -37,6 +37,9 @@ pub struct VoucherShared {
     /// Makes the voucher's own limiters from its definition: they follow every definition the
     /// actor publishes here (none in the simulator, which has no rate limits).
     make_limits: MakeLimits,
+    /// The actor asked the ledger for a change of this voucher's books (a batch, a grant, a
+    /// return) since the reconciler last looked: it recounts the voucher.
+    changed: AtomicBool,
     /// Reserves of this voucher answered on this node, by outcome (`Outcome::index`): the
     /// per-voucher outcome rates of the live numbers, one atomic add per request.
     outcomes: [AtomicU64; Outcome::COUNT],
@@ -133,6 +136,26 @@ impl VoucherShared {
             make_limits: MakeLimits(Some(make)),
             ..Self::default()
         }
+    }
+
+    /// The actor changes the voucher's books (see [`VoucherShared::take_changed`]).
+    pub(crate) fn mark_changed(&self) {
+        if !self.changed.load(Ordering::Relaxed) {
+            self.changed.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether the books changed since the last call.
+    pub(crate) fn take_changed(&self) -> bool {
+        self.changed.swap(false, Ordering::Relaxed)
+    }
+
+    /// Reserves of this voucher answered here so far, whatever the outcome.
+    pub(crate) fn answered(&self) -> u64 {
+        self.outcomes
+            .iter()
+            .map(|n| n.load(Ordering::Relaxed))
+            .sum()
     }
 
     pub fn count_outcome(&self, outcome: Outcome) {

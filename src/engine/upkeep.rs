@@ -104,37 +104,50 @@ impl EngineHandle {
         }
     }
 
-    /// Live numbers: the units of every voucher whose sale has started and that can still change
-    /// (as the reconciler watches), from its row and active leases (no scan of its
-    /// reservations), into `vouchers_units`; every node exports the same numbers. Vouchers not
-    /// yet started are never exported: their codes are the secret of an unannounced sale.
+    /// Live numbers, for the vouchers [`super::spotlight`] picks (the hottest here and the
+    /// watched): their units from their row and active leases (no scan of their reservations)
+    /// into `vouchers_units`, and their reserves by outcome on this node. Vouchers not yet
+    /// started are never exported: their codes are the secret of an unannounced sale. The work
+    /// follows the vouchers picked, not the catalogue. Returns how many were exported.
     pub async fn live_numbers(&self) -> Result<usize, EngineError> {
         // These gauges are set here, so that they never go idle (see `metrics::install`).
         m::actors(self.node.registry.len());
         m::redis_configured(self.node.signals.enabled());
         let now = self.now_ms();
+        let watched = self.node.ledger.watched_codes().await?;
+        let active: Vec<(String, u64)> = self
+            .node
+            .registry
+            .iter()
+            .map(|e| (e.key().clone(), e.shared.answered()))
+            .collect();
+        let picked = self
+            .node
+            .spotlight
+            .pick(active.iter().map(|(c, n)| (c.as_str(), *n)), &watched);
         let units = self
             .node
             .ledger
-            .live_units(now, self.watched_after(now))
+            .live_units(now, self.watched_after(now), &picked)
             .await?;
         units.iter().for_each(m::live_units);
-        // Outcome rates per voucher, for vouchers on sale only (as the units).
         let on_sale: HashSet<&str> = units.iter().map(|u| u.code.as_str()).collect();
-        for e in self.node.registry.iter() {
-            if on_sale.contains(e.key().as_str()) {
-                m::voucher_outcomes(e.key(), &e.shared.outcome_counts());
+        self.node.spotlight.exported(on_sale.iter().copied());
+        for code in &on_sale {
+            if let Some(e) = self.node.registry.get(*code) {
+                m::voucher_outcomes(code, &e.shared.outcome_counts());
             }
         }
+        m::voucher_view(on_sale.len(), self.node.known.len());
         // The books of a voucher that just sold out, recounted now rather than at the
-        // reconciler's next round (one after the other; only vouchers on sale are exported).
+        // reconciler's next round (one after the other).
         let sold_out: Vec<String> =
             std::mem::take(&mut *self.node.recount.lock().unwrap_or_else(|e| e.into_inner()))
                 .into_iter()
                 .collect();
         for code in sold_out {
-            let started = on_sale.contains(code.as_str());
-            if let Err(e) = reconcile_one(&self.node.ledger, &code, started).await {
+            let shown = on_sale.contains(code.as_str());
+            if let Err(e) = reconcile_one(&self.node.ledger, &code, shown).await {
                 // Tried again at the next run.
                 tracing::warn!(code = %code, error = %e, "recount after a sell-out failed");
                 self.node.recount_soon(&code);
@@ -170,6 +183,7 @@ impl EngineHandle {
 
     pub(super) fn after_restocks(&self, restocks: impl Iterator<Item = Restock>) {
         for r in restocks {
+            self.node.changed(&r.voucher_code);
             self.node.restocked(&r.voucher_code);
         }
     }
@@ -243,44 +257,72 @@ impl EngineHandle {
         units
     }
 
-    /// Recomputes the counters of every voucher that can still change (its window has not ended
-    /// more than a reservation TTL and a minute ago) from the rows; returns the codes that do
-    /// not balance. Vouchers long over stay as they were last seen.
+    /// Recomputes from the rows the books of every voucher this node changed since the last
+    /// run, then of the next `jobs.reconcile_audit_page` vouchers of the catalogue that can
+    /// still change (their window has not ended more than a reservation TTL and a minute ago),
+    /// in code order, going round: what nobody touches is checked too, slowly, and a run costs
+    /// what changed, not the catalogue. Returns the codes that do not balance.
     pub async fn reconcile(&self) -> Result<Vec<String>, EngineError> {
         let now = self.now_ms();
         let ending_after = self.watched_after(now);
-        // Which of them started, in one read: the others' series are not exported (see
-        // `live_numbers`).
-        let started: HashSet<String> = self
+        let mut codes: HashSet<String> =
+            std::mem::take(&mut *self.node.changed.lock().unwrap_or_else(|e| e.into_inner()));
+        for e in self.node.registry.iter() {
+            if e.shared.take_changed() {
+                codes.insert(e.key().clone());
+            }
+        }
+        let after = self
+            .node
+            .audit
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let page = self
             .node
             .ledger
-            .live_units(now, ending_after)
-            .await?
-            .into_iter()
-            .map(|u| u.code)
-            .collect();
+            .voucher_codes(ending_after, &after, self.node.audit_page)
+            .await?;
+        let next = match page.last() {
+            Some(last) if page.len() as i64 >= self.node.audit_page => last.clone(),
+            // The end of the catalogue: the next run starts over.
+            _ => String::new(),
+        };
+        *self.node.audit.lock().unwrap_or_else(|e| e.into_inner()) = next;
+        codes.extend(page);
+        // The shown vouchers' verdict series are kept fresh (gauges nobody sets leave the page).
+        codes.extend(self.node.spotlight.shown());
+        let mut codes: Vec<String> = codes.into_iter().collect();
+        codes.sort();
         let mut unbalanced = Vec::new();
-        for code in self.node.ledger.voucher_codes(ending_after).await? {
-            if !reconcile_one(&self.node.ledger, &code, started.contains(&code)).await? {
-                unbalanced.push(code);
+        for code in codes {
+            let shown = self.node.spotlight.shows(&code);
+            match reconcile_one(&self.node.ledger, &code, shown).await {
+                Ok(true) => {}
+                Ok(false) => unbalanced.push(code),
+                Err(e) => {
+                    // Recounted at the next run.
+                    self.node.changed(&code);
+                    return Err(e.into());
+                }
             }
         }
         Ok(unbalanced)
     }
 }
 
-/// Recounts one voucher and records the verdict (exported only for a voucher whose sale
-/// `started`); `false` when its books do not balance. The reconciler runs it for every watched
-/// voucher, and an actor the moment its voucher sells out.
+/// Recounts one voucher and records the verdict (a series of its own only for a voucher
+/// `shown` on `/metrics`); `false` when its books do not balance. The reconciler runs it for
+/// what changed and its audit, and the live numbers the moment a voucher sells out here.
 async fn reconcile_one(
     ledger: &SharedLedger,
     code: &str,
-    started: bool,
+    shown: bool,
 ) -> Result<bool, LedgerError> {
     let Some(c) = ledger.counters(code).await? else {
         return Ok(true);
     };
-    m::reconciled(code, &c, started);
+    m::reconciled(code, &c, shown);
     if !c.balanced {
         tracing::error!(code = %code, counters = ?c, "ledger does not balance");
     }

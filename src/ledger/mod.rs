@@ -411,12 +411,13 @@ pub trait Ledger: Send + Sync + 'static {
     async fn reap_expired(&self, now: Millis) -> Result<Vec<Restock>, LedgerError>;
     /// Counters of one voucher, with the reconciliation verdict.
     async fn counters(&self, code: &str) -> Result<Option<Counters>, LedgerError>;
-    /// The live numbers (see [`LiveUnits`]) of every voucher whose sale started by `now` and
-    /// ends after `ending_after`.
+    /// The live numbers (see [`LiveUnits`]) of those of `codes` whose sale started by `now` and
+    /// ends after `ending_after` (a read per voucher asked, never of the whole catalogue).
     async fn live_units(
         &self,
         now: Millis,
         ending_after: Millis,
+        codes: &[String],
     ) -> Result<Vec<LiveUnits>, LedgerError>;
     /// Active vouchers whose sale starts after `from` and no later than `to` (pre-heat).
     async fn starting_between(&self, from: Millis, to: Millis) -> Result<Vec<String>, LedgerError>;
@@ -428,10 +429,22 @@ pub trait Ledger: Send + Sync + 'static {
         patch: &SwitchesPatch,
         now: Millis,
     ) -> Result<Switches, LedgerError>;
-    /// Codes of every voucher, for the reconciler.
-    /// Codes of the vouchers whose window ends after `ending_after`: the ones whose counters can
-    /// still change by themselves (sales, expiries), which the reconciler watches.
-    async fn voucher_codes(&self, ending_after: Millis) -> Result<Vec<String>, LedgerError>;
+    /// A page of the codes of the vouchers whose window ends after `ending_after`, in code
+    /// order, after `after` (`""`: from the start), at most `limit`: the whole catalogue is read
+    /// page by page (the known codes at start, the reconciler's slow audit).
+    async fn voucher_codes(
+        &self,
+        ending_after: Millis,
+        after: &str,
+        limit: i64,
+    ) -> Result<Vec<String>, LedgerError>;
+    /// Codes of the vouchers created at or after `since` (their creating node's clock): what a
+    /// node that missed a code reads, instead of the whole catalogue.
+    async fn codes_created_since(&self, since: Millis) -> Result<Vec<String>, LedgerError>;
+    /// The vouchers an operator watches: their live numbers are exported whatever their traffic.
+    async fn watched_codes(&self) -> Result<Vec<String>, LedgerError>;
+    /// Watches `code` or stops watching it (idempotent); `NotFound` for an unknown voucher.
+    async fn set_watched(&self, code: &str, watched: bool) -> Result<(), LedgerError>;
     /// The change feed: at most `limit` events with a sequence number above `after`, in order.
     /// Numbers are given in the transaction that makes each change and have no gaps, so a
     /// reader that goes on from the last number it saw misses nothing.

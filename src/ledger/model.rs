@@ -21,7 +21,7 @@
 //! of one transaction); the expiry sweep takes the oldest reservations first and numbers their
 //! events in that order; voucher rate limits are kept as given, not clamped to `i32`.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Mutex, MutexGuard};
 
 use async_trait::async_trait;
@@ -41,6 +41,8 @@ use crate::domain::{
 #[derive(Debug, Clone)]
 struct VoucherRow {
     voucher: Voucher,
+    /// When it was created (the creating node's clock).
+    created_at: Millis,
     free: i64,
     reserved: i64,
     confirmed: i64,
@@ -103,6 +105,8 @@ struct State {
     /// Each node name's last incarnation number (never reused).
     node_names: HashMap<String, i64>,
     nodes: BTreeMap<String, NodeRow>,
+    /// The vouchers an operator watches.
+    watched: BTreeSet<String>,
 }
 
 /// The in-memory ledger. Cheap to make: a simulation makes one per run.
@@ -350,7 +354,7 @@ impl Ledger for ModelLedger {
         Ok(())
     }
 
-    async fn create_voucher(&self, voucher: &Voucher, _now: Millis) -> Result<(), LedgerError> {
+    async fn create_voucher(&self, voucher: &Voucher, now: Millis) -> Result<(), LedgerError> {
         let v = voucher;
         if v.discount_amount < 0
             || v.min_order_amount < 0
@@ -366,6 +370,7 @@ impl Ledger for ModelLedger {
         }
         let row = VoucherRow {
             voucher: voucher.clone(),
+            created_at: now,
             free: voucher.total_limit,
             reserved: 0,
             confirmed: 0,
@@ -754,10 +759,12 @@ impl Ledger for ModelLedger {
         &self,
         now: Millis,
         ending_after: Millis,
+        codes: &[String],
     ) -> Result<Vec<LiveUnits>, LedgerError> {
         let s = self.state();
-        Ok(s.vouchers
-            .values()
+        Ok(codes
+            .iter()
+            .filter_map(|c| s.vouchers.get(c))
             .filter(|v| v.voucher.starts_at <= now && v.voucher.ends_at > ending_after)
             .map(|v| LiveUnits {
                 code: v.voucher.code.clone(),
@@ -804,14 +811,49 @@ impl Ledger for ModelLedger {
         Ok(*sw)
     }
 
-    async fn voucher_codes(&self, ending_after: Millis) -> Result<Vec<String>, LedgerError> {
+    async fn voucher_codes(
+        &self,
+        ending_after: Millis,
+        after: &str,
+        limit: i64,
+    ) -> Result<Vec<String>, LedgerError> {
+        let mut codes: Vec<String> = self
+            .state()
+            .vouchers
+            .values()
+            .filter(|v| v.voucher.ends_at > ending_after && v.voucher.code.as_str() > after)
+            .map(|v| v.voucher.code.clone())
+            .collect();
+        codes.sort();
+        codes.truncate(limit.max(0) as usize);
+        Ok(codes)
+    }
+
+    async fn codes_created_since(&self, since: Millis) -> Result<Vec<String>, LedgerError> {
         Ok(self
             .state()
             .vouchers
             .values()
-            .filter(|v| v.voucher.ends_at > ending_after)
+            .filter(|v| v.created_at >= since)
             .map(|v| v.voucher.code.clone())
             .collect())
+    }
+
+    async fn watched_codes(&self) -> Result<Vec<String>, LedgerError> {
+        Ok(self.state().watched.iter().cloned().collect())
+    }
+
+    async fn set_watched(&self, code: &str, watched: bool) -> Result<(), LedgerError> {
+        let mut s = self.state();
+        if !s.vouchers.contains_key(code) {
+            return Err(LedgerError::NotFound);
+        }
+        if watched {
+            s.watched.insert(code.to_string());
+        } else {
+            s.watched.remove(code);
+        }
+        Ok(())
     }
 
     async fn events(&self, after: i64, limit: i64) -> Result<Vec<FeedEvent>, LedgerError> {

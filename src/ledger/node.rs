@@ -257,8 +257,10 @@ impl Ledger for NodeLedger {
         &self,
         now: Millis,
         ending_after: Millis,
+        codes: &[String],
     ) -> Result<Vec<LiveUnits>, LedgerError> {
-        self.run(move |l| async move { l.live_units(now, ending_after).await })
+        let codes = codes.to_vec();
+        self.run(move |l| async move { l.live_units(now, ending_after, &codes).await })
             .await
     }
 
@@ -345,8 +347,29 @@ impl Ledger for NodeLedger {
             .await
     }
 
-    async fn voucher_codes(&self, ending_after: Millis) -> Result<Vec<String>, LedgerError> {
-        self.run(move |l| async move { l.voucher_codes(ending_after).await })
+    async fn voucher_codes(
+        &self,
+        ending_after: Millis,
+        after: &str,
+        limit: i64,
+    ) -> Result<Vec<String>, LedgerError> {
+        let after = after.to_string();
+        self.run(move |l| async move { l.voucher_codes(ending_after, &after, limit).await })
+            .await
+    }
+
+    async fn codes_created_since(&self, since: Millis) -> Result<Vec<String>, LedgerError> {
+        self.run(move |l| async move { l.codes_created_since(since).await })
+            .await
+    }
+
+    async fn watched_codes(&self) -> Result<Vec<String>, LedgerError> {
+        self.run(|l| async move { l.watched_codes().await }).await
+    }
+
+    async fn set_watched(&self, code: &str, watched: bool) -> Result<(), LedgerError> {
+        let code = code.to_string();
+        self.run(move |l| async move { l.set_watched(&code, watched).await })
             .await
     }
 }

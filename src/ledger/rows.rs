@@ -10,8 +10,23 @@ pub const RESERVATION_COLUMNS: &str =
 pub const VOUCHER_COLUMNS: &str = "code, discount_amount, min_order_amount, total_limit, \
      per_user_limit, starts_at, ends_at, status, customer_rate, customer_burst, admission_rate";
 
-/// Codes of vouchers whose window ends after `$1`.
-pub const LIVE_CODES_SQL: &str = "SELECT code FROM vouchers WHERE ends_at > $1 ORDER BY code";
+/// A page of the codes of vouchers whose window ends after `$1`, after `$2`, at most `$3`.
+pub const LIVE_CODES_SQL: &str =
+    "SELECT code FROM vouchers WHERE ends_at > $1 AND code > $2 ORDER BY code LIMIT $3";
+
+/// Codes of vouchers created at or after `$1`.
+pub const CREATED_SINCE_SQL: &str = "SELECT code FROM vouchers WHERE created_at >= $1";
+
+/// The watched vouchers' codes.
+pub const WATCHED_SQL: &str = "SELECT code FROM watched_vouchers ORDER BY code";
+
+/// Watches `$1` (no-op if already watched). The voucher must exist (foreign key).
+pub const WATCH_SQL: &str =
+    "INSERT INTO watched_vouchers (code) SELECT code FROM vouchers WHERE code = $1 \
+     ON CONFLICT (code) DO NOTHING";
+
+/// Stops watching `$1`.
+pub const UNWATCH_SQL: &str = "DELETE FROM watched_vouchers WHERE code = $1";
 
 /// The ACTIVE leases of voucher `$1` held by `$2` with units left, by id.
 pub const ACTIVE_LEASES_SQL: &str = "SELECT id FROM leases WHERE voucher_code = $1 \

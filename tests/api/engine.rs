@@ -27,11 +27,11 @@ async fn engine() -> (EngineHandle, ManualClock) {
     let (engine, _shards) = EngineHandle::start(
         ledger,
         Arc::new(clock.clone()),
-        settings.engine,
+        settings.engine.clone(),
         "engine-test".into(),
         Duration::from_secs(5),
         Publisher::disabled(),
-        &settings.limits,
+        &settings,
     );
     (engine, clock)
 }

@@ -78,8 +78,52 @@ pub async fn conformance(l: SharedLedger) {
     pre_heat_finds_active_vouchers_starting_within_the_window(&l).await;
     a_voucher_the_schema_refuses_is_not_created(&l).await;
     usage_counts_every_live_reservation(&l).await;
+    the_catalogue_is_read_in_pages_and_by_what_is_new(&l).await;
     // Last: it checks the feed of every change the checks above made.
     the_feed_tells_every_change_once_in_order(&l).await;
+}
+
+/// The long tail's reads: the catalogue in pages of codes (in order, each once), the codes
+/// created since a time, and the watched vouchers.
+async fn the_catalogue_is_read_in_pages_and_by_what_is_new(l: &SharedLedger) {
+    for i in 0..5 {
+        l.create_voucher(&voucher(&format!("PG{i}"), 1, 1), NOW + i)
+            .await
+            .unwrap();
+    }
+    let mut seen = Vec::new();
+    let mut after = String::from("PG");
+    loop {
+        let page = l.voucher_codes(NOW, &after, 2).await.unwrap();
+        assert!(page.len() <= 2, "{page:?}");
+        let Some(last) = page.last().cloned() else {
+            break;
+        };
+        seen.extend(page.into_iter().filter(|c| c.starts_with("PG")));
+        if !last.starts_with("PG") {
+            break;
+        }
+        after = last;
+    }
+    assert_eq!(seen, ["PG0", "PG1", "PG2", "PG3", "PG4"]);
+    let new = l.codes_created_since(NOW + 3).await.unwrap();
+    assert!(
+        new.contains(&"PG3".to_string()) && new.contains(&"PG4".to_string()),
+        "{new:?}"
+    );
+    assert!(!new.contains(&"PG2".to_string()), "{new:?}");
+    assert!(l.watched_codes().await.unwrap().is_empty());
+    l.set_watched("PG1", true).await.unwrap();
+    l.set_watched("PG1", true).await.unwrap();
+    l.set_watched("PG3", true).await.unwrap();
+    assert_eq!(l.watched_codes().await.unwrap(), ["PG1", "PG3"]);
+    l.set_watched("PG1", false).await.unwrap();
+    assert_eq!(l.watched_codes().await.unwrap(), ["PG3"]);
+    assert!(matches!(
+        l.set_watched("NOPE", true).await,
+        Err(LedgerError::NotFound)
+    ));
+    l.set_watched("PG3", false).await.unwrap();
 }
 
 /// A customer's usage counts every reservation of theirs that is not released: one stored
@@ -606,7 +650,7 @@ async fn returns_and_reaps_give_units_back_once(l: &SharedLedger) {
 /// recount of the reconciler, for a voucher that has started and not ended.
 async fn live_matches_counters(l: &SharedLedger, code: &str) {
     let c = balanced(l, code).await;
-    let live = l.live_units(NOW, NOW).await.unwrap();
+    let live = l.live_units(NOW, NOW, &[code.to_string()]).await.unwrap();
     let u = live
         .iter()
         .find(|u| u.code == code)
@@ -630,9 +674,15 @@ async fn live_matches_counters(l: &SharedLedger, code: &str) {
         ),
         "{code}"
     );
-    // Not yet started, or ended: not live.
-    assert!(l.live_units(i64::MIN / 2, NOW).await.unwrap().is_empty());
-    let ended = l.live_units(NOW, i64::MAX / 2).await.unwrap();
+    // Only the vouchers asked for; not yet started, or ended: not live.
+    assert!(l.live_units(NOW, NOW, &[]).await.unwrap().is_empty());
+    let codes = [code.to_string()];
+    assert!(l
+        .live_units(i64::MIN / 2, NOW, &codes)
+        .await
+        .unwrap()
+        .is_empty());
+    let ended = l.live_units(NOW, i64::MAX / 2, &codes).await.unwrap();
     assert!(ended.iter().all(|u| u.code != code));
 }
 
@@ -1103,12 +1153,12 @@ async fn edits_follow_the_rules(l: &SharedLedger) {
     );
     // E ends a day after NOW: watched until then, not after.
     assert!(l
-        .voucher_codes(NOW)
+        .voucher_codes(NOW, "", 1_000_000)
         .await
         .unwrap()
         .contains(&"E".to_string()));
     assert!(!l
-        .voucher_codes(NOW + 2 * 86_400_000)
+        .voucher_codes(NOW + 2 * 86_400_000, "", 1_000_000)
         .await
         .unwrap()
         .contains(&"E".to_string()));

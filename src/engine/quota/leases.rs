@@ -35,6 +35,7 @@ impl<R, W> VoucherCore<R, W> {
 
     pub(super) fn give_back(&mut self, lease_id: i64) {
         self.returning.push(lease_id);
+        self.shared.mark_changed();
         self.out.push(Command::Return {
             lease_id,
             now: self.now,
@@ -57,6 +58,7 @@ impl<R, W> VoucherCore<R, W> {
             epoch: self.shared.restock_epoch(),
             landed: self.landed,
         });
+        self.shared.mark_changed();
         self.out.push(Command::Grant {
             want,
             now,

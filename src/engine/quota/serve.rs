@@ -256,6 +256,7 @@ impl<R, W> VoucherCore<R, W> {
             lease_id,
             taken,
         });
+        self.shared.mark_changed();
         self.out.push(Command::Commit { id, batch });
         true
     }

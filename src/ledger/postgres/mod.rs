@@ -34,9 +34,9 @@ use sqlx::Row;
 use super::rows::settled_events;
 use super::rows::{
     event_from, limit_column, reservation_from, switches_from, voucher_from, EventRow,
-    ACTIVE_LEASES_SQL, FEED_ORIGIN_SQL, LIVE_CODES_SQL, RESERVATION_COLUMNS, RETIRE_SQL,
-    SET_SWITCHES_SQL, STARTING_SQL, SWITCHES_SQL, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
-    WON_ORDERS_SQL,
+    ACTIVE_LEASES_SQL, CREATED_SINCE_SQL, FEED_ORIGIN_SQL, LIVE_CODES_SQL, RESERVATION_COLUMNS,
+    RETIRE_SQL, SET_SWITCHES_SQL, STARTING_SQL, SWITCHES_SQL, UNWATCH_SQL, VOUCHER_COLUMNS,
+    VOUCHER_STOCK_SQL, WATCHED_SQL, WATCH_SQL, WON_ORDERS_SQL,
 };
 use super::{
     group_restocks, Batch, BatchResults, Beat, Closing, Counters, Grant, Incarnation, Ledger,
@@ -308,7 +308,11 @@ impl Ledger for PostgresLedger {
         &self,
         now: Millis,
         ending_after: Millis,
+        codes: &[String],
     ) -> Result<Vec<LiveUnits>, LedgerError> {
+        if codes.is_empty() {
+            return Ok(Vec::new());
+        }
         // Only the active leases are read (a partial index); `reserved`, which this schema
         // derives from every lease ever granted, follows from the accounting equation instead:
         // total = free + leased unused + reserved + confirmed (the reconciler checks it).
@@ -318,10 +322,11 @@ impl Ledger for PostgresLedger {
              FROM vouchers v CROSS JOIN LATERAL ( \
                  SELECT COALESCE(SUM(l.granted - l.consumed), 0)::BIGINT AS unused FROM leases l \
                  WHERE l.voucher_code = v.code AND l.state = 'ACTIVE') a \
-             WHERE v.starts_at <= $1 AND v.ends_at > $2",
+             WHERE v.code = ANY($3) AND v.starts_at <= $1 AND v.ends_at > $2",
         )
         .bind(now)
         .bind(ending_after)
+        .bind(codes)
         .fetch_all(&self.pool)
         .await?;
         Ok(rows.into_iter().map(super::rows::live_units_from).collect())
@@ -505,10 +510,48 @@ impl Ledger for PostgresLedger {
         rows.into_iter().map(event_from).collect()
     }
 
-    async fn voucher_codes(&self, ending_after: Millis) -> Result<Vec<String>, LedgerError> {
+    async fn voucher_codes(
+        &self,
+        ending_after: Millis,
+        after: &str,
+        limit: i64,
+    ) -> Result<Vec<String>, LedgerError> {
         Ok(sqlx::query_scalar(LIVE_CODES_SQL)
             .bind(ending_after)
+            .bind(after)
+            .bind(limit)
             .fetch_all(&self.pool)
             .await?)
+    }
+
+    async fn codes_created_since(&self, since: Millis) -> Result<Vec<String>, LedgerError> {
+        Ok(sqlx::query_scalar(CREATED_SINCE_SQL)
+            .bind(since)
+            .fetch_all(&self.pool)
+            .await?)
+    }
+
+    async fn watched_codes(&self) -> Result<Vec<String>, LedgerError> {
+        Ok(sqlx::query_scalar(WATCHED_SQL)
+            .fetch_all(&self.pool)
+            .await?)
+    }
+
+    async fn set_watched(&self, code: &str, watched: bool) -> Result<(), LedgerError> {
+        if watched {
+            let n = sqlx::query(WATCH_SQL)
+                .bind(code)
+                .execute(&self.pool)
+                .await?;
+            if n.rows_affected() == 0 && self.voucher(code).await?.is_none() {
+                return Err(LedgerError::NotFound);
+            }
+        } else {
+            sqlx::query(UNWATCH_SQL)
+                .bind(code)
+                .execute(&self.pool)
+                .await?;
+        }
+        Ok(())
     }
 }

@@ -46,6 +46,10 @@ const MIGRATIONS: &[(i64, &str)] = &[
         10,
         include_str!("../../../migrations/postgres/0010_closed_consumed.sql"),
     ),
+    (
+        11,
+        include_str!("../../../migrations/postgres/0011_long_tail.sql"),
+    ),
 ];
 
 /// Definitions applied on every start after the versioned migrations (each is `CREATE OR

@@ -31,9 +31,9 @@ use sqlx::{Connection, Row};
 use super::rows::settled_events;
 use super::rows::{
     event_from, limit_column, reservation_from, switches_from, voucher_from, EventRow,
-    ACTIVE_LEASES_SQL, FEED_ORIGIN_SQL, LIVE_CODES_SQL, RESERVATION_COLUMNS, RETIRE_SQL,
-    SET_SWITCHES_SQL, STARTING_SQL, SWITCHES_SQL, VOUCHER_COLUMNS, VOUCHER_STOCK_SQL,
-    WON_ORDERS_SQL,
+    ACTIVE_LEASES_SQL, CREATED_SINCE_SQL, FEED_ORIGIN_SQL, LIVE_CODES_SQL, RESERVATION_COLUMNS,
+    RETIRE_SQL, SET_SWITCHES_SQL, STARTING_SQL, SWITCHES_SQL, UNWATCH_SQL, VOUCHER_COLUMNS,
+    VOUCHER_STOCK_SQL, WATCHED_SQL, WATCH_SQL, WON_ORDERS_SQL,
 };
 use super::{
     Batch, BatchResults, Beat, Closing, Counters, Grant, Incarnation, Ledger, LedgerError,
@@ -278,14 +278,20 @@ impl Ledger for SqliteLedger {
         &self,
         now: Millis,
         ending_after: Millis,
+        codes: &[String],
     ) -> Result<Vec<LiveUnits>, LedgerError> {
+        if codes.is_empty() {
+            return Ok(Vec::new());
+        }
         let rows: Vec<(String, i64, i64, i64, i64, i64, i64)> = sqlx::query_as(
             "SELECT v.code, v.total_limit, v.free, \
              COALESCE((SELECT SUM(l.granted - l.consumed) FROM leases l \
                        WHERE l.voucher_code = v.code AND l.state = 'ACTIVE'), 0), \
              v.reserved, v.confirmed, v.released \
-             FROM vouchers v WHERE v.starts_at <= ? AND v.ends_at > ?",
+             FROM vouchers v WHERE v.code IN (SELECT value FROM json_each(?)) \
+             AND v.starts_at <= ? AND v.ends_at > ?",
         )
+        .bind(serde_json::to_string(codes).unwrap_or_default())
         .bind(now)
         .bind(ending_after)
         .fetch_all(&self.reader)
@@ -427,11 +433,51 @@ impl Ledger for SqliteLedger {
         )))
     }
 
-    async fn voucher_codes(&self, ending_after: Millis) -> Result<Vec<String>, LedgerError> {
+    async fn voucher_codes(
+        &self,
+        ending_after: Millis,
+        after: &str,
+        limit: i64,
+    ) -> Result<Vec<String>, LedgerError> {
         Ok(sqlx::query_scalar(LIVE_CODES_SQL)
             .bind(ending_after)
+            .bind(after)
+            .bind(limit)
             .fetch_all(&self.reader)
             .await?)
+    }
+
+    async fn codes_created_since(&self, since: Millis) -> Result<Vec<String>, LedgerError> {
+        Ok(sqlx::query_scalar(CREATED_SINCE_SQL)
+            .bind(since)
+            .fetch_all(&self.reader)
+            .await?)
+    }
+
+    async fn watched_codes(&self) -> Result<Vec<String>, LedgerError> {
+        Ok(sqlx::query_scalar(WATCHED_SQL)
+            .fetch_all(&self.reader)
+            .await?)
+    }
+
+    async fn set_watched(&self, code: &str, watched: bool) -> Result<(), LedgerError> {
+        let mut w = self.writer().await?;
+        let conn = w.conn()?;
+        if watched {
+            let n = sqlx::query(WATCH_SQL)
+                .bind(code)
+                .execute(&mut *conn)
+                .await?;
+            if n.rows_affected() == 0 && self.voucher(code).await?.is_none() {
+                return Err(LedgerError::NotFound);
+            }
+        } else {
+            sqlx::query(UNWATCH_SQL)
+                .bind(code)
+                .execute(&mut *conn)
+                .await?;
+        }
+        Ok(())
     }
 
     async fn feed_origin(&self) -> Result<String, LedgerError> {

@@ -36,6 +36,10 @@ pub(super) const MIGRATIONS: &[(i64, &str)] = &[
         8,
         include_str!("../../../migrations/sqlite/0008_usage_in_writer.sql"),
     ),
+    (
+        9,
+        include_str!("../../../migrations/sqlite/0009_long_tail.sql"),
+    ),
 ];
 
 impl SqliteLedger {
