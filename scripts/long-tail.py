@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""The long tail: what a node costs with many vouchers on sale that nobody touches, and what the
+first reserves on many cold vouchers cost. One node, release build, 127.0.0.1 only.
+
+  scripts/long-tail.py [--vouchers N] [--touch M] [--ledger sqlite|postgres] [--engine-bin PATH]
+                       [--skip-customers] [--skip-create]
+
+Steps (each printed as it is measured):
+  1. N vouchers on sale (inserted straight into the ledger's table: the catalogue is the subject,
+     not how it was filled), node started on them: its CPU over 10 s of no traffic, RSS,
+     /metrics (series, bytes, time to render).
+  2. M of them get their first reserve (wrk -t1 -c256, every request a voucher no request
+     touched before): first reserves per second and p99; then the node's CPU 10 s after, and,
+     once every actor idled out (vouchers_active_actors = 0), CPU and RSS again.
+  3. Vouchers created over the admin API by 16 connections for 10 s: creates per second.
+  4. A never-sells-out voucher with a new customer on every request, 6 windows of 10 s: req/s,
+     p99 and RSS per window (SQLite only).
+"""
+import argparse
+import os
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench  # noqa: E402  (its helpers: Procs, start_node, scrape, metric, rss_mb, cpu)
+
+NOW_MS = int(time.time() * 1000)
+START, END = NOW_MS - 3_600_000, NOW_MS + 30 * 24 * 3_600_000
+
+
+def insert_sqlite(path, prefix, n):
+    db = sqlite3.connect(path)
+    db.execute("PRAGMA journal_mode=WAL")
+    rows = ((f"{prefix}{i}", 100, 0, 10, 1, START, END, "ACTIVE", 10, NOW_MS) for i in range(n))
+    db.executemany(
+        "INSERT INTO vouchers (code, discount_amount, min_order_amount, total_limit, "
+        "per_user_limit, starts_at, ends_at, status, free, created_at) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+    db.commit()
+    db.close()
+
+
+def insert_postgres(url, prefix, n):
+    bench.psql(url, f"""INSERT INTO vouchers (code, discount_amount, min_order_amount, total_limit,
+        per_user_limit, starts_at, ends_at, status, free, created_at)
+        SELECT '{prefix}' || i, 100, 0, 10, 1, {START}, {END}, 'ACTIVE', 10, {NOW_MS}
+        FROM generate_series(0, {n - 1}) AS i""")
+
+
+def idle_cpu(pid, seconds=10):
+    before = bench.cpu_seconds([pid])
+    time.sleep(seconds)
+    return 100.0 * bench.cpu_between(before, bench.cpu_seconds([pid])) / seconds
+
+
+def metrics_page(base):
+    started = time.perf_counter()
+    status, text = bench.http("GET", f"{base}/metrics")
+    took = (time.perf_counter() - started) * 1000
+    series = [l for l in text.splitlines() if l and not l.startswith("#")]
+    return len(series), len(text.encode()), took
+
+
+def wrk_lua(script, base, args, threads=1, conns=256, duration=10):
+    argv = ["wrk", f"-t{threads}", f"-c{conns}", f"-d{duration}s", "-s",
+            os.path.join(bench.ROOT, "load-tests", script), base, "--"] + args
+    out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    return bench.parse_wrk(out)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--vouchers", type=int, default=100_000)
+    ap.add_argument("--touch", type=int, default=10_000)
+    ap.add_argument("--ledger", default="sqlite", choices=["sqlite", "postgres"])
+    ap.add_argument("--engine-bin", default=os.path.join(bench.BIN, "vouchers"))
+    ap.add_argument("--idle-out-s", type=int, default=400,
+                    help="how long to wait for every actor to idle out")
+    ap.add_argument("--skip-customers", action="store_true")
+    ap.add_argument("--skip-create", action="store_true")
+    args = ap.parse_args()
+    work = tempfile.mkdtemp(prefix="long-tail-")
+    procs = bench.Procs(work)
+    db = None
+    try:
+        if args.ledger == "sqlite":
+            url = f"sqlite://{work}/ledger.db"
+        else:
+            db = f"longtail_{os.getpid()}"
+            bench.psql(bench.PG_ADMIN, f"CREATE DATABASE {db}")
+            url = bench.PG_ADMIN.rsplit("/", 1)[0] + "/" + db
+        # Start once for the schema, then fill the catalogue behind the node's back.
+        p, base = bench.start_node(procs, "schema", url, args)
+        procs.stop(p)
+        started = time.time()
+        if args.ledger == "sqlite":
+            insert_sqlite(f"{work}/ledger.db", "TAIL", args.vouchers)
+        else:
+            insert_postgres(url, "TAIL", args.vouchers)
+        print(f"{args.vouchers:,} vouchers on sale ({args.ledger}), inserted in "
+              f"{time.time() - started:.1f} s")
+        p, base = bench.start_node(procs, "tail", url, args)
+        time.sleep(5)
+        cpu = idle_cpu(p.pid)
+        series, size, took = metrics_page(base)
+        print(f"untouched: CPU {cpu:.1f} % of a core, RSS {bench.rss_mb(p.pid):.0f} MB, "
+              f"/metrics {series:,} series, {size / 1e6:.2f} MB, {took:.0f} ms")
+
+        if args.touch:
+            r = wrk_lua("wrk-cold.lua", base, ["TAIL", str(args.touch)], duration=10)
+            answered = sum(r["statuses"].values())
+            print(f"first reserves on cold vouchers: {r['rps']:,.0f}/s, p99 {r['p99']:.1f} ms, "
+                  f"statuses {r['statuses']} ({min(answered, args.touch):,} vouchers touched)")
+            time.sleep(10)
+            print(f"10 s later: CPU {idle_cpu(p.pid):.1f} % of a core, "
+                  f"RSS {bench.rss_mb(p.pid):.0f} MB, actors "
+                  f"{bench.metric(bench.scrape(base), 'vouchers_active_actors'):.0f}")
+            deadline = time.time() + args.idle_out_s
+            while time.time() < deadline:
+                if bench.metric(bench.scrape(base), "vouchers_active_actors") == 0:
+                    break
+                time.sleep(5)
+            actors = bench.metric(bench.scrape(base), "vouchers_active_actors")
+            series, size, took = metrics_page(base)
+            print(f"idled out (actors {actors:.0f}): CPU {idle_cpu(p.pid):.1f} % of a core, "
+                  f"RSS {bench.rss_mb(p.pid):.0f} MB, /metrics {series:,} series, "
+                  f"{size / 1e6:.2f} MB, {took:.0f} ms")
+
+        if not args.skip_create:
+            r = wrk_lua("wrk-create.lua", base, [bench.TOKEN, "NEW"], threads=2, conns=16)
+            print(f"creates over 16 connections: {r['rps']:,.0f}/s, p99 {r['p99']:.1f} ms, "
+                  f"statuses {r['statuses']}")
+
+        if not args.skip_customers and args.ledger == "sqlite":
+            bench.create(base, "SITEWIDE", 10 ** 9)
+            for w in range(6):
+                r = wrk_lua("wrk-reserve.lua", base, ["SITEWIDE", f"w{w}", "1", "random"],
+                            threads=2, duration=10)
+                print(f"new customer per request, window {w + 1}: {r['rps']:,.0f}/s, "
+                      f"p99 {r['p99']:.1f} ms, RSS {bench.rss_mb(p.pid):.0f} MB")
+        procs.stop(p)
+    finally:
+        procs.stop_all()
+        if db:
+            bench.psql(bench.PG_ADMIN, f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
+
+
+if __name__ == "__main__":
+    main()
