@@ -13,6 +13,9 @@ use crate::ledger::{LedgerError, Restock, SharedLedger};
 use crate::metrics as m;
 use crate::signals::Signal;
 
+/// Most vouchers this node changed that one reconciler run recounts.
+const MAX_RECOUNTS_PER_RUN: usize = 2_000;
+
 impl EngineHandle {
     /// The subscription to cluster signals came up (`true`) or ended. While it is down a
     /// `RESTOCK` can be missed, so no sold-out flag answers for the ledger; when it comes back
@@ -265,13 +268,26 @@ impl EngineHandle {
     pub async fn reconcile(&self) -> Result<Vec<String>, EngineError> {
         let now = self.now_ms();
         let ending_after = self.watched_after(now);
-        let mut codes: HashSet<String> =
-            std::mem::take(&mut *self.node.changed.lock().unwrap_or_else(|e| e.into_inner()));
-        for e in self.node.registry.iter() {
-            if e.shared.take_changed() {
-                codes.insert(e.key().clone());
+        let mut codes: HashSet<String> = {
+            let mut changed = self.node.changed.lock().unwrap_or_else(|e| e.into_inner());
+            for e in self.node.registry.iter() {
+                if e.shared.take_changed() {
+                    changed.insert(e.key().clone());
+                }
             }
-        }
+            // A run recounts at most this many of them; the rest wait for the next runs (a
+            // campaign that opened 100,000 vouchers at once is recounted over a few minutes,
+            // within the reconciler's share of a core, not in one burst).
+            if changed.len() <= MAX_RECOUNTS_PER_RUN {
+                std::mem::take(&mut *changed)
+            } else {
+                let now: Vec<String> = changed.iter().take(MAX_RECOUNTS_PER_RUN).cloned().collect();
+                for code in &now {
+                    changed.remove(code);
+                }
+                now.into_iter().collect()
+            }
+        };
         let after = self
             .node
             .audit

@@ -17,6 +17,7 @@
 //! group [`committer`].
 
 pub mod breaker;
+mod coalesce;
 mod committer;
 mod merged;
 pub mod model;
@@ -124,6 +125,16 @@ pub struct Lease {
     pub id: i64,
     pub granted: i64,
     pub expires_at: Millis,
+}
+
+/// One grant of a merged call ([`Ledger::grant_many`]): what [`Ledger::grant`] takes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GrantAsk {
+    pub code: String,
+    pub node: String,
+    pub want: i64,
+    pub now: Millis,
+    pub ttl_ms: i64,
 }
 
 /// The answer to a grant request.
@@ -291,6 +302,15 @@ pub trait Ledger: Send + Sync + 'static {
     }
     async fn create_voucher(&self, voucher: &Voucher, now: Millis) -> Result<(), LedgerError>;
     async fn voucher(&self, code: &str) -> Result<Option<Voucher>, LedgerError>;
+    /// Several vouchers in one read: those of `codes` that exist, in any order (the node merges
+    /// its actors' reads into one).
+    async fn vouchers(&self, codes: &[String]) -> Result<Vec<Voucher>, LedgerError> {
+        let mut found = Vec::new();
+        for code in codes {
+            found.extend(self.voucher(code).await?);
+        }
+        Ok(found)
+    }
     /// A voucher and the units still to be had (free plus unused in active leases), in one read.
     async fn voucher_stock(&self, code: &str) -> Result<Option<(Voucher, i64)>, LedgerError>;
     /// Applies a patch; `total_limit` may only grow, and what it grows by becomes `free`.
@@ -308,6 +328,25 @@ pub trait Ledger: Send + Sync + 'static {
         now: Millis,
         ttl_ms: i64,
     ) -> Result<Grant, LedgerError>;
+    /// Several grants in one transaction (the node merges its actors' grants into one), each
+    /// with its own answer in order: `NotFound` for a voucher that does not exist. The outer
+    /// error means the transaction failed and no grant of it applied.
+    async fn grant_many(
+        &self,
+        asks: &[GrantAsk],
+    ) -> Result<Vec<Result<Grant, LedgerError>>, LedgerError> {
+        let mut answers = Vec::with_capacity(asks.len());
+        for a in asks {
+            answers.push(
+                match self.grant(&a.code, &a.node, a.want, a.now, a.ttl_ms).await {
+                    Err(LedgerError::NotFound) => Err(LedgerError::NotFound),
+                    Err(e) => return Err(e),
+                    Ok(g) => Ok(g),
+                },
+            );
+        }
+        Ok(answers)
+    }
     /// Pushes the expiry of the given ACTIVE leases of `node`; returns the ids still ACTIVE.
     async fn renew(
         &self,
@@ -326,6 +365,18 @@ pub trait Ledger: Send + Sync + 'static {
         lease_id: i64,
         now: Millis,
     ) -> Result<Option<Restock>, LedgerError>;
+    /// Several returns (`(lease_id, now)`) in one transaction, each answered as
+    /// [`Ledger::return_lease`] would (the node merges its actors' returns into one).
+    async fn return_leases(
+        &self,
+        leases: &[(i64, Millis)],
+    ) -> Result<Vec<Option<Restock>>, LedgerError> {
+        let mut answers = Vec::with_capacity(leases.len());
+        for &(id, now) in leases {
+            answers.push(self.return_lease(id, now).await?);
+        }
+        Ok(answers)
+    }
     /// Returns every ACTIVE lease of `node` (graceful shutdown).
     async fn return_node_leases(
         &self,

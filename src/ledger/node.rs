@@ -12,7 +12,10 @@
 //!   a heartbeat a third of its liveness limit;
 //! - the node's circuit [`Breaker`], which every call but the heartbeat passes;
 //! - the node-wide group [`Committer`], which `commit_batch` goes through, so the batches of
-//!   every voucher of the node share transactions.
+//!   every voucher of the node share transactions;
+//! - the [`Coalescer`]s that merge the actors' voucher reads, lease grants and lease returns
+//!   into one round trip each (the first reserves on thousands of cold vouchers at once, and
+//!   their returns when they idle).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -21,10 +24,11 @@ use async_trait::async_trait;
 use tokio::runtime::Handle;
 
 use super::breaker::Breaker;
+use super::coalesce::Coalescer;
 use super::committer::Committer;
 use super::{
-    Batch, BatchResults, Beat, Counters, Grant, Incarnation, Ledger, LedgerError, LiveUnits,
-    Restock, RowOutcome, SharedLedger,
+    Batch, BatchResults, Beat, Counters, Grant, GrantAsk, Incarnation, Ledger, LedgerError,
+    LiveUnits, Restock, RowOutcome, SharedLedger,
 };
 use crate::clock::Millis;
 use crate::config::LedgerSettings;
@@ -42,7 +46,16 @@ pub struct NodeLedger {
     /// Every call passes it: while it is open, calls fail at once without touching the ledger.
     /// The committer records each merged transaction on it once.
     breaker: Arc<Breaker>,
+    /// The actors' voucher reads, merged.
+    reads: Coalescer<String, Option<Voucher>>,
+    /// The actors' lease grants, merged into one transaction.
+    grants: Coalescer<GrantAsk, Grant>,
+    /// The actors' lease returns, merged into one transaction.
+    returns: Coalescer<(i64, Millis), Option<Restock>>,
 }
+
+/// Most calls merged into one voucher read or one grant transaction.
+const MAX_MERGED_CALLS: usize = 1024;
 
 impl NodeLedger {
     /// Wraps `inner` so that every call runs on `rt`, and starts the node's group committer
@@ -65,12 +78,54 @@ impl NodeLedger {
                 Box::pin(async move { guard.call(ledger.commit_batches(&batches)).await })
             }),
         );
+        let (ledger, guard) = (inner.clone(), breaker.clone());
+        let reads = Coalescer::start(
+            &rt,
+            MAX_MERGED_CALLS,
+            deadline,
+            Arc::new(move |codes: Vec<String>| {
+                let (ledger, guard) = (ledger.clone(), guard.clone());
+                Box::pin(async move {
+                    let found = guard.call(ledger.vouchers(&codes)).await?;
+                    Ok(codes
+                        .iter()
+                        .map(|c| Ok(found.iter().find(|v| &v.code == c).cloned()))
+                        .collect())
+                })
+            }),
+        );
+        let (ledger, guard) = (inner.clone(), breaker.clone());
+        let grants = Coalescer::start(
+            &rt,
+            MAX_MERGED_CALLS,
+            deadline,
+            Arc::new(move |asks: Vec<GrantAsk>| {
+                let (ledger, guard) = (ledger.clone(), guard.clone());
+                Box::pin(async move { guard.call(ledger.grant_many(&asks)).await })
+            }),
+        );
+        let (ledger, guard) = (inner.clone(), breaker.clone());
+        let returns = Coalescer::start(
+            &rt,
+            MAX_MERGED_CALLS,
+            deadline,
+            Arc::new(move |leases: Vec<(i64, Millis)>| {
+                let (ledger, guard) = (ledger.clone(), guard.clone());
+                Box::pin(async move {
+                    let answers = guard.call(ledger.return_leases(&leases)).await?;
+                    Ok(answers.into_iter().map(Ok).collect())
+                })
+            }),
+        );
         Self {
             inner,
             rt,
             committer,
             deadline,
             breaker,
+            reads,
+            grants,
+            returns,
         }
     }
 
@@ -121,8 +176,12 @@ impl Ledger for NodeLedger {
     }
 
     async fn voucher(&self, code: &str) -> Result<Option<Voucher>, LedgerError> {
-        let code = code.to_string();
-        self.run(move |l| async move { l.voucher(&code).await })
+        self.reads.call(code.to_string()).await
+    }
+
+    async fn vouchers(&self, codes: &[String]) -> Result<Vec<Voucher>, LedgerError> {
+        let codes = codes.to_vec();
+        self.run(move |l| async move { l.vouchers(&codes).await })
             .await
     }
 
@@ -150,8 +209,23 @@ impl Ledger for NodeLedger {
         now: Millis,
         ttl_ms: i64,
     ) -> Result<Grant, LedgerError> {
-        let (code, node) = (code.to_string(), node.to_string());
-        self.run(move |l| async move { l.grant(&code, &node, want, now, ttl_ms).await })
+        self.grants
+            .call(GrantAsk {
+                code: code.to_string(),
+                node: node.to_string(),
+                want,
+                now,
+                ttl_ms,
+            })
+            .await
+    }
+
+    async fn grant_many(
+        &self,
+        asks: &[GrantAsk],
+    ) -> Result<Vec<Result<Grant, LedgerError>>, LedgerError> {
+        let asks = asks.to_vec();
+        self.run(move |l| async move { l.grant_many(&asks).await })
             .await
     }
 
@@ -178,7 +252,15 @@ impl Ledger for NodeLedger {
         lease_id: i64,
         now: Millis,
     ) -> Result<Option<Restock>, LedgerError> {
-        self.run(move |l| async move { l.return_lease(lease_id, now).await })
+        self.returns.call((lease_id, now)).await
+    }
+
+    async fn return_leases(
+        &self,
+        leases: &[(i64, Millis)],
+    ) -> Result<Vec<Option<Restock>>, LedgerError> {
+        let leases = leases.to_vec();
+        self.run(move |l| async move { l.return_leases(&leases).await })
             .await
     }
 

@@ -7,7 +7,7 @@ use vouchers::domain::{
     EventKind, FeedEvent, Ineligible, ReservationStatus, Voucher, VoucherLimits, VoucherPatch,
     VoucherStatus,
 };
-use vouchers::ledger::{self, Batch, BatchRow, LedgerError, RowOutcome, SharedLedger};
+use vouchers::ledger::{self, Batch, BatchRow, GrantAsk, LedgerError, RowOutcome, SharedLedger};
 
 use crate::helpers::temp_dir;
 
@@ -79,8 +79,80 @@ pub async fn conformance(l: SharedLedger) {
     a_voucher_the_schema_refuses_is_not_created(&l).await;
     usage_counts_every_live_reservation(&l).await;
     the_catalogue_is_read_in_pages_and_by_what_is_new(&l).await;
+    reads_and_grants_of_many_vouchers_answer_each(&l).await;
     // Last: it checks the feed of every change the checks above made.
     the_feed_tells_every_change_once_in_order(&l).await;
+}
+
+/// The merged calls of cold activation: one read of several vouchers gives those that exist,
+/// and one transaction of grants answers each in order (`NotFound` for a missing voucher),
+/// moving each voucher's units as a grant of its own would.
+async fn reads_and_grants_of_many_vouchers_answer_each(l: &SharedLedger) {
+    for (code, total) in [("GM1", 5), ("GM2", 1)] {
+        l.create_voucher(&voucher(code, total, 1), NOW)
+            .await
+            .unwrap();
+    }
+    let codes: Vec<String> = ["GM2", "GMX", "GM1"]
+        .iter()
+        .map(|c| c.to_string())
+        .collect();
+    let mut found: Vec<String> = l
+        .vouchers(&codes)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|v| v.code)
+        .collect();
+    found.sort();
+    assert_eq!(found, ["GM1", "GM2"]);
+    let ask = |code: &str, want: i64| GrantAsk {
+        code: code.into(),
+        node: "gm-node".into(),
+        want,
+        now: NOW,
+        ttl_ms: 30_000,
+    };
+    let answers = l
+        .grant_many(&[ask("GM2", 3), ask("GMX", 1), ask("GM1", 2), ask("GM1", 9)])
+        .await
+        .unwrap();
+    let granted = |i: usize| match &answers[i] {
+        Ok(g) => g.lease.as_ref().map_or(0, |lease| lease.granted),
+        Err(e) => panic!("grant {i}: {e:?}"),
+    };
+    assert_eq!(granted(0), 1, "GM2 has one unit: {answers:?}");
+    assert!(
+        matches!(answers[1], Err(LedgerError::NotFound)),
+        "{answers:?}"
+    );
+    assert_eq!(
+        (granted(2), granted(3)),
+        (2, 3),
+        "GM1's five, in order: {answers:?}"
+    );
+    for code in ["GM1", "GM2"] {
+        let c = balanced(l, code).await;
+        assert_eq!(
+            (c.free, c.leased_unused),
+            (0, c.total_limit),
+            "{code}: {c:?}"
+        );
+    }
+    // Returns in one transaction: each as a return of its own would answer (a second return,
+    // or an unknown lease, gives nothing back).
+    let lease = |i: usize| answers[i].as_ref().unwrap().lease.as_ref().unwrap().id;
+    let back = l
+        .return_leases(&[(lease(0), NOW), (lease(2), NOW), (lease(0), NOW), (-1, NOW)])
+        .await
+        .unwrap();
+    let units: Vec<i64> = back
+        .iter()
+        .map(|r| r.as_ref().map_or(0, |r| r.units))
+        .collect();
+    assert_eq!(units, [1, 2, 0, 0], "{back:?}");
+    assert_eq!(balanced(l, "GM2").await.free, 1);
+    assert_eq!(balanced(l, "GM1").await.free, 2);
 }
 
 /// The long tail's reads: the catalogue in pages of codes (in order, each once), the codes

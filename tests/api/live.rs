@@ -124,14 +124,21 @@ async fn only_the_hottest_and_the_watched_get_series_of_their_own() {
     };
     assert_eq!(admin("PUT", "WATCHV").await, 204);
     assert_eq!(admin("PUT", "NOPE").await, 404);
-    assert_eq!(app.engine.live_numbers().await.unwrap(), 2, "HOTV and WATCHV");
+    assert_eq!(
+        app.engine.live_numbers().await.unwrap(),
+        2,
+        "HOTV and WATCHV"
+    );
     let m = metrics_text(&app.client, &app.base).await;
     let has = |code: &str| m.contains(&format!("voucher=\"{code}\""));
     assert!(has("HOTV") && has("WATCHV"), "{m}");
     assert!(!has("COLDV") && !has("IDLEV"), "{m}");
     // The view's gauges are process-wide (other tests' apps set them too): their presence is
     // what this page can tell; live_numbers' answer above is this node's count.
-    assert!(m.contains("vouchers_voucher_view{view=\"not_shown\"}"), "{m}");
+    assert!(
+        m.contains("vouchers_voucher_view{view=\"not_shown\"}"),
+        "{m}"
+    );
     // Unwatched, WATCHV leaves the pick (its series stay until they idle out).
     assert_eq!(admin("DELETE", "WATCHV").await, 204);
     assert_eq!(app.engine.live_numbers().await.unwrap(), 1);

@@ -108,8 +108,11 @@ mod tests;
 /// probe intervals: one more than the flag's trust window.
 const PROBE_WHILE_SEEN: Millis = 3;
 
-/// How often the core expects [`Event::Tick`].
+/// How often the core expects [`Event::Tick`] while it has work (see
+/// [`VoucherCore::next_tick_at`]).
 pub(crate) const TICK_MS: Millis = 250;
+/// How often an idle core that still holds units (or was asked for lately) expects one.
+const IDLE_TICK_MS: Millis = 1000;
 /// How often the core re-reads its voucher's definition.
 const VOUCHER_REFRESH_MS: Millis = 1000;
 /// How soon a core waiting for recalled units asks the ledger again.
@@ -491,15 +494,38 @@ impl<R, W> VoucherCore<R, W> {
     /// after every event.
     pub(crate) fn next_tick_at(&self) -> Millis {
         let due = self.last_tick + TICK_MS;
-        if !self.quiet() {
+        if !self.idle() {
             return due;
+        }
+        if !self.quiet() {
+            // Holding units or asked for lately, with nothing to do now: its timers (the idle
+            // return, renewals, the definition's re-read) are a second apart or more.
+            return self.last_tick + IDLE_TICK_MS;
         }
         due.max(self.last_seen() + self.stop_after())
     }
 
-    /// Nothing held, asked, in flight or queued; not sold out here; not asked for lately.
-    fn quiet(&self) -> bool {
+    /// Nothing queued, asked or in flight, and no probing to do: not sold out here, not dry.
+    fn idle(&self) -> bool {
         !self.stopping
+            && self.pending.is_empty()
+            && self.lookups.is_empty()
+            && self.looking.is_none()
+            && self.committing.is_empty()
+            && self.granting.is_none()
+            && self.renewing.is_none()
+            && self.returning.is_empty()
+            && self.unreturned.is_empty()
+            && self.orphan_check.is_none()
+            && !self.finding
+            && self.warm_waiters.is_empty()
+            && !self.shared.is_sold_out()
+            && self.free_hint != Some(0)
+    }
+
+    /// Idle, nothing held, not asked for lately: only its stop is to come.
+    fn quiet(&self) -> bool {
+        self.idle()
             && self.leases.is_empty()
             && self.pending.is_empty()
             && self.lookups.is_empty()

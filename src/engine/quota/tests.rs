@@ -897,8 +897,8 @@ fn tick_until(rig: &mut Rig, until: Millis) -> Out {
 fn an_idle_core_asks_for_no_tick_but_its_stop_and_reads_nothing() {
     let mut rig = Rig::new();
     let stop = rig.core.settings.actor_idle_stop_ms;
-    // Asked for lately: ticks every TICK_MS, and re-reads its definition.
-    assert_eq!(rig.core.next_tick_at(), T0 + TICK_MS);
+    // Asked for lately, nothing to do: ticks every second, and re-reads its definition.
+    assert_eq!(rig.core.next_tick_at(), T0 + IDLE_TICK_MS);
     let early = tick_until(&mut rig, T0 + 10_000);
     assert!(early
         .iter()
@@ -923,6 +923,19 @@ fn an_idle_core_stops_at_the_tick_it_asked_for() {
     let stop = rig.core.settings.actor_idle_stop_ms;
     let out = tick_until(&mut rig, T0 + stop);
     assert!(out.iter().any(|c| matches!(c, Command::Stop)), "{out:?}");
+}
+
+#[test]
+fn a_core_with_work_ticks_every_tick_ms_and_one_holding_units_every_second() {
+    let mut rig = Rig::new();
+    // A reserve waits for its grant: every TICK_MS.
+    rig.on(Event::Reserve(req(1), 1));
+    assert_eq!(rig.core.next_tick_at(), T0 + TICK_MS);
+    let out = rig.on(Event::Granted(lease(7, 10, 50)));
+    let (id, _) = commit_of(out);
+    rig.created(id, 1);
+    // Holding units with nothing to do: every second.
+    assert_eq!(rig.core.next_tick_at(), T0 + IDLE_TICK_MS);
 }
 
 #[test]

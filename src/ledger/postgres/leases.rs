@@ -7,7 +7,7 @@ use sqlx::{Postgres, Transaction};
 use super::PostgresLedger;
 use crate::clock::Millis;
 use crate::ledger::{
-    group_restocks, holder_name, split_holder, Beat, Closing, Grant, Incarnation, Lease,
+    group_restocks, holder_name, split_holder, Beat, Closing, Grant, GrantAsk, Incarnation, Lease,
     LedgerError, Restock, LEASE_FILTER,
 };
 
@@ -25,6 +25,33 @@ async fn lock_vouchers(tx: &mut Tx, codes: &[String]) -> Result<Vec<String>, sql
 /// the voucher's other active leases, the new lease (none when nothing was free), and how many
 /// reservations the voucher ever had (when nothing was granted).
 type GrantRow = (i64, i64, i64, Option<i64>, Option<i64>);
+
+/// One row of a merged grant: its ordinal, then [`GrantRow`]'s columns, all null for a voucher
+/// that does not exist.
+type ManyGrantRow = (
+    i64,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+);
+
+/// A grant from `vouchers_grant_v2`'s row.
+fn grant_of(row: GrantRow, expires_at: Millis) -> Result<Grant, LedgerError> {
+    let (free, units, leased_unused, lease_id, ever_reserved) = row;
+    let lease = lease_id.map(|id| Lease {
+        id,
+        granted: units,
+        expires_at,
+    });
+    Ok(Grant {
+        lease,
+        free_after: free - units,
+        leased_unused,
+        ever_reserved,
+    })
+}
 
 impl PostgresLedger {
     /// [`Ledger::grant`](crate::ledger::Ledger::grant), in one round trip.
@@ -59,19 +86,55 @@ impl PostgresLedger {
                 }
             }
         })?;
-        let (free, units, leased_unused, lease_id, ever_reserved) =
-            row.ok_or(LedgerError::NotFound)?;
-        let lease = lease_id.map(|id| Lease {
-            id,
-            granted: units,
-            expires_at,
-        });
-        Ok(Grant {
-            lease,
-            free_after: free - units,
-            leased_unused,
-            ever_reserved,
-        })
+        grant_of(row.ok_or(LedgerError::NotFound)?, expires_at)
+    }
+
+    /// [`Ledger::grant_many`](crate::ledger::Ledger::grant_many): one statement, so one round
+    /// trip and one commit for every grant. The vouchers are locked in code order (as every
+    /// transaction that locks several does), whatever the order of `asks`.
+    pub(super) async fn grant_leases(
+        &self,
+        asks: &[GrantAsk],
+    ) -> Result<Vec<Result<Grant, LedgerError>>, LedgerError> {
+        let mut order: Vec<usize> = (0..asks.len()).collect();
+        order.sort_by(|&a, &b| asks[a].code.cmp(&asks[b].code));
+        let pick =
+            |f: fn(&GrantAsk) -> i64| -> Vec<i64> { order.iter().map(|&i| f(&asks[i])).collect() };
+        let codes: Vec<&str> = order.iter().map(|&i| asks[i].code.as_str()).collect();
+        let nodes: Vec<&str> = order.iter().map(|&i| asks[i].node.as_str()).collect();
+        let rows: Vec<ManyGrantRow> = sqlx::query_as(
+            "SELECT a.i, g.out_free, g.out_units, g.out_unused, g.out_lease, g.out_ever \
+                 FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[], $5::bigint[]) \
+                      WITH ORDINALITY AS a(code, node, want, now, expires, i) \
+                 LEFT JOIN LATERAL vouchers_grant_v2(a.code, a.node, a.want, a.now, a.expires) g \
+                      ON true \
+                 ORDER BY a.i",
+        )
+        .bind(&codes)
+        .bind(&nodes)
+        .bind(pick(|a| a.want))
+        .bind(pick(|a| a.now))
+        .bind(pick(|a| a.now + a.ttl_ms))
+        .fetch_all(&self.pool)
+        .await?;
+        let mut answers: Vec<Option<Result<Grant, LedgerError>>> =
+            asks.iter().map(|_| None).collect();
+        for (k, (_, free, units, unused, lease, ever)) in rows.into_iter().enumerate() {
+            let Some(&i) = order.get(k) else {
+                return Err(LedgerError::Inconsistent("a grant answered past its asks"));
+            };
+            answers[i] = Some(match (free, units, unused) {
+                (Some(free), Some(units), Some(unused)) => grant_of(
+                    (free, units, unused, lease, ever),
+                    asks[i].now + asks[i].ttl_ms,
+                ),
+                _ => Err(LedgerError::NotFound),
+            });
+        }
+        answers
+            .into_iter()
+            .map(|a| a.ok_or(LedgerError::Inconsistent("a grant left unanswered")))
+            .collect()
     }
 
     /// [`Ledger::register_node`](crate::ledger::Ledger::register_node): the name's next
@@ -170,6 +233,22 @@ impl PostgresLedger {
         let restocks = close_leases_in(&mut tx, which, now).await?;
         tx.commit().await?;
         Ok(restocks)
+    }
+
+    /// [`Ledger::return_leases`](crate::ledger::Ledger::return_leases): every return in one
+    /// transaction.
+    pub(super) async fn return_many(
+        &self,
+        leases: &[(i64, Millis)],
+    ) -> Result<Vec<Option<Restock>>, LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        let mut answers = Vec::with_capacity(leases.len());
+        for &(id, now) in leases {
+            let restocks = close_leases_in(&mut tx, Closing::Lease(id), now).await?;
+            answers.push(restocks.into_iter().next());
+        }
+        tx.commit().await?;
+        Ok(answers)
     }
 
     /// Reaps the leases of `holder` if it is still dead by its own limit (it may have beaten

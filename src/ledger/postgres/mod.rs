@@ -39,8 +39,8 @@ use super::rows::{
     VOUCHER_STOCK_SQL, WATCHED_SQL, WATCH_SQL, WON_ORDERS_SQL,
 };
 use super::{
-    group_restocks, Batch, BatchResults, Beat, Closing, Counters, Grant, Incarnation, Ledger,
-    LedgerError, LiveUnits, Restock,
+    group_restocks, Batch, BatchResults, Beat, Closing, Counters, Grant, GrantAsk, Incarnation,
+    Ledger, LedgerError, LiveUnits, Restock,
 };
 use crate::clock::Millis;
 use crate::domain::{FeedEvent, Reservation, Switches, SwitchesPatch, Voucher, VoucherPatch};
@@ -153,6 +153,16 @@ impl Ledger for PostgresLedger {
         Ok(row.as_ref().map(voucher_from).transpose()?)
     }
 
+    async fn vouchers(&self, codes: &[String]) -> Result<Vec<Voucher>, LedgerError> {
+        let rows = sqlx::query(&format!(
+            "SELECT {VOUCHER_COLUMNS} FROM vouchers WHERE code = ANY($1)"
+        ))
+        .bind(codes)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows.iter().map(voucher_from).collect::<Result<_, _>>()?)
+    }
+
     async fn voucher_stock(&self, code: &str) -> Result<Option<(Voucher, i64)>, LedgerError> {
         let row = sqlx::query(VOUCHER_STOCK_SQL)
             .bind(code)
@@ -208,6 +218,13 @@ impl Ledger for PostgresLedger {
         self.grant_lease(code, node, want, now, ttl_ms).await
     }
 
+    async fn grant_many(
+        &self,
+        asks: &[GrantAsk],
+    ) -> Result<Vec<Result<Grant, LedgerError>>, LedgerError> {
+        self.grant_leases(asks).await
+    }
+
     async fn renew(
         &self,
         lease_ids: &[i64],
@@ -247,6 +264,13 @@ impl Ledger for PostgresLedger {
             .await?
             .into_iter()
             .next())
+    }
+
+    async fn return_leases(
+        &self,
+        leases: &[(i64, Millis)],
+    ) -> Result<Vec<Option<Restock>>, LedgerError> {
+        self.return_many(leases).await
     }
 
     async fn return_node_leases(

@@ -7,7 +7,7 @@ use sqlx::Connection;
 use super::{json_list, raw, SqliteLedger};
 use crate::clock::Millis;
 use crate::ledger::{
-    group_restocks, holder_name, split_holder, Beat, Closing, Grant, Incarnation, Lease,
+    group_restocks, holder_name, split_holder, Beat, Closing, Grant, GrantAsk, Incarnation, Lease,
     LedgerError, Restock, LEASE_FILTER,
 };
 
@@ -21,6 +21,40 @@ pub(super) fn grant_on(
     ttl_ms: i64,
 ) -> Result<Grant, LedgerError> {
     let tx = db.begin()?;
+    let grant = grant_in(db, code, node, want, now, ttl_ms)?;
+    tx.commit()?;
+    Ok(grant)
+}
+
+/// Grants in one transaction, each answered on its own ([`crate::ledger::Ledger::grant_many`]).
+pub(super) fn grant_many_on(
+    db: &raw::Db,
+    asks: &[GrantAsk],
+) -> Result<Vec<Result<Grant, LedgerError>>, LedgerError> {
+    let tx = db.begin()?;
+    let mut answers = Vec::with_capacity(asks.len());
+    for a in asks {
+        answers.push(
+            match grant_in(db, &a.code, &a.node, a.want, a.now, a.ttl_ms) {
+                Err(LedgerError::NotFound) => Err(LedgerError::NotFound),
+                Err(e) => return Err(e),
+                Ok(g) => Ok(g),
+            },
+        );
+    }
+    tx.commit()?;
+    Ok(answers)
+}
+
+/// One grant inside the caller's transaction (a voucher not found writes nothing).
+fn grant_in(
+    db: &raw::Db,
+    code: &str,
+    node: &str,
+    want: i64,
+    now: Millis,
+    ttl_ms: i64,
+) -> Result<Grant, LedgerError> {
     let (free, leased_unused, ever_reserved) = {
         let mut q = db.prepare(
             "SELECT free, (SELECT COALESCE(SUM(granted - consumed), 0) FROM leases \
@@ -62,7 +96,6 @@ pub(super) fn grant_on(
     } else {
         None
     };
-    tx.commit()?;
     Ok(Grant {
         ever_reserved: lease.is_none().then_some(ever_reserved),
         lease,
@@ -83,6 +116,23 @@ impl SqliteLedger {
         let restocks = close_leases_in(&mut tx, which, now).await?;
         tx.commit().await?;
         Ok(restocks)
+    }
+
+    /// [`Ledger::return_leases`](crate::ledger::Ledger::return_leases): every return in one
+    /// transaction.
+    pub(super) async fn return_many(
+        &self,
+        leases: &[(i64, Millis)],
+    ) -> Result<Vec<Option<Restock>>, LedgerError> {
+        let mut w = self.writer().await?;
+        let mut tx = w.conn()?.begin().await?;
+        let mut answers = Vec::with_capacity(leases.len());
+        for &(id, now) in leases {
+            let restocks = close_leases_in(&mut tx, Closing::Lease(id), now).await?;
+            answers.push(restocks.into_iter().next());
+        }
+        tx.commit().await?;
+        Ok(answers)
     }
 }
 

@@ -36,8 +36,8 @@ use super::rows::{
     VOUCHER_STOCK_SQL, WATCHED_SQL, WATCH_SQL, WON_ORDERS_SQL,
 };
 use super::{
-    Batch, BatchResults, Beat, Closing, Counters, Grant, Incarnation, Ledger, LedgerError,
-    LiveUnits, Restock,
+    Batch, BatchResults, Beat, Closing, Counters, Grant, GrantAsk, Incarnation, Ledger,
+    LedgerError, LiveUnits, Restock,
 };
 use crate::clock::Millis;
 use crate::domain::{FeedEvent, Reservation, Switches, SwitchesPatch, Voucher, VoucherPatch};
@@ -112,6 +112,16 @@ impl Ledger for SqliteLedger {
         Ok(row.as_ref().map(voucher_from).transpose()?)
     }
 
+    async fn vouchers(&self, codes: &[String]) -> Result<Vec<Voucher>, LedgerError> {
+        let rows = sqlx::query(&format!(
+            "SELECT {VOUCHER_COLUMNS} FROM vouchers WHERE code IN (SELECT value FROM json_each(?))"
+        ))
+        .bind(json_list(codes))
+        .fetch_all(&self.reader)
+        .await?;
+        Ok(rows.iter().map(voucher_from).collect::<Result<_, _>>()?)
+    }
+
     async fn voucher_stock(&self, code: &str) -> Result<Option<(Voucher, i64)>, LedgerError> {
         let row = sqlx::query(VOUCHER_STOCK_SQL)
             .bind(code)
@@ -169,6 +179,14 @@ impl Ledger for SqliteLedger {
             .await
     }
 
+    async fn grant_many(
+        &self,
+        asks: &[GrantAsk],
+    ) -> Result<Vec<Result<Grant, LedgerError>>, LedgerError> {
+        self.on_writer(|db, _| leases::grant_many_on(db, asks))
+            .await
+    }
+
     async fn renew(
         &self,
         lease_ids: &[i64],
@@ -206,6 +224,13 @@ impl Ledger for SqliteLedger {
             .await?
             .into_iter()
             .next())
+    }
+
+    async fn return_leases(
+        &self,
+        leases: &[(i64, Millis)],
+    ) -> Result<Vec<Option<Restock>>, LedgerError> {
+        self.return_many(leases).await
     }
 
     async fn return_node_leases(
@@ -291,7 +316,7 @@ impl Ledger for SqliteLedger {
              FROM vouchers v WHERE v.code IN (SELECT value FROM json_each(?)) \
              AND v.starts_at <= ? AND v.ends_at > ?",
         )
-        .bind(serde_json::to_string(codes).unwrap_or_default())
+        .bind(json_list(codes))
         .bind(now)
         .bind(ending_after)
         .fetch_all(&self.reader)
