@@ -301,6 +301,23 @@ pub trait Ledger: Send + Sync + 'static {
         None
     }
     async fn create_voucher(&self, voucher: &Voucher, now: Millis) -> Result<(), LedgerError>;
+    /// Several creates in one transaction (the node merges concurrent creates into one), each
+    /// answered as [`Ledger::create_voucher`] would: `AlreadyExists` for a taken code. The outer
+    /// error means the transaction failed and none of them was created.
+    async fn create_vouchers(
+        &self,
+        vouchers: &[(Voucher, Millis)],
+    ) -> Result<Vec<Result<(), LedgerError>>, LedgerError> {
+        let mut answers = Vec::with_capacity(vouchers.len());
+        for (v, now) in vouchers {
+            answers.push(match self.create_voucher(v, *now).await {
+                Err(LedgerError::AlreadyExists) => Err(LedgerError::AlreadyExists),
+                Err(e) => return Err(e),
+                Ok(()) => Ok(()),
+            });
+        }
+        Ok(answers)
+    }
     async fn voucher(&self, code: &str) -> Result<Option<Voucher>, LedgerError>;
     /// Several vouchers in one read: those of `codes` that exist, in any order (the node merges
     /// its actors' reads into one).

@@ -13,9 +13,9 @@
 //! - the node's circuit [`Breaker`], which every call but the heartbeat passes;
 //! - the node-wide group [`Committer`], which `commit_batch` goes through, so the batches of
 //!   every voucher of the node share transactions;
-//! - the [`Coalescer`]s that merge the actors' voucher reads, lease grants and lease returns
-//!   into one round trip each (the first reserves on thousands of cold vouchers at once, and
-//!   their returns when they idle).
+//! - the [`Coalescer`]s that merge the actors' voucher reads, lease grants and lease returns,
+//!   and the admin API's creates, into one round trip each (the first reserves on thousands of
+//!   cold vouchers at once, their returns when they idle, a campaign's vouchers created at once).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -52,6 +52,8 @@ pub struct NodeLedger {
     grants: Coalescer<GrantAsk, Grant>,
     /// The actors' lease returns, merged into one transaction.
     returns: Coalescer<(i64, Millis), Option<Restock>>,
+    /// Creates of vouchers (the admin API's), merged into one transaction.
+    creates: Coalescer<(Voucher, Millis), ()>,
 }
 
 /// Most calls merged into one voucher read or one grant transaction.
@@ -117,6 +119,16 @@ impl NodeLedger {
                 })
             }),
         );
+        let (ledger, guard) = (inner.clone(), breaker.clone());
+        let creates = Coalescer::start(
+            &rt,
+            MAX_MERGED_CALLS,
+            deadline,
+            Arc::new(move |vouchers: Vec<(Voucher, Millis)>| {
+                let (ledger, guard) = (ledger.clone(), guard.clone());
+                Box::pin(async move { guard.call(ledger.create_vouchers(&vouchers)).await })
+            }),
+        );
         Self {
             inner,
             rt,
@@ -126,6 +138,7 @@ impl NodeLedger {
             reads,
             grants,
             returns,
+            creates,
         }
     }
 
@@ -170,8 +183,15 @@ impl Ledger for NodeLedger {
     }
 
     async fn create_voucher(&self, voucher: &Voucher, now: Millis) -> Result<(), LedgerError> {
-        let v = voucher.clone();
-        self.run(move |l| async move { l.create_voucher(&v, now).await })
+        self.creates.call((voucher.clone(), now)).await
+    }
+
+    async fn create_vouchers(
+        &self,
+        vouchers: &[(Voucher, Millis)],
+    ) -> Result<Vec<Result<(), LedgerError>>, LedgerError> {
+        let vouchers = vouchers.to_vec();
+        self.run(move |l| async move { l.create_vouchers(&vouchers).await })
             .await
     }
 

@@ -153,6 +153,26 @@ async fn reads_and_grants_of_many_vouchers_answer_each(l: &SharedLedger) {
     assert_eq!(units, [1, 2, 0, 0], "{back:?}");
     assert_eq!(balanced(l, "GM2").await.free, 1);
     assert_eq!(balanced(l, "GM1").await.free, 2);
+    // Creates in one transaction: a taken code is AlreadyExists and stops none of the others.
+    let made = l
+        .create_vouchers(&[
+            (voucher("GMC1", 3, 1), NOW),
+            (voucher("GM1", 3, 1), NOW),
+            (voucher("GMC2", 4, 1), NOW),
+        ])
+        .await
+        .unwrap();
+    assert!(made[0].is_ok() && made[2].is_ok(), "{made:?}");
+    assert!(
+        matches!(made[1], Err(LedgerError::AlreadyExists)),
+        "{made:?}"
+    );
+    assert_eq!(balanced(l, "GMC2").await.free, 4);
+    assert_eq!(
+        balanced(l, "GM1").await.total_limit,
+        5,
+        "the taken code is unchanged"
+    );
 }
 
 /// The long tail's reads: the catalogue in pages of codes (in order, each once), the codes

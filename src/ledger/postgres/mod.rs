@@ -112,20 +112,28 @@ impl PostgresLedger {
     }
 }
 
-#[async_trait]
-impl Ledger for PostgresLedger {
-    async fn ping(&self) -> Result<(), LedgerError> {
-        sqlx::query("SELECT 1").execute(&self.pool).await?;
-        Ok(())
-    }
+macro_rules! insert_voucher_sql {
+    () => {
+        "INSERT INTO vouchers (code, discount_amount, min_order_amount, total_limit, \
+         per_user_limit, starts_at, ends_at, status, free, created_at, customer_rate, \
+         customer_burst, admission_rate) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $4, $9, $10, $11, $12)"
+    };
+}
 
-    async fn create_voucher(&self, v: &Voucher, now: Millis) -> Result<(), LedgerError> {
-        let res = sqlx::query(
-            "INSERT INTO vouchers (code, discount_amount, min_order_amount, total_limit, \
-             per_user_limit, starts_at, ends_at, status, free, created_at, customer_rate, \
-             customer_burst, admission_rate) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $4, $9, $10, $11, $12)",
-        )
+/// The insert of a new voucher, all of it `free`.
+const INSERT_VOUCHER: &str = insert_voucher_sql!();
+/// The same, inserting nothing for a taken code.
+const INSERT_VOUCHER_OR_SKIP: &str =
+    concat!(insert_voucher_sql!(), " ON CONFLICT (code) DO NOTHING");
+
+/// The insert of a new voucher (`sql`: one of the two above).
+fn insert_voucher<'q>(
+    v: &'q Voucher,
+    now: Millis,
+    sql: &'static str,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    sqlx::query(sql)
         .bind(&v.code)
         .bind(v.discount_amount)
         .bind(v.min_order_amount)
@@ -138,9 +146,41 @@ impl Ledger for PostgresLedger {
         .bind(limit_column(v.limits.customer_per_sec))
         .bind(limit_column(v.limits.customer_burst))
         .bind(limit_column(v.limits.admission_per_sec))
-        .execute(&self.pool)
-        .await;
+}
+
+#[async_trait]
+impl Ledger for PostgresLedger {
+    async fn ping(&self) -> Result<(), LedgerError> {
+        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        Ok(())
+    }
+
+    async fn create_voucher(&self, v: &Voucher, now: Millis) -> Result<(), LedgerError> {
+        let res = insert_voucher(v, now, INSERT_VOUCHER)
+            .execute(&self.pool)
+            .await;
         super::sql::insert_unique(res)
+    }
+
+    async fn create_vouchers(
+        &self,
+        vouchers: &[(Voucher, Millis)],
+    ) -> Result<Vec<Result<(), LedgerError>>, LedgerError> {
+        // A unique violation would abort the transaction: a taken code inserts nothing instead.
+        let mut tx = self.pool.begin().await?;
+        let mut answers = Vec::with_capacity(vouchers.len());
+        for (v, now) in vouchers {
+            let done = insert_voucher(v, *now, INSERT_VOUCHER_OR_SKIP)
+                .execute(&mut *tx)
+                .await?;
+            answers.push(if done.rows_affected() == 1 {
+                Ok(())
+            } else {
+                Err(LedgerError::AlreadyExists)
+            });
+        }
+        tx.commit().await?;
+        Ok(answers)
     }
 
     async fn voucher(&self, code: &str) -> Result<Option<Voucher>, LedgerError> {

@@ -67,6 +67,31 @@ pub struct SqliteLedger {
 }
 
 /// `items` as a JSON array, for the statements that take a list through `json_each`.
+/// The insert of a new voucher, all of it `free`.
+fn insert_voucher(
+    v: &Voucher,
+    now: Millis,
+) -> sqlx::query::Query<'_, sqlx::Sqlite, sqlx::sqlite::SqliteArguments<'_>> {
+    sqlx::query(
+        "INSERT INTO vouchers (code, discount_amount, min_order_amount, total_limit, \
+         per_user_limit, starts_at, ends_at, status, free, created_at, customer_rate, \
+         customer_burst, admission_rate) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+    )
+    .bind(&v.code)
+    .bind(v.discount_amount)
+    .bind(v.min_order_amount)
+    .bind(v.total_limit)
+    .bind(v.per_user_limit)
+    .bind(v.starts_at)
+    .bind(v.ends_at)
+    .bind(v.status.as_str())
+    .bind(v.total_limit)
+    .bind(now)
+    .bind(limit_column(v.limits.customer_per_sec))
+    .bind(limit_column(v.limits.customer_burst))
+    .bind(limit_column(v.limits.admission_per_sec))
+}
+
 fn json_list<T: serde::Serialize>(items: &[T]) -> String {
     serde_json::to_string(items).unwrap_or_else(|_| "[]".into())
 }
@@ -79,27 +104,29 @@ impl Ledger for SqliteLedger {
     }
 
     async fn create_voucher(&self, v: &Voucher, now: Millis) -> Result<(), LedgerError> {
-        let res = sqlx::query(
-            "INSERT INTO vouchers (code, discount_amount, min_order_amount, total_limit, \
-             per_user_limit, starts_at, ends_at, status, free, created_at, customer_rate, \
-             customer_burst, admission_rate) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        )
-        .bind(&v.code)
-        .bind(v.discount_amount)
-        .bind(v.min_order_amount)
-        .bind(v.total_limit)
-        .bind(v.per_user_limit)
-        .bind(v.starts_at)
-        .bind(v.ends_at)
-        .bind(v.status.as_str())
-        .bind(v.total_limit)
-        .bind(now)
-        .bind(limit_column(v.limits.customer_per_sec))
-        .bind(limit_column(v.limits.customer_burst))
-        .bind(limit_column(v.limits.admission_per_sec))
-        .execute(self.writer().await?.conn()?)
-        .await;
+        let res = insert_voucher(v, now)
+            .execute(self.writer().await?.conn()?)
+            .await;
         super::sql::insert_unique(res)
+    }
+
+    async fn create_vouchers(
+        &self,
+        vouchers: &[(Voucher, Millis)],
+    ) -> Result<Vec<Result<(), LedgerError>>, LedgerError> {
+        let mut w = self.writer().await?;
+        let mut tx = w.conn()?.begin().await?;
+        let mut answers = Vec::with_capacity(vouchers.len());
+        for (v, now) in vouchers {
+            let res = insert_voucher(v, *now).execute(&mut *tx).await;
+            answers.push(match super::sql::insert_unique(res) {
+                Err(LedgerError::AlreadyExists) => Err(LedgerError::AlreadyExists),
+                Err(e) => return Err(e),
+                Ok(()) => Ok(()),
+            });
+        }
+        tx.commit().await?;
+        Ok(answers)
     }
 
     async fn voucher(&self, code: &str) -> Result<Option<Voucher>, LedgerError> {
