@@ -22,8 +22,9 @@
 //!   to the file (another process, or a second handle on it, as the tests open): each use reads
 //!   SQLite's `data_version` first, which moves exactly when another connection committed;
 //! - a voucher no commit used for [`IDLE`] (10 to 20 minutes, looked at after each merged
-//!   commit) is dropped, so the memory held is that of the vouchers on sale: about 40 bytes
-//!   per customer holding a unit.
+//!   commit) is dropped, so the memory held is that of the vouchers on sale: about 30 bytes
+//!   per customer holding a unit, in maps that grow a sixty-fourth at a time (no stall of the
+//!   writer when a voucher's map of millions doubles).
 //!
 //! Loading a voucher reads its live rows on the writer (about 0.75 µs each: a million held
 //! units stall the node's commits for most of a second, once); `vouchers_ledger_usage_loads_total`
@@ -70,10 +71,92 @@ pub(crate) struct UsageCache {
     unsettled: bool,
 }
 
+/// Parts of a large voucher's customer map.
+const PARTS: usize = 64;
+
+/// Customers a voucher's map holds before it is split into [`PARTS`].
+const SPLIT_AT: usize = 1 << 16;
+
+/// A voucher's customers and their counts. A hash table grows by doubling, moving every entry:
+/// one map of millions of customers (a site-wide code, a new customer on every reserve) would
+/// stall the writer, which every commit waits for, for tens of milliseconds at each doubling.
+/// So a map that reaches [`SPLIT_AT`] customers is split, once, into [`PARTS`] maps chosen by
+/// the customer's hash, and a doubling then moves a sixty-fourth of them. A small voucher keeps
+/// one map (64 empty maps would cost 2 KiB for each of a long tail's vouchers). The memory per
+/// customer is the same either way: about 30 bytes per customer holding a unit (a 16-byte
+/// entry and its control byte, in a table between 7/16 and 7/8 full).
+enum Customers {
+    One(Map<i64, i64>),
+    Parts {
+        pick: foldhash::fast::RandomState,
+        parts: Box<[Map<i64, i64>]>,
+    },
+}
+
+impl Default for Customers {
+    fn default() -> Self {
+        Self::One(Map::default())
+    }
+}
+
+impl Customers {
+    fn map(&self, customer: i64) -> &Map<i64, i64> {
+        match self {
+            Self::One(map) => map,
+            Self::Parts { pick, parts } => &parts[part(pick, customer)],
+        }
+    }
+
+    fn get(&self, customer: i64) -> Option<i64> {
+        self.map(customer).get(&customer).copied()
+    }
+
+    /// Adds `delta` to `customer`'s count; a count of zero or less leaves the map.
+    fn add(&mut self, customer: i64, delta: i64) {
+        if let Self::One(map) = self {
+            if map.len() >= SPLIT_AT {
+                let pick = foldhash::fast::RandomState::default();
+                let mut parts: Box<[Map<i64, i64>]> = (0..PARTS).map(|_| Map::default()).collect();
+                for (c, used) in map.drain() {
+                    parts[part(&pick, c)].insert(c, used);
+                }
+                *self = Self::Parts { pick, parts };
+            }
+        }
+        let map = match self {
+            Self::One(map) => map,
+            Self::Parts { pick, parts } => &mut parts[part(pick, customer)],
+        };
+        let used = map.entry(customer).or_insert(0);
+        *used += delta;
+        if *used <= 0 {
+            map.remove(&customer);
+        }
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        match self {
+            Self::One(map) => map.len(),
+            Self::Parts { parts, .. } => parts.iter().map(HashMap::len).sum(),
+        }
+    }
+
+    #[cfg(test)]
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The part of [`Customers::Parts`] that holds `customer`.
+fn part(pick: &foldhash::fast::RandomState, customer: i64) -> usize {
+    (std::hash::BuildHasher::hash_one(pick, customer) >> 58) as usize % PARTS
+}
+
 #[derive(Default)]
 pub(crate) struct VoucherUsage {
     /// Customers with a usage above zero.
-    customers: Map<i64, i64>,
+    customers: Customers,
     /// The sum of `customers`: checked against the voucher's `reserved + confirmed`.
     live: i64,
     /// `reserved + confirmed − live` when the counts were loaded (zero unless the books and
@@ -87,17 +170,13 @@ pub(crate) struct VoucherUsage {
 impl VoucherUsage {
     /// `customer`'s usage.
     pub(crate) fn of(&self, customer: i64) -> i64 {
-        self.customers.get(&customer).copied().unwrap_or(0)
+        self.customers.get(customer).unwrap_or(0)
     }
 
     /// `delta` units more (or fewer) for `customer`; a count of zero leaves the map.
     fn add(&mut self, customer: i64, delta: i64) {
         self.live += delta;
-        let used = self.customers.entry(customer).or_insert(0);
-        *used += delta;
-        if *used <= 0 {
-            self.customers.remove(&customer);
-        }
+        self.customers.add(customer, delta);
     }
 
     /// Takes `books` (the voucher's `reserved + confirmed`) as the reference the counts are
@@ -364,5 +443,30 @@ mod tests {
         c.settling();
         assert_eq!(c.loaded(), 0);
         assert!(c.unsettled);
+    }
+
+    #[test]
+    fn a_large_map_splits_once_and_keeps_every_count() {
+        let mut c = Customers::default();
+        let n = SPLIT_AT as i64 + 1_000;
+        for customer in 0..n {
+            c.add(customer, 1 + customer % 3);
+        }
+        let Customers::Parts { parts, .. } = &c else {
+            panic!("a map of {n} customers is still one map");
+        };
+        // The parts share the customers: none holds more than twice its share.
+        assert!(parts.iter().all(|p| p.len() < 2 * n as usize / PARTS));
+        assert_eq!(c.len(), n as usize);
+        for customer in 0..n {
+            assert_eq!(c.get(customer), Some(1 + customer % 3), "customer {customer}");
+        }
+        for customer in 0..n {
+            c.add(customer, -(1 + customer % 3));
+        }
+        assert!(c.is_empty());
+        let mut small = Customers::default();
+        small.add(7, 1);
+        assert!(matches!(small, Customers::One(_)));
     }
 }
