@@ -241,7 +241,29 @@ impl Closing<'_> {
         }
     }
 
-    /// The three nullable parameters of the lease filter `LEASE_FILTER`: id, node, expiry bound.
+    /// The lease filter of a close, over the parameters of [`Closing::params`] as `$1`, `$2`,
+    /// `$3` (SQLite reads `$N` as numbered parameters too). One filter per kind, each on its
+    /// own index: a filter of the form `($1 IS NULL OR id = $1)` serves every kind in one
+    /// statement but no index, so returning one lease scanned every active lease (1.8 ms each
+    /// with 30,000 of them, quadratic in a flood of first reserves on cold vouchers).
+    pub(crate) fn filter(self) -> &'static str {
+        match self {
+            Self::Lease(_) => {
+                "state = 'ACTIVE' AND id = $1 \
+                 AND CAST($2 AS TEXT) IS NULL AND CAST($3 AS BIGINT) IS NULL"
+            }
+            Self::Node(_) | Self::Dead(_) => {
+                "state = 'ACTIVE' AND node_id = $2 \
+                 AND CAST($1 AS BIGINT) IS NULL AND CAST($3 AS BIGINT) IS NULL"
+            }
+            Self::ExpiredBy(_) => {
+                "state = 'ACTIVE' AND expires_at <= $3 \
+                 AND CAST($1 AS BIGINT) IS NULL AND CAST($2 AS TEXT) IS NULL"
+            }
+        }
+    }
+
+    /// The three nullable parameters of [`Closing::filter`]: id, node, expiry bound.
     pub(crate) fn params(self) -> (Option<i64>, Option<String>, Option<i64>) {
         match self {
             Self::Lease(id) => (Some(id), None, None),
@@ -250,12 +272,6 @@ impl Closing<'_> {
         }
     }
 }
-
-/// The lease filter of a close, over the parameters of [`Closing::params`] as `$1`, `$2`, `$3`
-/// (SQLite reads `$N` as numbered parameters too).
-pub(crate) const LEASE_FILTER: &str = "state = 'ACTIVE' \
-     AND ($1 IS NULL OR id = $1) AND ($2 IS NULL OR node_id = $2) \
-     AND ($3 IS NULL OR expires_at <= $3)";
 
 /// Units that went back to `free` for one voucher (release, expiry, return, reap, total raised).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -290,6 +306,28 @@ pub(crate) fn group_restocks(rows: Vec<(String, i64)>) -> Vec<Restock> {
         .collect();
     out.sort_by(|a, b| a.voucher_code.cmp(&b.voucher_code));
     out
+}
+
+/// Each returned lease's own restock, in the order asked, from the closed rows `(id, voucher,
+/// unused units)` of a merged return: `None` for a lease with nothing unused, one already closed,
+/// or one asked a second time (what returning them one by one would answer).
+pub(crate) fn restock_of_each(
+    leases: &[(i64, Millis)],
+    rows: &[(i64, String, i64)],
+) -> Vec<Option<Restock>> {
+    let mut by_id: HashMap<i64, &(i64, String, i64)> = rows.iter().map(|r| (r.0, r)).collect();
+    leases
+        .iter()
+        .map(|(id, _)| {
+            by_id
+                .remove(id)
+                .filter(|(_, _, units)| *units > 0)
+                .map(|(_, code, units)| Restock {
+                    voucher_code: code.clone(),
+                    units: *units,
+                })
+        })
+        .collect()
 }
 
 #[async_trait]

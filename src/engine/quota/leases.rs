@@ -223,12 +223,13 @@ impl<R, W> VoucherCore<R, W> {
         if self.stopping {
             return false;
         }
-        // The definition is re-read while the voucher is served or asked for (edits made on
-        // another node reach this one even without Redis); an idle core reads nothing: the
-        // ledger refuses what a stale definition would admit (paused, ended), and a reserve
-        // makes the core busy, so its next tick reads it again.
-        let served = !self.leases.is_empty() || now - self.last_seen() < self.seen_lately_ms();
-        if now >= self.next_refresh && (self.voucher.is_some() || self.missing) && served {
+        // The definition is re-read at most once a second while the voucher is asked for (edits
+        // made on another node reach this one even without Redis), and only if it was asked
+        // for since the last read; a core nobody asks reads nothing: the ledger refuses what a
+        // stale definition would admit (paused, ended), and the next reserve makes the next
+        // tick read it again.
+        let asked = self.last_seen() > self.read_at;
+        if now >= self.next_refresh && (self.voucher.is_some() || self.missing) && asked {
             self.refresh_voucher();
         }
         for lease_id in std::mem::take(&mut self.unreturned) {

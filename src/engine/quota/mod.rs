@@ -383,6 +383,10 @@ pub(crate) struct VoucherCore<R, W> {
     /// When the voucher definition is next re-read from the ledger (edits made on another node
     /// reach this one even without Redis).
     next_refresh: Millis,
+    /// When the definition was last asked for: a core re-reads it only if the voucher was
+    /// asked for since (a voucher given one reserve in a flood of first reserves on cold
+    /// vouchers reads its definition once, not once a second for as long as it is seen).
+    read_at: Millis,
     /// Another node asked for units back while a batch was in flight here: return the idle
     /// leases once it lands.
     recall_pending: bool,
@@ -460,6 +464,7 @@ impl<R, W> VoucherCore<R, W> {
             last_tick: now,
             next_probe: now,
             next_refresh: now + VOUCHER_REFRESH_MS,
+            read_at: now,
             recall_pending: false,
             next_recall: now,
             sold_out_at: None,
@@ -751,6 +756,7 @@ impl<R, W> VoucherCore<R, W> {
         }
         self.next_probe = self.next_probe.min(now + probe);
         self.next_refresh = self.next_refresh.min(now + VOUCHER_REFRESH_MS);
+        self.read_at = self.read_at.min(now);
         self.next_recall = self.next_recall.min(now + RECALL_REPEAT_MS);
         if let Some(t) = &mut self.orphan_check {
             *t = (*t).min(now + ORPHAN_CHECK_MS);

@@ -425,6 +425,7 @@ impl<R, W> VoucherCore<R, W> {
     /// Re-reads the voucher's definition from the ledger.
     pub(super) fn refresh_voucher(&mut self) {
         self.next_refresh = self.now + VOUCHER_REFRESH_MS;
+        self.read_at = self.now;
         self.out.push(Command::ReadVoucher { first: false });
     }
 }

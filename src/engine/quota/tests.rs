@@ -897,12 +897,17 @@ fn tick_until(rig: &mut Rig, until: Millis) -> Out {
 fn an_idle_core_asks_for_no_tick_but_its_stop_and_reads_nothing() {
     let mut rig = Rig::new();
     let stop = rig.core.settings.actor_idle_stop_ms;
-    // Asked for lately, nothing to do: ticks every second, and re-reads its definition.
+    // Asked for lately, nothing to do: ticks every second, but nobody asked for it since its
+    // definition was read, so it reads nothing again (a flood of first reserves on cold
+    // vouchers reads each definition once).
     assert_eq!(rig.core.next_tick_at(), T0 + IDLE_TICK_MS);
     let early = tick_until(&mut rig, T0 + 10_000);
-    assert!(early
-        .iter()
-        .any(|c| matches!(c, Command::ReadVoucher { .. })));
+    assert!(
+        !early
+            .iter()
+            .any(|c| matches!(c, Command::ReadVoucher { .. })),
+        "{early:?}"
+    );
     // Quiet: its next tick is when it would stop, and meanwhile it reads nothing.
     assert_eq!(rig.core.next_tick_at(), T0 + stop);
     let quiet = tick_until(&mut rig, T0 + stop - 1);

@@ -7,8 +7,8 @@ use sqlx::Connection;
 use super::{json_list, raw, SqliteLedger};
 use crate::clock::Millis;
 use crate::ledger::{
-    group_restocks, holder_name, split_holder, Beat, Closing, Grant, GrantAsk, Incarnation, Lease,
-    LedgerError, Restock, LEASE_FILTER,
+    group_restocks, holder_name, restock_of_each, split_holder, Beat, Closing, Grant, GrantAsk,
+    Incarnation, Lease, LedgerError, Restock,
 };
 
 /// Moves `min(want, free)` units into a new ACTIVE lease, in one transaction.
@@ -119,18 +119,25 @@ impl SqliteLedger {
     }
 
     /// [`Ledger::return_leases`](crate::ledger::Ledger::return_leases): every return in one
-    /// transaction.
+    /// transaction of two statements (the leases, then their vouchers' `free`), however many.
     pub(super) async fn return_many(
         &self,
         leases: &[(i64, Millis)],
     ) -> Result<Vec<Option<Restock>>, LedgerError> {
         let mut w = self.writer().await?;
         let mut tx = w.conn()?.begin().await?;
-        let mut answers = Vec::with_capacity(leases.len());
-        for &(id, now) in leases {
-            let restocks = close_leases_in(&mut tx, Closing::Lease(id), now).await?;
-            answers.push(restocks.into_iter().next());
-        }
+        let rows: Vec<(i64, String, i64)> = sqlx::query_as(
+            "UPDATE leases SET state = 'RETURNED', closed_at = d.now FROM \
+             (SELECT json_extract(value, '$[0]') AS id, json_extract(value, '$[1]') AS now \
+              FROM json_each(?)) AS d \
+             WHERE leases.id = d.id AND leases.state = 'ACTIVE' \
+             RETURNING leases.id, voucher_code, granted - consumed",
+        )
+        .bind(json_list(leases))
+        .fetch_all(&mut *tx)
+        .await?;
+        let answers = restock_of_each(leases, &rows);
+        give_back(&mut tx, rows.into_iter().map(|(_, c, u)| (c, u)).collect()).await?;
         tx.commit().await?;
         Ok(answers)
     }
@@ -274,8 +281,9 @@ async fn close_leases_in(
 ) -> Result<Vec<Restock>, LedgerError> {
     let (id, node, expired_by) = which.params();
     let rows: Vec<(String, i64)> = sqlx::query_as(&format!(
-        "UPDATE leases SET state = $4, closed_at = $5 WHERE {LEASE_FILTER} \
-         RETURNING voucher_code, granted - consumed"
+        "UPDATE leases SET state = $4, closed_at = $5 WHERE {} \
+         RETURNING voucher_code, granted - consumed",
+        which.filter()
     ))
     .bind(id)
     .bind(node)
