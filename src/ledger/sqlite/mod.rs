@@ -92,6 +92,47 @@ fn insert_voucher(
     .bind(limit_column(v.limits.admission_per_sec))
 }
 
+/// [`Ledger::create_vouchers`] on the raw writer: one transaction and one prepared statement
+/// for all of them, without a hop to sqlx's worker per insert; a taken code is `AlreadyExists`
+/// and writes nothing.
+fn create_many_on(
+    db: &raw::Db,
+    vouchers: &[(Voucher, Millis)],
+) -> Result<Vec<Result<(), LedgerError>>, LedgerError> {
+    let tx = db.begin()?;
+    let mut insert = db.prepare(
+        "INSERT INTO vouchers (code, discount_amount, min_order_amount, total_limit, \
+         per_user_limit, starts_at, ends_at, status, free, created_at, customer_rate, \
+         customer_burst, admission_rate) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?4, ?9, ?10, \
+         ?11, ?12) ON CONFLICT (code) DO NOTHING",
+    )?;
+    let mut answers = Vec::with_capacity(vouchers.len());
+    for (v, now) in vouchers {
+        insert.bind_text(1, &v.code)?;
+        insert.bind_int(2, v.discount_amount)?;
+        insert.bind_int(3, v.min_order_amount)?;
+        insert.bind_int(4, v.total_limit)?;
+        insert.bind_int(5, v.per_user_limit)?;
+        insert.bind_int(6, v.starts_at)?;
+        insert.bind_int(7, v.ends_at)?;
+        insert.bind_text(8, v.status.as_str())?;
+        insert.bind_int(9, *now)?;
+        let limit = |l: Option<u32>| limit_column(l).map(i64::from);
+        insert.bind_opt_int(10, limit(v.limits.customer_per_sec))?;
+        insert.bind_opt_int(11, limit(v.limits.customer_burst))?;
+        insert.bind_opt_int(12, limit(v.limits.admission_per_sec))?;
+        insert.execute()?;
+        answers.push(if db.changes() == 1 {
+            Ok(())
+        } else {
+            Err(LedgerError::AlreadyExists)
+        });
+    }
+    drop(insert);
+    tx.commit()?;
+    Ok(answers)
+}
+
 fn json_list<T: serde::Serialize>(items: &[T]) -> String {
     serde_json::to_string(items).unwrap_or_else(|_| "[]".into())
 }
@@ -114,19 +155,7 @@ impl Ledger for SqliteLedger {
         &self,
         vouchers: &[(Voucher, Millis)],
     ) -> Result<Vec<Result<(), LedgerError>>, LedgerError> {
-        let mut w = self.writer().await?;
-        let mut tx = w.conn()?.begin().await?;
-        let mut answers = Vec::with_capacity(vouchers.len());
-        for (v, now) in vouchers {
-            let res = insert_voucher(v, *now).execute(&mut *tx).await;
-            answers.push(match super::sql::insert_unique(res) {
-                Err(LedgerError::AlreadyExists) => Err(LedgerError::AlreadyExists),
-                Err(e) => return Err(e),
-                Ok(()) => Ok(()),
-            });
-        }
-        tx.commit().await?;
-        Ok(answers)
+        self.on_writer(|db, _| create_many_on(db, vouchers)).await
     }
 
     async fn voucher(&self, code: &str) -> Result<Option<Voucher>, LedgerError> {

@@ -267,6 +267,22 @@ impl Stmt<'_, '_> {
         }
     }
 
+    /// Binds `value`, or NULL for `None`.
+    pub(crate) fn bind_opt_int(
+        &mut self,
+        index: c_int,
+        value: Option<i64>,
+    ) -> Result<(), LedgerError> {
+        match value {
+            Some(v) => self.bind_int(index, v),
+            // SAFETY: the statement is live.
+            None => match unsafe { ffi::sqlite3_bind_null(self.stmt.as_ptr(), index) } {
+                ffi::SQLITE_OK => Ok(()),
+                _ => Err(error(self.db.handle, "bind")),
+            },
+        }
+    }
+
     /// Advances to the next row: true while there is one.
     pub(crate) fn step(&mut self) -> Result<bool, LedgerError> {
         // SAFETY: the statement is live.
