@@ -43,6 +43,8 @@ pub struct VoucherShared {
     /// Reserves of this voucher answered on this node, by outcome (`Outcome::index`): the
     /// per-voucher outcome rates of the live numbers, one atomic add per request.
     outcomes: [AtomicU64; Outcome::COUNT],
+    /// Its standing in the pick of the vouchers shown on `/metrics` (`super::spotlight`).
+    pub(crate) heat: super::spotlight::Heat,
 }
 
 /// Makes a voucher's own limiters from the limits its definition sets (`None`: it sets none).

@@ -7,8 +7,10 @@
 //! A voucher's heat is the reserves answered for it since the last pick, plus half its heat at
 //! that pick: a burst counts for a few rounds, a voucher nobody asks for fades out.
 
-use std::collections::{HashMap, HashSet};
-use std::sync::Mutex;
+use std::cmp::{Ordering as Order, Reverse};
+use std::collections::{BinaryHeap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
 
 /// The pick, kept between rounds of the live numbers.
 pub(crate) struct Spotlight {
@@ -21,10 +23,102 @@ pub(crate) struct Spotlight {
 
 #[derive(Default)]
 struct State {
-    /// Per voucher with an actor here: its answered reserves at the last pick, and its heat.
-    heat: HashMap<String, (u64, f64)>,
     /// What the last pick exported (the picked vouchers whose sale started).
     shown: HashSet<String>,
+}
+
+/// A voucher's standing in the pick, kept in its shared state rather than in a map of the
+/// spotlight's: with tens of thousands of vouchers just touched, a pick that copied every code
+/// into a map and sorted them all kept a core busy. Written only by the pick in progress.
+#[derive(Debug, Default)]
+pub(crate) struct Heat {
+    /// Reserves answered for the voucher at the last pick.
+    answered: AtomicU64,
+    /// Its heat then, as `f64` bits.
+    heat: AtomicU64,
+}
+
+/// A voucher in the running for the top: hotter is greater, and between equals the smaller code.
+struct Ranked {
+    heat: f64,
+    code: String,
+}
+
+impl Ranked {
+    fn beats(heat: f64, code: &str, other: &Ranked) -> bool {
+        heat.total_cmp(&other.heat)
+            .then_with(|| other.code.as_str().cmp(code))
+            .is_gt()
+    }
+}
+
+impl PartialEq for Ranked {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Order::Equal
+    }
+}
+impl Eq for Ranked {}
+impl PartialOrd for Ranked {
+    fn partial_cmp(&self, other: &Self) -> Option<Order> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Ranked {
+    fn cmp(&self, other: &Self) -> Order {
+        self.heat
+            .total_cmp(&other.heat)
+            .then_with(|| other.code.cmp(&self.code))
+    }
+}
+
+/// One pick in progress: every voucher with an actor here is offered once, then
+/// [`Picker::finish`] adds the watched ones.
+pub(crate) struct Picker<'a> {
+    spotlight: &'a Spotlight,
+    /// Held so that two picks never interleave their writes to [`Heat`].
+    _state: MutexGuard<'a, State>,
+    /// The `top` hottest so far, coldest first out.
+    top: BinaryHeap<Reverse<Ranked>>,
+}
+
+impl Picker<'_> {
+    /// Offers a voucher with the reserves answered for it so far on this node. Its heat is
+    /// what it answered since the last pick plus half its heat then; a voucher new to the
+    /// pick counts everything it answered so far.
+    pub(crate) fn offer(&mut self, code: &str, answered: u64, standing: &Heat) {
+        let before = standing.answered.swap(answered, Ordering::Relaxed);
+        let was = f64::from_bits(standing.heat.load(Ordering::Relaxed));
+        let heat = answered.saturating_sub(before) as f64 + was / 2.0;
+        standing.heat.store(heat.to_bits(), Ordering::Relaxed);
+        let k = self.spotlight.top;
+        if k == 0 {
+            return;
+        }
+        if self.top.len() == k {
+            match self.top.peek() {
+                Some(Reverse(coldest)) if Ranked::beats(heat, code, coldest) => {
+                    self.top.pop();
+                }
+                _ => return,
+            }
+        }
+        self.top.push(Reverse(Ranked {
+            heat,
+            code: code.to_string(),
+        }));
+    }
+
+    /// The vouchers to show until the next pick: the hottest offered, then every watched one
+    /// (`watched`, from the ledger, and the configured ones), in code order. What is exported
+    /// of them is told back with [`Spotlight::exported`].
+    pub(crate) fn finish(self, watched: &[String]) -> Vec<String> {
+        let mut picked: HashSet<String> = self.top.into_iter().map(|Reverse(r)| r.code).collect();
+        picked.extend(watched.iter().cloned());
+        picked.extend(self.spotlight.configured.iter().cloned());
+        let mut codes: Vec<String> = picked.into_iter().collect();
+        codes.sort();
+        codes
+    }
 }
 
 impl Spotlight {
@@ -36,36 +130,14 @@ impl Spotlight {
         }
     }
 
-    /// Picks the vouchers to show until the next pick: the `top` hottest of `active` (each a
-    /// code with the reserves answered for it so far on this node), then every watched one
-    /// (`watched`, from the ledger, and the configured ones). Returns them in code order; what
-    /// is exported of them is told back with [`Spotlight::exported`].
-    pub(crate) fn pick<'a>(
-        &self,
-        active: impl Iterator<Item = (&'a str, u64)>,
-        watched: &[String],
-    ) -> Vec<String> {
-        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let mut heat: HashMap<String, (u64, f64)> = HashMap::new();
-        for (code, answered) in active {
-            // A voucher new to the pick counts everything it answered so far.
-            let (before, was) = state.heat.get(code).copied().unwrap_or((0, 0.0));
-            let now = answered.saturating_sub(before) as f64 + was / 2.0;
-            heat.insert(code.to_string(), (answered, now));
+    /// Starts a pick: offer it every voucher with an actor here, then finish it. The work is
+    /// one atomic swap per voucher and a heap of `top`: a code is copied only while it ranks.
+    pub(crate) fn picker(&self) -> Picker<'_> {
+        Picker {
+            spotlight: self,
+            _state: self.state.lock().unwrap_or_else(|e| e.into_inner()),
+            top: BinaryHeap::with_capacity(self.top + 1),
         }
-        let mut ranked: Vec<(&String, f64)> = heat.iter().map(|(c, (_, h))| (c, *h)).collect();
-        ranked.sort_by(|a, b| b.1.total_cmp(&a.1).then_with(|| a.0.cmp(b.0)));
-        let mut picked: HashSet<String> = ranked
-            .into_iter()
-            .take(self.top)
-            .map(|(c, _)| c.clone())
-            .collect();
-        picked.extend(watched.iter().cloned());
-        picked.extend(self.configured.iter().cloned());
-        state.heat = heat;
-        let mut codes: Vec<String> = picked.into_iter().collect();
-        codes.sort();
-        codes
     }
 
     /// The picked vouchers that were exported (their sale started): the reconciler gives these
@@ -94,37 +166,51 @@ impl Spotlight {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::HashMap;
 
-    fn pick(s: &Spotlight, active: &[(&str, u64)], watched: &[&str]) -> Vec<String> {
+    /// A pick over `active`, each voucher's standing kept in `heat` between picks (a voucher
+    /// missing from `active` left the node: its standing goes with it).
+    fn pick(
+        s: &Spotlight,
+        heat: &mut HashMap<String, Heat>,
+        active: &[(&str, u64)],
+        watched: &[&str],
+    ) -> Vec<String> {
+        heat.retain(|c, _| active.iter().any(|(a, _)| a == c));
+        let mut p = s.picker();
+        for (code, answered) in active {
+            p.offer(code, *answered, heat.entry(code.to_string()).or_default());
+        }
         let watched: Vec<String> = watched.iter().map(|c| c.to_string()).collect();
-        s.pick(active.iter().copied(), &watched)
+        p.finish(&watched)
     }
 
     #[test]
     fn the_hottest_and_the_watched_are_shown_and_nothing_else() {
         let s = Spotlight::new(2, vec!["CONF".into()]);
+        let mut h = HashMap::new();
         // First pick: everyone's heat is zero; ties go by code.
         assert_eq!(
-            pick(&s, &[("A", 0), ("B", 0), ("C", 0)], &["W"]),
+            pick(&s, &mut h, &[("A", 0), ("B", 0), ("C", 0)], &["W"]),
             ["A", "B", "CONF", "W"]
         );
         // C gets the traffic: it is shown, the coldest of the others is not.
         assert_eq!(
-            pick(&s, &[("A", 5), ("B", 0), ("C", 100)], &[]),
+            pick(&s, &mut h, &[("A", 5), ("B", 0), ("C", 100)], &[]),
             ["A", "C", "CONF"]
         );
         s.exported(["A", "C"].into_iter());
         assert!(s.shows("C") && !s.shows("B"));
         // Traffic moves to B; C's heat halves each round without it.
         assert_eq!(
-            pick(&s, &[("A", 5), ("B", 80), ("C", 100)], &[]),
+            pick(&s, &mut h, &[("A", 5), ("B", 80), ("C", 100)], &[]),
             ["B", "C", "CONF"]
         );
         assert_eq!(
-            pick(&s, &[("A", 5), ("B", 200), ("C", 100)], &[]),
+            pick(&s, &mut h, &[("A", 5), ("B", 200), ("C", 100)], &[]),
             ["B", "C", "CONF"]
         );
         // A voucher that left the node (its actor stopped) is forgotten.
-        assert_eq!(pick(&s, &[("A", 5)], &[]), ["A", "CONF"]);
+        assert_eq!(pick(&s, &mut h, &[("A", 5)], &[]), ["A", "CONF"]);
     }
 }

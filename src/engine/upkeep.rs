@@ -118,16 +118,11 @@ impl EngineHandle {
         m::redis_configured(self.node.signals.enabled());
         let now = self.now_ms();
         let watched = self.node.ledger.watched_codes().await?;
-        let active: Vec<(String, u64)> = self
-            .node
-            .registry
-            .iter()
-            .map(|e| (e.key().clone(), e.shared.answered()))
-            .collect();
-        let picked = self
-            .node
-            .spotlight
-            .pick(active.iter().map(|(c, n)| (c.as_str(), *n)), &watched);
+        let mut picker = self.node.spotlight.picker();
+        for e in self.node.registry.iter() {
+            picker.offer(e.key(), e.shared.answered(), &e.shared.heat);
+        }
+        let picked = picker.finish(&watched);
         let units = self
             .node
             .ledger
