@@ -40,6 +40,10 @@ pub(super) const MIGRATIONS: &[(i64, &str)] = &[
         9,
         include_str!("../../../migrations/sqlite/0009_long_tail.sql"),
     ),
+    (
+        10,
+        include_str!("../../../migrations/sqlite/0010_leases_by_voucher.sql"),
+    ),
 ];
 
 impl SqliteLedger {
