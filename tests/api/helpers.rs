@@ -291,6 +291,31 @@ pub async fn blocked_by(pool: &sqlx::PgPool, holder: i32, what: &str) {
     .await;
 }
 
+/// Runs one statement on the ledger at `db_url` (SQLite or PostgreSQL, on a pool of its own
+/// kind) behind the engine's back; the rows it changed.
+pub async fn execute(db_url: &str, sql: &str) -> u64 {
+    macro_rules! on {
+        ($pool:ty) => {{
+            let pool = <$pool>::connect(db_url).await.expect("connect the ledger");
+            let n = sqlx::query(sql)
+                .execute(&pool)
+                .await
+                .unwrap_or_else(|e| panic!("`{sql}`: {e}"))
+                .rows_affected();
+            pool.close().await;
+            n
+        }};
+    }
+    if matches!(
+        vouchers::config::LedgerKind::of(db_url),
+        Ok(vouchers::config::LedgerKind::Sqlite)
+    ) {
+        on!(sqlx::SqlitePool)
+    } else {
+        on!(sqlx::PgPool)
+    }
+}
+
 /// Counts answers by (status, error code).
 pub fn tally(answers: &[Answer]) -> std::collections::BTreeMap<String, usize> {
     let mut t = std::collections::BTreeMap::new();

@@ -459,7 +459,11 @@ mod tests {
         assert!(parts.iter().all(|p| p.len() < 2 * n as usize / PARTS));
         assert_eq!(c.len(), n as usize);
         for customer in 0..n {
-            assert_eq!(c.get(customer), Some(1 + customer % 3), "customer {customer}");
+            assert_eq!(
+                c.get(customer),
+                Some(1 + customer % 3),
+                "customer {customer}"
+            );
         }
         for customer in 0..n {
             c.add(customer, -(1 + customer % 3));
