@@ -316,6 +316,15 @@ pub async fn execute(db_url: &str, sql: &str) -> u64 {
     }
 }
 
+/// The customer an order id of the form `…-o{customer}` was sent for.
+pub fn customer_of(order: &str) -> i64 {
+    order
+        .rsplit("-o")
+        .next()
+        .and_then(|i| i.parse().ok())
+        .unwrap_or_else(|| panic!("no customer in order id {order}"))
+}
+
 /// Counts answers by (status, error code).
 pub fn tally(answers: &[Answer]) -> std::collections::BTreeMap<String, usize> {
     let mut t = std::collections::BTreeMap::new();
