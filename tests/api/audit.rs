@@ -20,6 +20,7 @@ pub struct Row {
     pub status: String,
     /// Released by the expiry sweep (not by a client).
     pub expired: bool,
+    pub created_at: i64,
     pub expires_at: i64,
     pub updated_at: i64,
 }
@@ -86,12 +87,12 @@ const LEASES: &str = "SELECT \
      CAST(COALESCE(SUM(CASE WHEN state = 'ACTIVE' THEN granted - consumed ELSE 0 END), 0) AS BIGINT), \
      CAST(COALESCE(SUM(consumed), 0) AS BIGINT) FROM leases WHERE voucher_code = $1";
 const ROWS: &str = "SELECT order_id, customer_id, status, \
-     CAST(CASE WHEN expired THEN 1 ELSE 0 END AS BIGINT), expires_at, updated_at \
+     CAST(CASE WHEN expired THEN 1 ELSE 0 END AS BIGINT), created_at, expires_at, updated_at \
      FROM reservations WHERE voucher_code = $1";
 const USAGE: &str =
     "SELECT customer_id, CAST(used AS BIGINT) FROM customer_usage WHERE voucher_code = $1";
 
-type RowTuple = (String, i64, String, i64, i64, i64);
+type RowTuple = (String, i64, String, i64, i64, i64, i64);
 
 /// Runs the auditor's queries on one pool (SQLite or PostgreSQL: the SQL is the same), in one
 /// read transaction, so that they see one snapshot even while the engine keeps working.
@@ -184,11 +185,12 @@ impl Books {
         let rows: BTreeMap<String, Row> = rows
             .into_iter()
             .map(
-                |(order, customer, status, expired, expires_at, updated_at)| {
+                |(order, customer, status, expired, created_at, expires_at, updated_at)| {
                     let row = Row {
                         customer,
                         status,
                         expired: expired != 0,
+                        created_at,
                         expires_at,
                         updated_at,
                     };
@@ -229,6 +231,53 @@ impl Books {
             *h.entry(r.customer).or_insert(0) += 1;
         }
         h
+    }
+
+    /// Each customer's most live reservations at any one moment of the sale, from the rows' own
+    /// times: a row is live from `created_at` until its release (`updated_at`), or to the end.
+    /// The times are the nodes' (which follow the ledger's clock), so a row is taken as live only
+    /// from `slack_ms` after its creation: a reserve on one node and a release on another a few
+    /// milliseconds apart are not an overlap, while a row past the limit lives for seconds.
+    pub fn peak_holdings(&self, slack_ms: i64) -> BTreeMap<i64, i64> {
+        let mut edges: BTreeMap<i64, Vec<(i64, i64)>> = BTreeMap::new();
+        for r in self.rows.values() {
+            let (from, to) = (r.created_at + slack_ms, r.updated_at);
+            if r.status == "RELEASED" && to <= from {
+                continue;
+            }
+            let e = edges.entry(r.customer).or_default();
+            e.push((from, 1));
+            if r.status == "RELEASED" {
+                e.push((to, -1));
+            }
+        }
+        edges
+            .into_iter()
+            .map(|(customer, mut e)| {
+                // Ends before starts at the same instant.
+                e.sort();
+                let (mut now, mut peak) = (0, 0);
+                for (_, d) in e {
+                    now += d;
+                    peak = peak.max(now);
+                }
+                (customer, peak)
+            })
+            .collect()
+    }
+
+    /// No customer ever held more than `perUserLimit` at once ([`Books::peak_holdings`]).
+    pub fn assert_limit_held_throughout(&self, code: &str, slack_ms: i64) {
+        let over: BTreeMap<i64, i64> = self
+            .peak_holdings(slack_ms)
+            .into_iter()
+            .filter(|(_, n)| *n > self.per_user_limit)
+            .collect();
+        assert!(
+            over.is_empty(),
+            "{code}: customers held more than {} at once: {over:?}",
+            self.per_user_limit
+        );
     }
 
     /// Every relation of DESIGN §3 that the rows must satisfy; empty when they all hold. Each
