@@ -56,14 +56,51 @@ async fn leased(l: &SharedLedger, code: &str, node: &str, units: i64) -> ledger:
         .expect("granted")
 }
 
+tokio::task_local! {
+    /// The URL of the ledger under the conformance suite, for the independent auditor (none for
+    /// the in-memory model ledger, which has no rows to read).
+    static AUDIT_URL: Option<String>;
+}
+
+/// The voucher's counters, once the books balance: judged by the independent auditor from the
+/// rows where there are rows (SQLite, PostgreSQL), and checked to agree with the counters the
+/// ledger reports. The model ledger, which has no rows, is judged by its own reconciler.
 async fn balanced(l: &SharedLedger, code: &str) -> ledger::Counters {
     let c = l.counters(code).await.unwrap().expect("voucher exists");
-    assert!(c.balanced, "{code} does not balance: {c:?}");
+    match AUDIT_URL.try_with(Clone::clone).ok().flatten() {
+        Some(url) => {
+            let b = crate::audit::books(&url, code).await;
+            b.assert_balanced(code);
+            assert_eq!(
+                (
+                    c.total_limit,
+                    c.free + c.leased_unused,
+                    c.reserved,
+                    c.confirmed,
+                    c.released
+                ),
+                (
+                    b.total,
+                    b.free + b.leased_unused,
+                    b.reserved,
+                    b.confirmed,
+                    b.released
+                ),
+                "{code}: the ledger's counters differ from the rows: {c:?} vs {b:?}"
+            );
+        }
+        None => assert!(c.balanced, "{code} does not balance: {c:?}"),
+    }
     c
 }
 
+/// Runs every check against one ledger whose rows are at `url` (`None`: the model ledger).
+pub async fn conformance_at(l: SharedLedger, url: Option<String>) {
+    AUDIT_URL.scope(url, conformance(l)).await;
+}
+
 /// Runs every check against one ledger.
-pub async fn conformance(l: SharedLedger) {
+async fn conformance(l: SharedLedger) {
     grants_never_exceed_free(&l).await;
     batches_apply_idempotency_and_limits(&l).await;
     the_fence_stops_batches_on_dead_or_full_leases(&l).await;
@@ -1261,7 +1298,7 @@ async fn sqlite_ledger_conforms() {
     let dir = temp_dir("ledger");
     let url = format!("sqlite://{}/l.db", dir.display());
     let l = ledger::connect(&url, 4).await.unwrap();
-    conformance(l).await;
+    conformance_at(l, Some(url.clone())).await;
     let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
     let traces: i64 = sqlx::query_scalar(UNTOUCHED_USAGE)
         .fetch_one(&pool)
@@ -1385,7 +1422,7 @@ async fn sqlite_usage_comes_back_from_the_rows_and_follows_them() {
 #[tokio::test]
 async fn model_ledger_conforms() {
     let l: SharedLedger = std::sync::Arc::new(ledger::model::ModelLedger::new("model"));
-    conformance(l.clone()).await;
+    conformance_at(l.clone(), None).await;
     for (code, customer) in [("M2", 20), ("M4", 40), ("X1", 50), ("X2", 60)] {
         let usage = l.customer_usage(code, &[customer]).await.unwrap();
         assert!(
@@ -1421,7 +1458,7 @@ async fn postgres_ledger_conforms() {
         return;
     };
     let l = ledger::connect(&url, 8).await.unwrap();
-    conformance(l).await;
+    conformance_at(l, Some(url.clone())).await;
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
     let traces: i64 = sqlx::query_scalar(UNTOUCHED_USAGE)
         .fetch_one(&pool)
