@@ -318,6 +318,7 @@ fn register_catalogue() {
     for result in ["ok", "failed"] {
         counter!(LEDGER_COMMITS, "result" => result).increment(0);
     }
+    gauge!(COMMITS_IN_FLIGHT).increment(0.0);
     counter!(RECONCILE_MISMATCHES).increment(0);
     counter!(USAGE_LOADS).increment(0);
     counter!(USAGE_LOADED_ROWS).increment(0);
