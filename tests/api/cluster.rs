@@ -14,7 +14,8 @@ use serde_json::{json, Value};
 
 use crate::audit::{books, Seen};
 use crate::helpers::{
-    client, create_voucher, eventually, metrics_text, send, try_reserve, Answer, Node, TOKEN,
+    client, create_voucher, eventually, fenced, metrics_text, send, try_reserve, Answer, Node,
+    TOKEN,
 };
 use crate::ledger::fresh_pg_schema;
 use crate::proxy::Proxy;
@@ -27,6 +28,13 @@ struct Cluster {
 
 fn redis_url() -> Option<String> {
     crate::helpers::service_url("TEST_REDIS_URL")
+}
+
+/// The guard of every test that needs both services (marked, each, with the same
+/// `cfg_attr(any(no_test_pg, no_test_redis), ignore)`): a fresh PostgreSQL schema named for
+/// `tag` and the Redis URL, or `None` (the test returns) where a service is not set.
+async fn services(tag: &str) -> Option<(String, String)> {
+    Some((fresh_pg_schema(tag).await?, redis_url()?))
 }
 
 /// Host and port of a `scheme://[user@]host:port/...` URL.
@@ -80,8 +88,7 @@ impl Cluster {
     }
 
     async fn create(&self, code: &str, total: i64, per_user: i64) {
-        let body = json!({"code": code, "discountAmount": 100, "totalLimit": total, "perUserLimit": per_user,
-                          "startsAt": "2020-01-01T00:00:00Z", "endsAt": "2099-01-01T00:00:00Z"});
+        let body = crate::helpers::voucher_body(code, total, per_user);
         let (s, b) = create_voucher(&self.client, &self.base(0), &body).await;
         assert_eq!(s, 201, "{b}");
         // Every node learns the code by the UPDATED signal, or by its next read of the codes
@@ -201,7 +208,7 @@ fn count(answers: &[(usize, String, Option<Answer>)], status: u16) -> usize {
     ignore = "needs TEST_DATABASE_URL and TEST_REDIS_URL; .ci/run sets them"
 )]
 async fn three_nodes_uneven_traffic_sell_every_unit_exactly_once() {
-    let (Some(db), Some(redis)) = (fresh_pg_schema("uneven").await, redis_url()) else {
+    let Some((db, redis)) = services("uneven").await else {
         return;
     };
     let cluster = Cluster::start(3, &db, &redis, &[]).await;
@@ -260,7 +267,7 @@ async fn three_nodes_uneven_traffic_sell_every_unit_exactly_once() {
     ignore = "needs TEST_DATABASE_URL and TEST_REDIS_URL; .ci/run sets them"
 )]
 async fn per_customer_limit_and_order_idempotency_hold_across_nodes() {
-    let (Some(db), Some(redis)) = (fresh_pg_schema("percust").await, redis_url()) else {
+    let Some((db, redis)) = services("percust").await else {
         return;
     };
     let cluster = Cluster::start(3, &db, &redis, &[]).await;
@@ -312,7 +319,7 @@ async fn per_customer_limit_and_order_idempotency_hold_across_nodes() {
     ignore = "needs TEST_DATABASE_URL and TEST_REDIS_URL; .ci/run sets them"
 )]
 async fn a_killed_node_loses_nothing_and_its_units_are_sold_by_the_others() {
-    let (Some(db), Some(redis)) = (fresh_pg_schema("kill").await, redis_url()) else {
+    let Some((db, redis)) = services("kill").await else {
         return;
     };
     // Leases outlive the test (10 minutes): only the dead node's missing heartbeat can bring its
@@ -446,7 +453,7 @@ async fn a_killed_node_loses_nothing_and_its_units_are_sold_by_the_others() {
     ignore = "needs TEST_DATABASE_URL and TEST_REDIS_URL; .ci/run sets them"
 )]
 async fn a_paused_node_is_fenced_after_its_lease_is_reaped() {
-    let (Some(db), Some(redis)) = (fresh_pg_schema("pause").await, redis_url()) else {
+    let Some((db, redis)) = services("pause").await else {
         return;
     };
     let env = [
@@ -557,7 +564,7 @@ async fn a_paused_node_is_fenced_after_its_lease_is_reaped() {
     ignore = "needs TEST_DATABASE_URL and TEST_REDIS_URL; .ci/run sets them"
 )]
 async fn a_batch_formed_before_its_lease_was_reaped_is_fenced() {
-    let (Some(db), Some(redis)) = (fresh_pg_schema("fence").await, redis_url()) else {
+    let Some((db, redis)) = services("fence").await else {
         return;
     };
     let proxy = Proxy::start(&host_port(&db)).await;
@@ -594,10 +601,7 @@ async fn a_batch_formed_before_its_lease_was_reaped_is_fenced() {
     .expect("node 0 holds one active lease");
     const N: i64 = 4;
     assert!(unused >= N, "node 0's lease has {unused} unused units");
-    let fenced = |c: awc::Client, base: String| async move {
-        let m = metrics_text(&c, &base).await;
-        crate::helpers::metric_sum(&m, "vouchers_lease_events_total", &["event=\"fenced\""])
-    };
+    let fenced = |c: awc::Client, base: String| async move { fenced(&c, &base).await };
     assert_eq!(fenced(cluster.client.clone(), node0.clone()).await, 0.0);
 
     proxy.freeze();
@@ -687,7 +691,7 @@ async fn a_batch_formed_before_its_lease_was_reaped_is_fenced() {
     ignore = "needs TEST_DATABASE_URL and TEST_REDIS_URL; .ci/run sets them"
 )]
 async fn pausing_on_one_node_stops_every_node() {
-    let (Some(db), Some(redis)) = (fresh_pg_schema("pausev").await, redis_url()) else {
+    let Some((db, redis)) = services("pausev").await else {
         return;
     };
     let cluster = Cluster::start(3, &db, &redis, &[]).await;
@@ -784,7 +788,7 @@ async fn pausing_on_one_node_stops_every_node() {
     ignore = "needs TEST_DATABASE_URL and TEST_REDIS_URL; .ci/run sets them"
 )]
 async fn losing_redis_mid_sale_keeps_selling_correctly() {
-    let (Some(db), Some(redis)) = (fresh_pg_schema("noredis").await, redis_url()) else {
+    let Some((db, redis)) = services("noredis").await else {
         return;
     };
     let proxy = Proxy::start(&host_port(&redis)).await;
@@ -836,7 +840,7 @@ async fn losing_redis_mid_sale_keeps_selling_correctly() {
     ignore = "needs TEST_DATABASE_URL and TEST_REDIS_URL; .ci/run sets them"
 )]
 async fn losing_postgres_fails_fast_and_recovers() {
-    let (Some(db), Some(redis)) = (fresh_pg_schema("nopg").await, redis_url()) else {
+    let Some((db, redis)) = services("nopg").await else {
         return;
     };
     let proxy = Proxy::start(&host_port(&db)).await;
@@ -1231,7 +1235,7 @@ async fn all_answer(
     ignore = "needs TEST_DATABASE_URL and TEST_REDIS_URL; .ci/run sets them"
 )]
 async fn switches_reach_every_node_by_signal() {
-    let (Some(db), Some(redis)) = (fresh_pg_schema("swsig").await, redis_url()) else {
+    let Some((db, redis)) = services("swsig").await else {
         return;
     };
     let env = [("VOUCHERS__JOBS__SWITCHES_INTERVAL_MS", "3600000")];
@@ -1316,7 +1320,7 @@ async fn switches_reach_every_node_by_signal() {
     ignore = "needs TEST_DATABASE_URL and TEST_REDIS_URL; .ci/run sets them"
 )]
 async fn switches_reach_every_node_through_the_ledger_without_redis() {
-    let (Some(db), Some(redis)) = (fresh_pg_schema("switches").await, redis_url()) else {
+    let Some((db, redis)) = services("switches").await else {
         return;
     };
     let proxy = Proxy::start(&host_port(&redis)).await;
@@ -1384,7 +1388,7 @@ async fn switches_reach_every_node_through_the_ledger_without_redis() {
     ignore = "needs TEST_DATABASE_URL and TEST_REDIS_URL; .ci/run sets them"
 )]
 async fn every_node_is_warm_before_the_start_and_on_a_warm_up() {
-    let (Some(db), Some(redis)) = (fresh_pg_schema("preheat").await, redis_url()) else {
+    let Some((db, redis)) = services("preheat").await else {
         return;
     };
     let cluster = Cluster::start(
@@ -1413,11 +1417,8 @@ async fn every_node_is_warm_before_the_start_and_on_a_warm_up() {
     // An operator's warm-up on one node reaches the others (WARM signal).
     let warmup = code("WARMUP");
     cluster.create(&warmup, 1000, 1).await;
-    let url = format!("{}/admin/vouchers/{warmup}/warm", cluster.base(0));
     assert_eq!(
-        send(&cluster.client, "POST", &url, Some(TOKEN), None)
-            .await
-            .0,
+        crate::helpers::warm(&cluster.client, &cluster.base(0), &warmup).await,
         204
     );
     eventually("every node holds a lease", Duration::from_secs(10), || {
@@ -1476,7 +1477,7 @@ async fn every_node_is_warm_before_the_start_and_on_a_warm_up() {
     ignore = "needs TEST_DATABASE_URL and TEST_REDIS_URL; .ci/run sets them"
 )]
 async fn sold_out_and_restock_travel_between_nodes_by_signal() {
-    let (Some(db), Some(redis)) = (fresh_pg_schema("soldsig").await, redis_url()) else {
+    let Some((db, redis)) = services("soldsig").await else {
         return;
     };
     // Probes far apart: only the signals can move node 1's flag within the test.
@@ -1593,7 +1594,7 @@ async fn sold_out_and_restock_travel_between_nodes_by_signal() {
     ignore = "needs TEST_DATABASE_URL and TEST_REDIS_URL; .ci/run sets them"
 )]
 async fn a_dry_node_recalls_the_units_another_node_holds_idle() {
-    let (Some(db), Some(redis)) = (fresh_pg_schema("recall").await, redis_url()) else {
+    let Some((db, redis)) = services("recall").await else {
         return;
     };
     // Idle leases are never returned by time here: only a RECALL can free node 1's units.
@@ -1681,7 +1682,7 @@ async fn try_send(c: &awc::Client, method: &str, url: &str) -> Option<u16> {
     ignore = "needs TEST_DATABASE_URL and TEST_REDIS_URL; .ci/run sets them"
 )]
 async fn the_feed_holds_every_change_once_in_order_through_a_sigkill() {
-    let (Some(db), Some(redis)) = (fresh_pg_schema("feed").await, redis_url()) else {
+    let Some((db, redis)) = services("feed").await else {
         return;
     };
     let waves: i64 = std::env::var("FEED_RUN_WAVES")
@@ -2002,7 +2003,7 @@ async fn the_feed_holds_every_change_once_in_order_through_a_sigkill() {
     ignore = "needs TEST_DATABASE_URL and TEST_REDIS_URL; .ci/run sets them"
 )]
 async fn a_rolling_restart_under_one_node_id_fences_nobody() {
-    let (Some(db), Some(redis)) = (fresh_pg_schema("rolling").await, redis_url()) else {
+    let Some((db, redis)) = services("rolling").await else {
         return;
     };
     // Idle leases stay, and a slow beat on this busy machine is not death: what the processes
@@ -2061,10 +2062,7 @@ async fn a_rolling_restart_under_one_node_id_fences_nobody() {
     .await;
     assert_eq!(count(&both, 201), 200, "both processes sell side by side");
     // The old process stops gracefully while the new one sells on.
-    let old_pid = cluster.nodes[0].pid();
-    unsafe { libc::kill(old_pid, libc::SIGTERM) };
-    let status = cluster.nodes[0].wait();
-    assert!(status.success(), "clean exit: {status:?}");
+    cluster.nodes[0].stop();
     let last = flood(
         &cluster.client,
         std::slice::from_ref(&new),
@@ -2086,9 +2084,8 @@ async fn a_rolling_restart_under_one_node_id_fences_nobody() {
         leases.iter().any(|(h, s)| h == "node-0#2" && s == "ACTIVE"),
         "the new process still holds its lease: {leases:?}"
     );
-    let m = metrics_text(&cluster.client, &new).await;
     assert_eq!(
-        crate::helpers::metric_sum(&m, "vouchers_lease_events_total", &["event=\"fenced\""]),
+        fenced(&cluster.client, &new).await,
         0.0,
         "no batch of the new process was fenced"
     );
@@ -2114,7 +2111,7 @@ async fn a_rolling_restart_under_one_node_id_fences_nobody() {
 async fn restarting_every_node_in_turn_during_a_flood_loses_and_fences_nothing() {
     use std::cell::RefCell;
     use std::collections::BTreeSet;
-    let (Some(db), Some(redis)) = (fresh_pg_schema("rollall").await, redis_url()) else {
+    let Some((db, redis)) = services("rollall").await else {
         return;
     };
     // Three nodes, PostgreSQL, the flood and the rest of the suite share two cores: a live node
@@ -2131,13 +2128,7 @@ async fn restarting_every_node_in_turn_during_a_flood_loses_and_fences_nothing()
         cluster.bases().into_iter().enumerate().collect(),
     ));
     let restarted = Rc::new(Cell::new(false));
-    let fenced = |c: awc::Client, base: String| async move {
-        crate::helpers::metric_sum(
-            &metrics_text(&c, &base).await,
-            "vouchers_lease_events_total",
-            &["event=\"fenced\""],
-        )
-    };
+    let fenced = |c: awc::Client, base: String| async move { fenced(&c, &base).await };
     let pool = cluster.pg().await;
     let traffic = {
         let (client, code, live, restarted, pool) = (
@@ -2216,9 +2207,7 @@ async fn restarting_every_node_in_turn_during_a_flood_loses_and_fences_nothing()
                     "node {i}'s old process had a batch fenced"
                 );
                 let mut old = old;
-                unsafe { libc::kill(old.pid(), libc::SIGTERM) };
-                let status = old.wait();
-                assert!(status.success(), "node {i}: clean exit: {status:?}");
+                old.stop();
             }
             restarted.set(true);
         }
@@ -2271,7 +2260,7 @@ async fn restarting_every_node_in_turn_during_a_flood_loses_and_fences_nothing()
     ignore = "needs TEST_DATABASE_URL and TEST_REDIS_URL; .ci/run sets them"
 )]
 async fn a_node_whose_clock_runs_ahead_follows_the_ledger_and_reaps_no_live_lease() {
-    let (Some(db), Some(redis)) = (fresh_pg_schema("skew").await, redis_url()) else {
+    let Some((db, redis)) = services("skew").await else {
         return;
     };
     // A slow beat on this busy machine is not death here: only the TTL reaper is on trial.
@@ -2339,9 +2328,8 @@ async fn a_node_whose_clock_runs_ahead_follows_the_ledger_and_reaps_no_live_leas
     .unwrap();
     assert_eq!(reaped, 0, "no live lease was reaped");
     for base in &bases {
-        let m = metrics_text(&cluster.client, base).await;
         assert_eq!(
-            crate::helpers::metric_sum(&m, "vouchers_lease_events_total", &["event=\"fenced\""]),
+            fenced(&cluster.client, base).await,
             0.0,
             "{base}: no batch fenced"
         );
@@ -2367,7 +2355,7 @@ async fn a_node_whose_clock_runs_ahead_follows_the_ledger_and_reaps_no_live_leas
 )]
 async fn churn_on_three_nodes_through_a_sigkill_ends_on_balanced_books() {
     use crate::audit::Seen;
-    let (Some(db), Some(redis)) = (fresh_pg_schema("churn").await, redis_url()) else {
+    let Some((db, redis)) = services("churn").await else {
         return;
     };
     let env = [

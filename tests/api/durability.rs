@@ -6,12 +6,9 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use futures_util::future::join_all;
-use serde_json::json;
 
 use crate::audit::Seen;
-use crate::helpers::{
-    client, create_voucher, eventually, send, temp_dir, try_reserve, Node, TOKEN,
-};
+use crate::helpers::{client, create_voucher, eventually, send, temp_dir, try_reserve, Node};
 
 const FAST_LEASES: [(&str, &str); 4] = [
     ("VOUCHERS__ENGINE__LEASE_TTL_MS", "2000"),
@@ -26,8 +23,7 @@ async fn acknowledged_reservations_survive_sigkill() {
     let db = format!("sqlite://{}/ledger.db", dir.display());
     let mut node = Node::start(&db, &FAST_LEASES).await;
     let c = client();
-    let body = json!({"code": "DUR", "discountAmount": 100, "totalLimit": 1000, "perUserLimit": 1,
-                      "startsAt": "2020-01-01T00:00:00Z", "endsAt": "2099-01-01T00:00:00Z"});
+    let body = crate::helpers::voucher_body("DUR", 1000, 1);
     assert_eq!(create_voucher(&c, &node.base, &body).await.0, 201);
 
     // 32 clients send distinct customers without pause until the process is gone; it dies
@@ -154,17 +150,9 @@ async fn a_graceful_stop_returns_every_unused_unit() {
     let db = format!("sqlite://{}/ledger.db", dir.display());
     let node = Node::start(&db, &[]).await;
     let c = client();
-    let body = json!({"code": "BYE", "discountAmount": 100, "totalLimit": 500, "perUserLimit": 1});
+    let body = crate::helpers::voucher_body("BYE", 500, 1);
     assert_eq!(create_voucher(&c, &node.base, &body).await.0, 201);
-    let (s, _) = send(
-        &c,
-        "POST",
-        &format!("{}/admin/vouchers/BYE/warm", node.base),
-        Some(TOKEN),
-        None,
-    )
-    .await;
-    assert_eq!(s, 204);
+    assert_eq!(crate::helpers::warm(&c, &node.base, "BYE").await, 204);
     assert_eq!(
         try_reserve(&c, &node.base, "BYE", 1, "bye-1")
             .await
@@ -173,10 +161,8 @@ async fn a_graceful_stop_returns_every_unused_unit() {
     );
     assert!(crate::audit::books(&db, "BYE").await.leased_unused > 0);
     // SIGTERM: stop taking requests, hand leases back, exit.
-    unsafe { libc::kill(node.pid(), libc::SIGTERM) };
     let mut node = node;
-    let status = node.wait();
-    assert!(status.success(), "clean exit: {status:?}");
+    node.stop();
     let books = crate::audit::books(&db, "BYE").await;
     books.assert_matches_clients("BYE", &["bye-1".to_string()].into());
     assert_eq!(
@@ -193,8 +179,7 @@ async fn a_second_embedded_process_on_the_same_ledger_refuses_to_start() {
     let db = format!("sqlite://{}/ledger.db", dir.display());
     let first = Node::start(&db, &[]).await;
     let c = client();
-    let body =
-        json!({"code": "TWICE", "discountAmount": 100, "totalLimit": 100, "perUserLimit": 1});
+    let body = crate::helpers::voucher_body("TWICE", 100, 1);
     assert_eq!(create_voucher(&c, &first.base, &body).await.0, 201);
     assert_eq!(
         crate::helpers::reserve(&c, &first.base, "TWICE", 1, "twice-1")
@@ -205,15 +190,7 @@ async fn a_second_embedded_process_on_the_same_ledger_refuses_to_start() {
     let before = crate::audit::books(&db, "TWICE").await;
     assert!(before.leased_unused > 0, "the first node holds a lease");
 
-    let mut second = std::process::Command::new(env!("CARGO_BIN_EXE_vouchers"))
-        .env(
-            "VOUCHERS__HTTP__PORT",
-            crate::helpers::free_port().to_string(),
-        )
-        .env("VOUCHERS__LEDGER__URL", &db)
-        .env("VOUCHERS__ADMIN__TOKEN", TOKEN)
-        .env("RUST_LOG", "warn")
-        .stdout(std::process::Stdio::null())
+    let mut second = Node::command(&db, crate::helpers::free_port(), &[])
         .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("run a second node");
