@@ -485,7 +485,7 @@ mod tests {
                 let (out, trace) = world::run_round_traced(seed, faults, true);
                 out.violation.is_none() && reaches(&trace)
             });
-            println!("{found}: {hit:?}");
+            eprintln!("{found}: {hit:?}");
         }
     }
 

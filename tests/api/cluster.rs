@@ -2414,7 +2414,7 @@ async fn churn_on_three_nodes_through_a_sigkill_ends_on_balanced_books() {
                 );
                 // Few confirms, so that the units confirmed never use the voucher up: it sells
                 // out again and again while reservations are out, and expiries restock it.
-                let settled = match (i * 2_654_435_761 >> 7) % 20 {
+                let settled = match ((i * 2_654_435_761) >> 7) % 20 {
                     0 => Some((
                         "confirm",
                         try_send(&c, "POST", &format!("{url}/confirm")).await,
