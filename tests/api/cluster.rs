@@ -1434,9 +1434,26 @@ async fn every_node_is_warm_before_the_start_and_on_a_warm_up() {
     let (s, b) = create_voucher(&cluster.client, &cluster.base(1), &body).await;
     assert_eq!(s, 201, "{b}");
     let starts_ms = starts.timestamp_millis();
-    let (s, b) = try_reserve(&cluster.client, &cluster.base(2), &soon, 1, "early")
-        .await
-        .expect("answered");
+    // Node 2 learns the new code by signal or by its next read of the codes (404 until then).
+    let early = RefCell::new(None);
+    eventually("node 2 knows the new code", Duration::from_secs(30), || {
+        let (c, base, soon, early) = (
+            cluster.client.clone(),
+            cluster.base(2),
+            soon.clone(),
+            &early,
+        );
+        async move {
+            let a = try_reserve(&c, &base, &soon, 1, "early")
+                .await
+                .expect("answered");
+            let known = a.0 != 404;
+            *early.borrow_mut() = Some(a);
+            known
+        }
+    })
+    .await;
+    let (s, b) = early.into_inner().expect("an answer");
     let ledger_now: i64 =
         sqlx::query_scalar("SELECT (extract(epoch from clock_timestamp()) * 1000)::BIGINT")
             .fetch_one(&pg)
