@@ -95,7 +95,25 @@ for title in want:
 if len(seen) < len(want):
     sys.exit("per-voucher panels did not follow the sell-out")
 PY
-sleep 3   # two more scrapes after the last request
+# Two more scrapes of every target after the last request: polled on Prometheus's own record of
+# its scrapes (a fixed pause would be too short on a slow machine, and wasted on a fast one).
+python3 - "$prom_port" <<'PY'
+import json, sys, time, urllib.request
+port = sys.argv[1]
+def last_scrapes():
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/targets?state=active") as r:
+        return {t["scrapeUrl"]: t["lastScrape"] for t in json.load(r)["data"]["activeTargets"]}
+def after(mark, what):
+    deadline = time.time() + 30
+    while True:
+        now = last_scrapes()
+        if now and all(now[u] != mark.get(u) for u in now):
+            return now
+        if time.time() > deadline:
+            sys.exit(f"Prometheus did not scrape every target {what} within 30 s")
+        time.sleep(0.1)
+after(after(last_scrapes(), "once more"), "twice more")
+PY
 
 # Every metric of the catalogue (src/metrics.rs) is exported after the runs.
 curl -fsS "http://127.0.0.1:$port/metrics" >"$work/metrics.txt"

@@ -24,6 +24,7 @@ pub const LEASE_GRANTED_UNITS: &str = "vouchers_lease_granted_units_total";
 pub const BATCH_SIZE: &str = "vouchers_batch_size";
 pub const BATCH_COMMIT_SECONDS: &str = "vouchers_batch_commit_duration_seconds";
 pub const LEDGER_COMMITS: &str = "vouchers_ledger_commits_total";
+pub const COMMITS_IN_FLIGHT: &str = "vouchers_ledger_commits_in_flight";
 pub const COMMIT_BATCHES: &str = "vouchers_ledger_commit_batches";
 pub const COMMIT_ROWS: &str = "vouchers_ledger_commit_rows";
 pub const COMMIT_SECONDS: &str = "vouchers_ledger_commit_duration_seconds";
@@ -317,6 +318,7 @@ fn register_catalogue() {
     for result in ["ok", "failed"] {
         counter!(LEDGER_COMMITS, "result" => result).increment(0);
     }
+    gauge!(COMMITS_IN_FLIGHT).increment(0.0);
     counter!(RECONCILE_MISMATCHES).increment(0);
     counter!(USAGE_LOADS).increment(0);
     counter!(USAGE_LOADED_ROWS).increment(0);
@@ -401,9 +403,16 @@ pub fn batch(size: usize, elapsed: Duration) {
     }
 }
 
+/// A merged transaction of the node-wide group committer goes out ([`merged_commit`] when it
+/// ends): the in-flight gauge lets an operator (or a test) see that none is left.
+pub fn merged_commit_started() {
+    gauge!(COMMITS_IN_FLIGHT).increment(1.0);
+}
+
 /// One merged transaction of the node-wide group committer: how many batches (vouchers) and
 /// rows it carried, how long it took, and whether it committed.
 pub fn merged_commit(batches: usize, rows: usize, elapsed: Duration, ok: bool) {
+    gauge!(COMMITS_IN_FLIGHT).decrement(1.0);
     counter!(LEDGER_COMMITS, "result" => if ok { "ok" } else { "failed" }).increment(1);
     histogram!(COMMIT_BATCHES).record(batches as f64);
     histogram!(COMMIT_ROWS).record(rows as f64);

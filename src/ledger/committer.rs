@@ -140,6 +140,7 @@ async fn run(
             jobs.into_iter().map(|j| (j.batch, j.reply)).unzip();
         let n = batches.len();
         let transaction = commit(batches);
+        m::merged_commit_started();
         tokio::spawn(async move {
             let started = Instant::now();
             let result = match tokio::time::timeout(deadline, transaction).await {

@@ -109,6 +109,22 @@ struct State {
     watched: BTreeSet<String>,
 }
 
+/// One voucher's rows, raw: see [`ModelLedger::raw_rows`].
+#[derive(Debug, Clone)]
+pub struct RawRows {
+    pub total_limit: i64,
+    pub per_user_limit: i64,
+    pub free: i64,
+    /// The voucher row's own counters: reserved, confirmed, released.
+    pub kept: [i64; 3],
+    /// Every lease of the voucher: (active, granted, consumed).
+    pub leases: Vec<(bool, i64, i64)>,
+    /// Every reservation of the voucher: (customer, status).
+    pub reservations: Vec<(i64, ReservationStatus)>,
+    /// Each customer's kept usage.
+    pub usage: Vec<(i64, i64)>,
+}
+
 /// The in-memory ledger. Cheap to make: a simulation makes one per run.
 pub struct ModelLedger {
     state: Mutex<State>,
@@ -126,6 +142,37 @@ impl ModelLedger {
             .filter(|(_, l)| l.granted > l.consumed)
             .map(|(id, l)| (*id, l.holder.clone(), l.granted - l.consumed, l.expires_at))
             .collect()
+    }
+
+    /// One voucher's rows as they stand, for a checker that recomputes the books itself (the
+    /// simulator) rather than asking [`super::reconcile`].
+    pub fn raw_rows(&self, code: &str) -> Option<RawRows> {
+        let s = self.state();
+        let v = s.vouchers.get(code)?;
+        Some(RawRows {
+            total_limit: v.voucher.total_limit,
+            per_user_limit: v.voucher.per_user_limit,
+            free: v.free,
+            kept: [v.reserved, v.confirmed, v.released],
+            leases: s
+                .leases
+                .values()
+                .filter(|l| l.voucher_code == code)
+                .map(|l| (l.state == LeaseState::Active, l.granted, l.consumed))
+                .collect(),
+            reservations: s
+                .reservations
+                .values()
+                .filter(|r| r.r.voucher_code == code)
+                .map(|r| (r.r.customer_id, r.r.status))
+                .collect(),
+            usage: s
+                .usage
+                .iter()
+                .filter(|((c, _), _)| c == code)
+                .map(|((_, customer), n)| (*customer, *n))
+                .collect(),
+        })
     }
 
     /// An empty ledger whose feed calls itself `origin`.

@@ -99,18 +99,73 @@ pub(super) fn counters(ledger: &SharedLedger, code: &str) -> Result<Counters, Fi
     }
 }
 
-/// DESIGN §3's accounting equation, recomputed from the rows, and never more sold than the
-/// total; the ACTIVE leases with units left add up to the counters' unused units.
+/// DESIGN §3's accounting equation, recomputed here from the model ledger's rows (not by the
+/// production `ledger::reconcile`, whose verdict this must not take): `total = free + unused in
+/// active leases + reserved + confirmed` with the statuses counted from the reservation rows,
+/// never more sold than the total, every lease's consumption a reservation row, the voucher's
+/// kept counters and each customer's kept usage equal to the rows; and the ACTIVE leases with
+/// units left add up to the unused units.
 pub(super) fn balanced(
-    ledger: &SharedLedger,
+    _ledger: &SharedLedger,
     code: &str,
     model: &ModelLedger,
 ) -> Result<(), Finding> {
-    let c = counters(ledger, code)?;
-    if !c.balanced || c.reserved + c.confirmed > c.total_limit {
-        return Err((
-            format!("accounting: {code} is off: {c:?}"),
-            Some(code.into()),
+    let Some(rows) = model.raw_rows(code) else {
+        return Err((format!("accounting: {code} has no row"), Some(code.into())));
+    };
+    let off = |what: String| Err((format!("accounting: {code}: {what}"), Some(code.into())));
+    let status =
+        |s: ReservationStatus| rows.reservations.iter().filter(|(_, st)| *st == s).count() as i64;
+    let (reserved, confirmed, released) = (
+        status(ReservationStatus::Reserved),
+        status(ReservationStatus::Confirmed),
+        status(ReservationStatus::Released),
+    );
+    let leased_unused: i64 = rows
+        .leases
+        .iter()
+        .filter(|(active, _, _)| *active)
+        .map(|(_, g, c)| g - c)
+        .sum();
+    let consumed: i64 = rows.leases.iter().map(|(_, _, c)| c).sum();
+    if rows.total_limit != rows.free + leased_unused + reserved + confirmed {
+        return off(format!(
+            "total {} != free {} + leased unused {leased_unused} + reserved {reserved} + \
+             confirmed {confirmed}",
+            rows.total_limit, rows.free
+        ));
+    }
+    if reserved + confirmed > rows.total_limit || rows.free < 0 {
+        return off(format!("oversold: {rows:?}"));
+    }
+    if consumed != reserved + confirmed + released {
+        return off(format!(
+            "leases consumed {consumed} != {} reservation rows",
+            reserved + confirmed + released
+        ));
+    }
+    if rows.kept != [reserved, confirmed, released] {
+        return off(format!(
+            "kept counters {:?} != rows {:?}",
+            rows.kept,
+            [reserved, confirmed, released]
+        ));
+    }
+    let mut live: BTreeMap<i64, i64> = BTreeMap::new();
+    for (customer, st) in &rows.reservations {
+        if *st != ReservationStatus::Released {
+            *live.entry(*customer).or_insert(0) += 1;
+        }
+    }
+    let usage: BTreeMap<i64, i64> = rows
+        .usage
+        .iter()
+        .copied()
+        .filter(|(_, n)| *n != 0)
+        .collect();
+    if usage != live {
+        return off(format!(
+            "usage {usage:?} != live rows per customer {live:?}"
         ));
     }
     let leases = model.unused_leases(code);
@@ -118,13 +173,9 @@ pub(super) fn balanced(
     let odd = leases
         .iter()
         .any(|(id, h, u, _)| *id < 1 || h.is_empty() || *u < 1);
-    if unused != c.leased_unused || odd {
-        return Err((
-            format!(
-                "accounting: {code}'s leases {leases:?} do not add up to {} unused",
-                c.leased_unused
-            ),
-            Some(code.into()),
+    if unused != leased_unused || odd {
+        return off(format!(
+            "leases {leases:?} do not add up to {leased_unused} unused"
         ));
     }
     Ok(())

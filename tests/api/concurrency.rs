@@ -132,15 +132,7 @@ async fn overload_is_refused_at_once_with_503_and_retry_after() {
     })
     .await;
     assert_eq!(app.create_voucher("FULL", 100, 1).await.0, 201);
-    let (status, _) = crate::helpers::send(
-        &app.client,
-        "POST",
-        &format!("{}/admin/vouchers/FULL/warm", app.base),
-        Some(crate::helpers::TOKEN),
-        None,
-    )
-    .await;
-    assert_eq!(status, 204);
+    assert_eq!(app.warm("FULL").await, 204);
     let leased = app.balanced_counters("FULL").await["leasedUnused"]
         .as_i64()
         .unwrap_or(0);

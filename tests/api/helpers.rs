@@ -146,12 +146,14 @@ impl TestApp {
     }
 
     pub async fn create_voucher(&self, code: &str, total: i64, per_user: i64) -> Answer {
-        self.create_voucher_with(json!({
-            "code": code, "discountAmount": 100, "minOrderAmount": 1000,
-            "totalLimit": total, "perUserLimit": per_user,
-            "startsAt": "2020-01-01T00:00:00Z", "endsAt": "2099-01-01T00:00:00Z"
-        }))
-        .await
+        let mut body = voucher_body(code, total, per_user);
+        body["minOrderAmount"] = json!(1000);
+        self.create_voucher_with(body).await
+    }
+
+    /// The operator's warm-up of `code` (`POST /admin/vouchers/{code}/warm`); its status.
+    pub async fn warm(&self, code: &str) -> u16 {
+        warm(&self.client, &self.base, code).await
     }
 
     pub async fn create_voucher_with(&self, body: Value) -> Answer {
@@ -224,6 +226,34 @@ pub async fn reserve(
     send(client, "POST", &url, None, Some(&body)).await
 }
 
+/// A voucher on sale from 2020 to 2099: discount 100, no minimum order.
+pub fn voucher_body(code: &str, total: i64, per_user: i64) -> Value {
+    json!({
+        "code": code, "discountAmount": 100, "totalLimit": total, "perUserLimit": per_user,
+        "startsAt": "2020-01-01T00:00:00Z", "endsAt": "2099-01-01T00:00:00Z"
+    })
+}
+
+/// The operator's warm-up of `code` on the node at `base`; its status (204).
+pub async fn warm(client: &awc::Client, base: &str, code: &str) -> u16 {
+    let url = format!("{base}/admin/vouchers/{code}/warm");
+    send(client, "POST", &url, Some(TOKEN), None).await.0
+}
+
+/// An answer's status, error code and reason.
+pub fn error(a: &Answer) -> (u16, Option<&str>, Option<&str>) {
+    (a.0, a.1["error"].as_str(), a.1["reason"].as_str())
+}
+
+/// How many batches the node at `base` had fenced (`vouchers_lease_events_total{event="fenced"}`).
+pub async fn fenced(client: &awc::Client, base: &str) -> f64 {
+    metric_sum(
+        &metrics_text(client, base).await,
+        "vouchers_lease_events_total",
+        &["event=\"fenced\""],
+    )
+}
+
 /// `POST /admin/vouchers` with the test token.
 pub async fn create_voucher(client: &awc::Client, base: &str, body: &Value) -> Answer {
     send(
@@ -291,6 +321,63 @@ pub async fn blocked_by(pool: &sqlx::PgPool, holder: i32, what: &str) {
     .await;
 }
 
+/// Runs one statement on the ledger at `db_url` (SQLite or PostgreSQL, on a pool of its own
+/// kind) behind the engine's back; the rows it changed.
+pub async fn execute(db_url: &str, sql: &str) -> u64 {
+    macro_rules! on {
+        ($pool:ty) => {{
+            let pool = <$pool>::connect(db_url).await.expect("connect the ledger");
+            let n = sqlx::query(sql)
+                .execute(&pool)
+                .await
+                .unwrap_or_else(|e| panic!("`{sql}`: {e}"))
+                .rows_affected();
+            pool.close().await;
+            n
+        }};
+    }
+    if matches!(
+        vouchers::config::LedgerKind::of(db_url),
+        Ok(vouchers::config::LedgerKind::Sqlite)
+    ) {
+        on!(sqlx::SqlitePool)
+    } else {
+        on!(sqlx::PgPool)
+    }
+}
+
+/// The customer an order id of the form `…-o{customer}` was sent for.
+pub fn customer_of(order: &str) -> i64 {
+    order
+        .rsplit("-o")
+        .next()
+        .and_then(|i| i.parse().ok())
+        .unwrap_or_else(|| panic!("no customer in order id {order}"))
+}
+
+/// One number read from the ledger at `db_url` (SQLite or PostgreSQL) with `sql`.
+pub async fn scalar(db_url: &str, sql: &str) -> i64 {
+    macro_rules! on {
+        ($pool:ty) => {{
+            let pool = <$pool>::connect(db_url).await.expect("connect the ledger");
+            let n: i64 = sqlx::query_scalar(sql)
+                .fetch_one(&pool)
+                .await
+                .unwrap_or_else(|e| panic!("`{sql}`: {e}"));
+            pool.close().await;
+            n
+        }};
+    }
+    if matches!(
+        vouchers::config::LedgerKind::of(db_url),
+        Ok(vouchers::config::LedgerKind::Sqlite)
+    ) {
+        on!(sqlx::SqlitePool)
+    } else {
+        on!(sqlx::PgPool)
+    }
+}
+
 /// Counts answers by (status, error code).
 pub fn tally(answers: &[Answer]) -> std::collections::BTreeMap<String, usize> {
     let mut t = std::collections::BTreeMap::new();
@@ -323,10 +410,10 @@ impl Node {
         Self::start_with_args(db_url, env, &[]).await
     }
 
-    pub async fn start_with_args(db_url: &str, env: &[(&str, &str)], args: &[&str]) -> Node {
-        let port = free_port();
+    /// The command that runs the binary on `port` with the ledger at `db_url` and extra
+    /// `VOUCHERS__…` settings (for a test that watches a start fail, as well as for `start`).
+    pub fn command(db_url: &str, port: u16, env: &[(&str, &str)]) -> std::process::Command {
         let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_vouchers"));
-        cmd.args(args);
         cmd.env("VOUCHERS__HTTP__PORT", port.to_string())
             .env("VOUCHERS__HTTP__WORKERS", "1")
             .env("VOUCHERS__LEDGER__URL", db_url)
@@ -336,6 +423,13 @@ impl Node {
         for (k, v) in env {
             cmd.env(k, v);
         }
+        cmd
+    }
+
+    pub async fn start_with_args(db_url: &str, env: &[(&str, &str)], args: &[&str]) -> Node {
+        let port = free_port();
+        let mut cmd = Self::command(db_url, port, env);
+        cmd.args(args);
         let child = cmd.spawn().expect("start the vouchers binary");
         let node = Node {
             child,
@@ -360,6 +454,13 @@ impl Node {
     /// Waits for the process to exit on its own.
     pub fn wait(&mut self) -> std::process::ExitStatus {
         self.child.wait().expect("wait for the node")
+    }
+
+    /// SIGTERM, then waits for the graceful stop; asserts a clean exit.
+    pub fn stop(&mut self) {
+        unsafe { libc::kill(self.pid(), libc::SIGTERM) };
+        let status = self.wait();
+        assert!(status.success(), "clean exit: {status:?}");
     }
 
     pub fn pid(&self) -> i32 {

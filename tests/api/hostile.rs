@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 
 use crate::audit;
 use crate::helpers::{
-    eventually, metric_sum, metrics_text, send, spawn_app, spawn_app_with, tally, Answer, TestApp,
+    error, eventually, metric_sum, metrics_text, send, spawn_app, spawn_app_with, tally, TestApp,
     TOKEN,
 };
 
@@ -36,10 +36,6 @@ async fn create_behind_the_node(app: &TestApp, code: &str) {
         .create_voucher(&v, app.engine.now_ms())
         .await
         .expect("create in the ledger");
-}
-
-fn error(a: &Answer) -> (u16, Option<&str>, Option<&str>) {
-    (a.0, a.1["error"].as_str(), a.1["reason"].as_str())
 }
 
 /// A reserve with extra headers, answering the status, the error code and `Retry-After`.
@@ -440,11 +436,7 @@ async fn a_voucher_sets_its_own_limits_on_create_and_patch() {
         (201, &json!(2), &Value::Null)
     );
     // The node applies a voucher's limits once it holds the voucher (warm-up loads it).
-    let warm = format!("{}/admin/vouchers/OWN/warm", app.base);
-    assert_eq!(
-        send(&app.client, "POST", &warm, Some(TOKEN), None).await.0,
-        204
-    );
+    assert_eq!(app.warm("OWN").await, 204);
     let t = tally(&join_all((1..=5).map(|i| app.reserve("OWN", 7, format!("own-{i}")))).await);
     assert_eq!(
         (t.get("201"), t.get("429 RATE_LIMITED")),

@@ -56,14 +56,51 @@ async fn leased(l: &SharedLedger, code: &str, node: &str, units: i64) -> ledger:
         .expect("granted")
 }
 
+tokio::task_local! {
+    /// The URL of the ledger under the conformance suite, for the independent auditor (none for
+    /// the in-memory model ledger, which has no rows to read).
+    static AUDIT_URL: Option<String>;
+}
+
+/// The voucher's counters, once the books balance: judged by the independent auditor from the
+/// rows where there are rows (SQLite, PostgreSQL), and checked to agree with the counters the
+/// ledger reports. The model ledger, which has no rows, is judged by its own reconciler.
 async fn balanced(l: &SharedLedger, code: &str) -> ledger::Counters {
     let c = l.counters(code).await.unwrap().expect("voucher exists");
-    assert!(c.balanced, "{code} does not balance: {c:?}");
+    match AUDIT_URL.try_with(Clone::clone).ok().flatten() {
+        Some(url) => {
+            let b = crate::audit::books(&url, code).await;
+            b.assert_balanced(code);
+            assert_eq!(
+                (
+                    c.total_limit,
+                    c.free + c.leased_unused,
+                    c.reserved,
+                    c.confirmed,
+                    c.released
+                ),
+                (
+                    b.total,
+                    b.free + b.leased_unused,
+                    b.reserved,
+                    b.confirmed,
+                    b.released
+                ),
+                "{code}: the ledger's counters differ from the rows: {c:?} vs {b:?}"
+            );
+        }
+        None => assert!(c.balanced, "{code} does not balance: {c:?}"),
+    }
     c
 }
 
+/// Runs every check against one ledger whose rows are at `url` (`None`: the model ledger).
+pub async fn conformance_at(l: SharedLedger, url: Option<String>) {
+    AUDIT_URL.scope(url, conformance(l)).await;
+}
+
 /// Runs every check against one ledger.
-pub async fn conformance(l: SharedLedger) {
+async fn conformance(l: SharedLedger) {
     grants_never_exceed_free(&l).await;
     batches_apply_idempotency_and_limits(&l).await;
     the_fence_stops_batches_on_dead_or_full_leases(&l).await;
@@ -1261,7 +1298,7 @@ async fn sqlite_ledger_conforms() {
     let dir = temp_dir("ledger");
     let url = format!("sqlite://{}/l.db", dir.display());
     let l = ledger::connect(&url, 4).await.unwrap();
-    conformance(l).await;
+    conformance_at(l, Some(url.clone())).await;
     let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
     let traces: i64 = sqlx::query_scalar(UNTOUCHED_USAGE)
         .fetch_one(&pool)
@@ -1385,7 +1422,7 @@ async fn sqlite_usage_comes_back_from_the_rows_and_follows_them() {
 #[tokio::test]
 async fn model_ledger_conforms() {
     let l: SharedLedger = std::sync::Arc::new(ledger::model::ModelLedger::new("model"));
-    conformance(l.clone()).await;
+    conformance_at(l.clone(), None).await;
     for (code, customer) in [("M2", 20), ("M4", 40), ("X1", 50), ("X2", 60)] {
         let usage = l.customer_usage(code, &[customer]).await.unwrap();
         assert!(
@@ -1421,7 +1458,7 @@ async fn postgres_ledger_conforms() {
         return;
     };
     let l = ledger::connect(&url, 8).await.unwrap();
-    conformance(l).await;
+    conformance_at(l, Some(url.clone())).await;
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
     let traces: i64 = sqlx::query_scalar(UNTOUCHED_USAGE)
         .fetch_one(&pool)
@@ -1623,6 +1660,108 @@ async fn postgres_returns_lock_vouchers_before_leases() {
     );
     let c = balanced(&l, "LO").await;
     assert_eq!((c.free, c.reserved, c.leased_unused), (9, 1, 0));
+}
+
+/// Expiry's race on PostgreSQL with two sweepers really overlapping: two ledger handles (two
+/// nodes) sweep the same due rows at once. A test transaction holds the voucher row, so each
+/// sweep takes its rows and then waits on it inside its own transaction; only once both are
+/// seen waiting is the row let go. Each due reservation is released, and its unit restocked,
+/// exactly once (the auditor: the kept `released` and `free` against the rows). Checked: with
+/// `FOR UPDATE SKIP LOCKED` taken out of `vouchers_expire`, both sweeps take the same ten rows
+/// and restock them twice, and this fails (the customer's usage goes below zero at the next
+/// sweep, which its CHECK refuses).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    no_test_pg,
+    ignore = "needs TEST_DATABASE_URL (PostgreSQL); .ci/run sets it"
+)]
+async fn two_overlapping_sweepers_on_postgres_expire_each_row_once() {
+    let Some(url) = fresh_pg_schema("sweep").await else {
+        return;
+    };
+    let a = ledger::connect(&url, 2).await.unwrap();
+    let b = ledger::connect(&url, 2).await.unwrap();
+    // One customer holds all 30: a double release would take their usage down twice without
+    // going negative (which a CHECK would refuse), so only the books can tell.
+    a.create_voucher(&voucher("SW", 40, 40), NOW).await.unwrap();
+    let lease = leased(&a, "SW", "n1", 40).await;
+    let spec: Vec<(String, i64)> = (1..=30).map(|i| (format!("sw-{i}"), 1)).collect();
+    let spec: Vec<(&str, i64)> = spec.iter().map(|(o, c)| (o.as_str(), *c)).collect();
+    let out = a
+        .commit_batch(&batch("SW", lease.id, rows(&spec)))
+        .await
+        .unwrap();
+    assert!(out.iter().all(|o| matches!(o, RowOutcome::Created(_))));
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let mut hold = pool.begin().await.unwrap();
+    let holder: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *hold)
+        .await
+        .unwrap();
+    sqlx::query("SELECT 1 FROM vouchers WHERE code = 'SW' FOR UPDATE")
+        .execute(&mut *hold)
+        .await
+        .unwrap();
+    let due = NOW + 900_000;
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(2));
+    let sweep = |l: SharedLedger| {
+        let barrier = barrier.clone();
+        tokio::spawn(async move {
+            barrier.wait().await;
+            l.expire_due(due, 10).await
+        })
+    };
+    let (sa, sb) = (sweep(a.clone()), sweep(b.clone()));
+    // The first waits on the test's lock, the second on the first's (PostgreSQL queues row
+    // lock waiters): both are inside their transactions, their rows taken, neither done.
+    crate::helpers::eventually(
+        "both sweeps wait on the voucher row",
+        std::time::Duration::from_secs(10),
+        || {
+            let pool = pool.clone();
+            async move {
+                let waiting: i64 = sqlx::query_scalar(
+                    "SELECT COUNT(*) FROM pg_stat_activity \
+                     WHERE cardinality(pg_blocking_pids(pid)) > 0 \
+                     AND query LIKE '%vouchers_expire%'",
+                )
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+                waiting == 2
+            }
+        },
+    )
+    .await;
+    let first: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+    )
+    .bind(holder)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(first >= 1, "a sweep waits on the test's lock");
+    hold.rollback().await.unwrap();
+    let units = |r: Result<Vec<ledger::Restock>, LedgerError>| -> i64 {
+        r.unwrap().iter().map(|x| x.units).sum()
+    };
+    let (ua, ub) = (units(sa.await.unwrap()), units(sb.await.unwrap()));
+    assert_eq!((ua, ub), (10, 10), "each sweep released its own ten rows");
+    assert_eq!(units(b.expire_due(due, 1000).await), 10, "the rest");
+    assert_eq!(units(a.expire_due(due, 1000).await), 0, "nothing twice");
+    let books = crate::audit::books(&url, "SW").await;
+    books.assert_balanced("SW");
+    assert!(books.rows.values().all(|r| r.expired), "{books:?}");
+    assert_eq!(
+        (
+            books.released,
+            books.kept_released,
+            books.free,
+            books.leased_unused
+        ),
+        (30, 30, 30, 10),
+        "every unit restocked once: {books:?}"
+    );
 }
 
 /// The whole change feed, read `page` events at a time.

@@ -219,10 +219,7 @@ async fn expiry_releases_each_reservation_exactly_once_even_with_two_sweepers() 
 async fn a_batch_against_a_reaped_lease_is_fenced() {
     let app = spawn_app().await;
     assert_eq!(app.create_voucher("FENCE", 50, 1).await.0, 201);
-    let url = format!("{}/admin/vouchers/FENCE/warm", app.base);
-    let (s, _) =
-        crate::helpers::send(&app.client, "POST", &url, Some(crate::helpers::TOKEN), None).await;
-    assert_eq!(s, 204);
+    assert_eq!(app.warm("FENCE").await, 204);
     let c = app.balanced_counters("FENCE").await;
     let leased = c["leasedUnused"].as_i64().unwrap();
     assert!(leased > 0, "warm-up took a lease: {c}");

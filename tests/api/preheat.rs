@@ -5,7 +5,6 @@ use std::time::Duration;
 
 use chrono::{DateTime, SecondsFormat, Utc};
 use serde_json::json;
-use vouchers::config::LedgerKind;
 
 use crate::audit;
 use crate::helpers::{eventually, spawn_app_with};
@@ -196,21 +195,7 @@ async fn leases_to_sell_out(shared_pg: Option<String>) -> i64 {
         .await
         .assert_balanced("SMALL");
     let sql = "SELECT COUNT(*) FROM leases WHERE voucher_code = 'SMALL'";
-    if matches!(LedgerKind::of(&app.db_url), Ok(LedgerKind::Sqlite)) {
-        let pool = sqlx::SqlitePool::connect(&app.db_url)
-            .await
-            .expect("sqlite");
-        sqlx::query_scalar(sql)
-            .fetch_one(&pool)
-            .await
-            .expect("count")
-    } else {
-        let pool = sqlx::PgPool::connect(&app.db_url).await.expect("pg");
-        sqlx::query_scalar(sql)
-            .fetch_one(&pool)
-            .await
-            .expect("count")
-    }
+    crate::helpers::scalar(&app.db_url, sql).await
 }
 
 /// The end-game divisor spreads a voucher's last units over the nodes that want them. On the

@@ -7,16 +7,12 @@ use serde_json::{json, Value};
 
 use crate::audit;
 use crate::helpers::{
-    eventually, metric_sum, metrics_text, send, spawn_app, Answer, TestApp, TOKEN,
+    error, eventually, metric_sum, metrics_text, send, spawn_app, Answer, TestApp, TOKEN,
 };
 
 async fn put(app: &TestApp, body: Value) -> Answer {
     let url = format!("{}/admin/switches", app.base);
     send(&app.client, "PUT", &url, Some(TOKEN), Some(&body)).await
-}
-
-fn error(a: &Answer) -> (u16, Option<&str>, Option<&str>) {
-    (a.0, a.1["error"].as_str(), a.1["reason"].as_str())
 }
 
 #[actix_web::test]

@@ -248,6 +248,12 @@ pub(super) struct World {
 
 /// Runs round `seed` with the fault kinds of `faults` it draws; `trace` records every step.
 pub fn run_round(seed: u64, faults: Faults, trace: bool) -> RoundOutcome {
+    run_round_traced(seed, faults, trace).0
+}
+
+/// [`run_round`], and the whole trace of the round (empty unless `trace`), whether or not it
+/// failed: a regression seed checks that its round still reaches what it was filed for.
+pub fn run_round_traced(seed: u64, faults: Faults, trace: bool) -> (RoundOutcome, Vec<String>) {
     let mut world = World::new(seed, faults, trace);
     let res = catch_unwind(AssertUnwindSafe(|| world.run()));
     let (at, step) = (world.now, world.out.steps);
@@ -274,9 +280,9 @@ pub fn run_round(seed: u64, faults: Faults, trace: bool) -> RoundOutcome {
         step,
         what,
         code,
-        trace: world.trace.take().unwrap_or_default(),
+        trace: world.trace.clone().unwrap_or_default(),
     });
-    out
+    (out, world.trace.take().unwrap_or_default())
 }
 
 impl World {
