@@ -306,14 +306,16 @@ impl EngineHandle {
         let mut codes: Vec<String> = codes.into_iter().collect();
         codes.sort();
         let mut unbalanced = Vec::new();
-        for code in codes {
+        let mut codes = codes.into_iter();
+        while let Some(code) = codes.next() {
             let shown = self.node.spotlight.shows(&code);
             match reconcile_one(&self.node.ledger, &code, shown).await {
                 Ok(true) => {}
                 Ok(false) => unbalanced.push(code),
                 Err(e) => {
-                    // Recounted at the next run.
+                    // This one and every one not recounted yet: at the next run.
                     self.node.changed(&code);
+                    codes.for_each(|c| self.node.changed(&c));
                     return Err(e.into());
                 }
             }

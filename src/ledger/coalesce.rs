@@ -7,7 +7,10 @@
 //!
 //! One merged call is in flight at a time, so a lone call on an idle node goes at once and
 //! under load the queue fills while the previous call runs. The queue is bounded: full, a call
-//! fails at once with `QueueFull` (`503`), never waits in an unbounded line.
+//! fails at once with `QueueFull` (`503`), never waits in an unbounded line; a call that waited
+//! in it past the deadline fails with `Deadline` without going to the ledger (its caller has
+//! given up). A merged call runs as a task of its own: one that panics fails its calls, not the
+//! loop.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -16,6 +19,7 @@ use std::time::Duration;
 
 use tokio::sync::mpsc::error::TrySendError;
 use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
 
 use super::LedgerError;
 
@@ -31,9 +35,12 @@ pub(crate) type ManyFn<Q, A> = Arc<
 
 type Reply<A> = oneshot::Sender<Result<A, LedgerError>>;
 
+/// A query, where its answer goes, and when it was queued.
+type Queued<Q, A> = (Q, Reply<A>, Instant);
+
 /// The handle callers go through. Cheap to clone.
 pub(crate) struct Coalescer<Q, A> {
-    queue: mpsc::Sender<(Q, Reply<A>)>,
+    queue: mpsc::Sender<Queued<Q, A>>,
 }
 
 impl<Q, A> Clone for Coalescer<Q, A> {
@@ -64,17 +71,19 @@ impl<Q: Send + 'static, A: Send + 'static> Coalescer<Q, A> {
     /// Runs `query` in the next merged call and returns its own answer.
     pub(crate) async fn call(&self, query: Q) -> Result<A, LedgerError> {
         let (reply, answer) = oneshot::channel();
-        self.queue.try_send((query, reply)).map_err(|e| match e {
-            TrySendError::Full(_) => LedgerError::QueueFull,
-            TrySendError::Closed(_) => LedgerError::WorkerGone,
-        })?;
+        self.queue
+            .try_send((query, reply, Instant::now()))
+            .map_err(|e| match e {
+                TrySendError::Full(_) => LedgerError::QueueFull,
+                TrySendError::Closed(_) => LedgerError::WorkerGone,
+            })?;
         answer.await.unwrap_or(Err(LedgerError::WorkerGone))
     }
 }
 
-async fn run<Q, A>(
+async fn run<Q: Send + 'static, A: Send + 'static>(
     many: ManyFn<Q, A>,
-    mut rx: mpsc::Receiver<(Q, Reply<A>)>,
+    mut rx: mpsc::Receiver<Queued<Q, A>>,
     max: usize,
     deadline: Duration,
 ) {
@@ -86,21 +95,41 @@ async fn run<Q, A>(
                 Err(_) => break,
             }
         }
-        let (queries, replies): (Vec<Q>, Vec<Reply<A>>) = calls.into_iter().unzip();
+        let now = Instant::now();
+        let (queries, replies): (Vec<Q>, Vec<Reply<A>>) = calls
+            .into_iter()
+            .filter_map(|(query, reply, queued)| {
+                if now.duration_since(queued) < deadline {
+                    return Some((query, reply));
+                }
+                let _ = reply.send(Err(LedgerError::Deadline));
+                None
+            })
+            .unzip();
         let n = queries.len();
-        let answers = match tokio::time::timeout(deadline, many(queries)).await {
-            Ok(Ok(answers)) if answers.len() == n => answers,
-            Ok(Ok(_)) => {
+        if n == 0 {
+            continue;
+        }
+        let mut call = tokio::spawn(many(queries));
+        let answers = match tokio::time::timeout(deadline, &mut call).await {
+            Ok(Ok(Ok(answers))) if answers.len() == n => answers,
+            Ok(Ok(Ok(_))) => {
                 let e = LedgerError::Inconsistent("a merged call answered the wrong number");
                 tracing::error!(error = %e, calls = n);
                 fail_all(replies, Arc::new(e));
                 continue;
             }
-            Ok(Err(e)) => {
+            Ok(Ok(Err(e))) => {
                 fail_all(replies, Arc::new(e));
                 continue;
             }
+            Ok(Err(panicked)) => {
+                tracing::error!(error = %panicked, calls = n, "a merged ledger call panicked");
+                fail_all(replies, Arc::new(LedgerError::WorkerGone));
+                continue;
+            }
             Err(_) => {
+                call.abort();
                 fail_all(replies, Arc::new(LedgerError::Deadline));
                 continue;
             }
@@ -170,5 +199,56 @@ mod tests {
             c.call(-1).await,
             Err(LedgerError::CommitFailed(_))
         ));
+    }
+
+    /// A merged call that panics fails its own calls and the loop goes on; a call that waited
+    /// in the queue past the deadline fails without reaching the ledger.
+    #[tokio::test(start_paused = true)]
+    async fn a_panic_fails_its_calls_only_and_stale_calls_never_run() {
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let s = seen.clone();
+        let many: ManyFn<i64, i64> = Arc::new(move |qs| {
+            s.lock().unwrap().extend(qs.iter().copied());
+            Box::pin(async move {
+                if qs.contains(&-1) {
+                    panic!("a bug in a merged call");
+                }
+                if qs.contains(&-2) {
+                    // Holds the loop while later calls wait in the queue.
+                    tokio::time::sleep(Duration::from_secs(3)).await;
+                }
+                Ok(qs.into_iter().map(Ok).collect())
+            })
+        });
+        let c = Coalescer::start(
+            &tokio::runtime::Handle::current(),
+            100,
+            Duration::from_secs(2),
+            many,
+        );
+        assert!(matches!(
+            c.call(-1).await,
+            Err(LedgerError::CommitFailed(e)) if matches!(*e, LedgerError::WorkerGone)
+        ));
+        assert_eq!(c.call(7).await.unwrap(), 7, "the loop outlived the panic");
+        // -2 holds the ledger past the deadline; 8, queued behind it, has waited too long by
+        // the time the loop takes it.
+        let slow = tokio::spawn({
+            let c = c.clone();
+            async move { c.call(-2).await }
+        });
+        while !seen.lock().unwrap().contains(&-2) {
+            tokio::task::yield_now().await;
+        }
+        let stale = c.call(8).await;
+        assert!(matches!(stale, Err(LedgerError::Deadline)), "{stale:?}");
+        assert!(matches!(
+            slow.await.unwrap(),
+            Err(LedgerError::CommitFailed(_))
+        ));
+        assert!(
+            !seen.lock().unwrap().contains(&8),
+            "a stale call reached the ledger"
+        );
     }
 }

@@ -64,6 +64,9 @@ impl NodeLedger {
     /// there.
     pub fn start(inner: SharedLedger, rt: Handle, settings: &LedgerSettings) -> Self {
         let deadline = std::time::Duration::from_millis(settings.timeout_ms.max(1));
+        // The merged calls' own deadline runs inside the breaker (a hung ledger counts as a
+        // failure there); the coalescers' is a backstop behind it.
+        let backstop = deadline + std::time::Duration::from_secs(1);
         let breaker = Arc::new(Breaker::new(
             settings.breaker_failures,
             settings.breaker_open_ms,
@@ -84,11 +87,13 @@ impl NodeLedger {
         let reads = Coalescer::start(
             &rt,
             MAX_MERGED_CALLS,
-            deadline,
+            backstop,
             Arc::new(move |codes: Vec<String>| {
                 let (ledger, guard) = (ledger.clone(), guard.clone());
                 Box::pin(async move {
-                    let found = guard.call(ledger.vouchers(&codes)).await?;
+                    let found = guard
+                        .call(within(deadline, ledger.vouchers(&codes)))
+                        .await?;
                     Ok(codes
                         .iter()
                         .map(|c| Ok(found.iter().find(|v| &v.code == c).cloned()))
@@ -100,21 +105,46 @@ impl NodeLedger {
         let grants = Coalescer::start(
             &rt,
             MAX_MERGED_CALLS,
-            deadline,
+            backstop,
             Arc::new(move |asks: Vec<GrantAsk>| {
                 let (ledger, guard) = (ledger.clone(), guard.clone());
-                Box::pin(async move { guard.call(ledger.grant_many(&asks)).await })
+                Box::pin(async move {
+                    match guard.call(within(deadline, ledger.grant_many(&asks))).await {
+                        // The ledger refused the merged grant (a lock wait that timed out on one
+                        // busy voucher, a check): that must not fail every voucher in it, so
+                        // each goes again on its own.
+                        Err(LedgerError::Database { .. }) if asks.len() > 1 => {
+                            let mut answers = Vec::with_capacity(asks.len());
+                            for ask in &asks {
+                                let one = std::slice::from_ref(ask);
+                                answers.push(
+                                    match guard.call(within(deadline, ledger.grant_many(one))).await
+                                    {
+                                        Ok(mut got) => got.pop().unwrap_or(Err(
+                                            LedgerError::Inconsistent("a grant left unanswered"),
+                                        )),
+                                        Err(e) => Err(e),
+                                    },
+                                );
+                            }
+                            Ok(answers)
+                        }
+                        other => other,
+                    }
+                })
             }),
         );
         let (ledger, guard) = (inner.clone(), breaker.clone());
         let returns = Coalescer::start(
             &rt,
             MAX_MERGED_CALLS,
-            deadline,
+            backstop,
             Arc::new(move |leases: Vec<(i64, Millis)>| {
                 let (ledger, guard) = (ledger.clone(), guard.clone());
                 Box::pin(async move {
-                    let answers = guard.call(ledger.return_leases(&leases)).await?;
+                    let answers = guard
+                        .call(within(deadline, ledger.return_leases(&leases)))
+                        .await?;
                     Ok(answers.into_iter().map(Ok).collect())
                 })
             }),
@@ -123,10 +153,14 @@ impl NodeLedger {
         let creates = Coalescer::start(
             &rt,
             MAX_MERGED_CALLS,
-            deadline,
+            backstop,
             Arc::new(move |vouchers: Vec<(Voucher, Millis)>| {
                 let (ledger, guard) = (ledger.clone(), guard.clone());
-                Box::pin(async move { guard.call(ledger.create_vouchers(&vouchers)).await })
+                Box::pin(async move {
+                    guard
+                        .call(within(deadline, ledger.create_vouchers(&vouchers)))
+                        .await
+                })
             }),
         );
         Self {
@@ -474,6 +508,16 @@ impl Ledger for NodeLedger {
         self.run(move |l| async move { l.set_watched(&code, watched).await })
             .await
     }
+}
+
+/// `call` within `deadline`, else `Deadline`.
+async fn within<T>(
+    deadline: std::time::Duration,
+    call: impl Future<Output = Result<T, LedgerError>>,
+) -> Result<T, LedgerError> {
+    tokio::time::timeout(deadline, call)
+        .await
+        .unwrap_or(Err(LedgerError::Deadline))
 }
 
 #[cfg(test)]

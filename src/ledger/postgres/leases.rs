@@ -90,22 +90,23 @@ impl PostgresLedger {
     }
 
     /// [`Ledger::grant_many`](crate::ledger::Ledger::grant_many): one statement, so one round
-    /// trip and one commit for every grant. The vouchers are locked in code order (as every
-    /// transaction that locks several does), whatever the order of `asks`.
+    /// trip and one commit for every grant. The vouchers are locked in code order by the
+    /// database's own collation (`ORDER BY a.code`), as every transaction that locks several
+    /// does: an order taken in Rust (bytes) differs from it under a collation such as
+    /// `en_US.utf8` (`A-C`, `AB`), and two transactions locking in the two orders deadlock.
     pub(super) async fn grant_leases(
         &self,
         asks: &[GrantAsk],
     ) -> Result<Vec<Result<Grant, LedgerError>>, LedgerError> {
-        let mut order: Vec<usize> = (0..asks.len()).collect();
-        order.sort_by(|&a, &b| asks[a].code.cmp(&asks[b].code));
-        let pick =
-            |f: fn(&GrantAsk) -> i64| -> Vec<i64> { order.iter().map(|&i| f(&asks[i])).collect() };
-        let codes: Vec<&str> = order.iter().map(|&i| asks[i].code.as_str()).collect();
-        let nodes: Vec<&str> = order.iter().map(|&i| asks[i].node.as_str()).collect();
+        let pick = |f: fn(&GrantAsk) -> i64| -> Vec<i64> { asks.iter().map(f).collect() };
+        let codes: Vec<&str> = asks.iter().map(|a| a.code.as_str()).collect();
+        let nodes: Vec<&str> = asks.iter().map(|a| a.node.as_str()).collect();
         let rows: Vec<ManyGrantRow> = sqlx::query_as(
             "SELECT a.i, g.out_free, g.out_units, g.out_unused, g.out_lease, g.out_ever \
-                 FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[], $5::bigint[]) \
-                      WITH ORDINALITY AS a(code, node, want, now, expires, i) \
+                 FROM (SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[], \
+                                            $5::bigint[]) \
+                            WITH ORDINALITY AS u(code, node, want, now, expires, i) \
+                       ORDER BY u.code) AS a \
                  LEFT JOIN LATERAL vouchers_grant_v2(a.code, a.node, a.want, a.now, a.expires) g \
                       ON true \
                  ORDER BY a.i",
@@ -119,14 +120,19 @@ impl PostgresLedger {
         .await?;
         let mut answers: Vec<Option<Result<Grant, LedgerError>>> =
             asks.iter().map(|_| None).collect();
-        for (k, (_, free, units, unused, lease, ever)) in rows.into_iter().enumerate() {
-            let Some(&i) = order.get(k) else {
-                return Err(LedgerError::Inconsistent("a grant answered past its asks"));
-            };
-            answers[i] = Some(match (free, units, unused) {
+        for (i, free, units, unused, lease, ever) in rows {
+            // Each row names its ask (1-based): an answer never goes to another voucher's ask.
+            let k = usize::try_from(i - 1)
+                .ok()
+                .filter(|&k| k < asks.len())
+                .ok_or(LedgerError::Inconsistent("a grant answered past its asks"))?;
+            if answers[k].is_some() {
+                return Err(LedgerError::Inconsistent("a grant answered twice"));
+            }
+            answers[k] = Some(match (free, units, unused) {
                 (Some(free), Some(units), Some(unused)) => grant_of(
                     (free, units, unused, lease, ever),
-                    asks[i].now + asks[i].ttl_ms,
+                    asks[k].now + asks[k].ttl_ms,
                 ),
                 _ => Err(LedgerError::NotFound),
             });

@@ -167,17 +167,20 @@ impl Ledger for PostgresLedger {
         vouchers: &[(Voucher, Millis)],
     ) -> Result<Vec<Result<(), LedgerError>>, LedgerError> {
         // A unique violation would abort the transaction: a taken code inserts nothing instead.
+        // In code order, so that two nodes creating the same codes wait on each other's
+        // inserts in one order, never in a cycle.
+        let mut order: Vec<usize> = (0..vouchers.len()).collect();
+        order.sort_by(|&a, &b| vouchers[a].0.code.cmp(&vouchers[b].0.code));
         let mut tx = self.pool.begin().await?;
-        let mut answers = Vec::with_capacity(vouchers.len());
-        for (v, now) in vouchers {
+        let mut answers: Vec<Result<(), LedgerError>> = vouchers.iter().map(|_| Ok(())).collect();
+        for i in order {
+            let (v, now) = &vouchers[i];
             let done = insert_voucher(v, *now, INSERT_VOUCHER_OR_SKIP)
                 .execute(&mut *tx)
                 .await?;
-            answers.push(if done.rows_affected() == 1 {
-                Ok(())
-            } else {
-                Err(LedgerError::AlreadyExists)
-            });
+            if done.rows_affected() != 1 {
+                answers[i] = Err(LedgerError::AlreadyExists);
+            }
         }
         tx.commit().await?;
         Ok(answers)
