@@ -532,18 +532,6 @@ impl<R, W> VoucherCore<R, W> {
     fn quiet(&self) -> bool {
         self.idle()
             && self.leases.is_empty()
-            && self.pending.is_empty()
-            && self.lookups.is_empty()
-            && self.looking.is_none()
-            && self.committing.is_empty()
-            && self.granting.is_none()
-            && self.renewing.is_none()
-            && self.returning.is_empty()
-            && self.unreturned.is_empty()
-            && self.orphan_check.is_none()
-            && !self.finding
-            && self.warm_waiters.is_empty()
-            && !self.shared.is_sold_out()
             && self.now - self.last_seen() >= self.seen_lately_ms()
     }
 
