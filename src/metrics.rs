@@ -324,6 +324,7 @@ fn register_catalogue() {
     counter!(USAGE_LOADED_ROWS).increment(0);
     counter!(USAGE_MISMATCHES).increment(0);
     counter!(BREAKER_OPENED).increment(0);
+    counter!(LEDGER_FAILOVERS).increment(0);
     breaker_state(BreakerState::Closed);
     counter!(EXPIRED).increment(0);
     counter!(KNOWN_CODES_READS).increment(0);
@@ -548,11 +549,32 @@ pub fn redis_up(up: bool) {
 }
 
 pub const BREAKER_STATE: &str = "vouchers_ledger_breaker_state";
+/// 1 on the ledger server this node writes to, 0 on the other listed ones (`server` is
+/// `host:port` from `ledger.url`, so bounded by the configuration; `embedded` for SQLite).
+pub const LEDGER_SERVER: &str = "vouchers_ledger_server";
+/// Times this node moved to another ledger server (a promoted standby) since it started.
+pub const LEDGER_FAILOVERS: &str = "vouchers_ledger_failovers_total";
 pub const BREAKER_OPENED: &str = "vouchers_ledger_breaker_opened_total";
 
 /// The ledger circuit breaker's state: 0 closed, 1 half-open (a probe is out), 2 open.
 pub fn breaker_state(state: BreakerState) {
     gauge!(BREAKER_STATE).set(state.level());
+}
+
+/// The server this node writes to is `labels[current]`.
+pub fn ledger_server(labels: &[&str], current: usize) {
+    for (i, label) in labels.iter().enumerate() {
+        gauge!(LEDGER_SERVER, "server" => label.to_string()).set(if i == current {
+            1.0
+        } else {
+            0.0
+        });
+    }
+}
+
+/// The node moved to another ledger server.
+pub fn ledger_failover() {
+    counter!(LEDGER_FAILOVERS).increment(1);
 }
 
 /// The breaker opened after failures in a row (a failed probe reopening it is not counted).

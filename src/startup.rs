@@ -247,6 +247,9 @@ impl Application {
         let metrics = crate::metrics::install();
         let ledger =
             ledger::connect_on(ledger_handle, &settings.ledger).context("connect ledger")?;
+        if ledger.server().is_none() {
+            crate::metrics::ledger_server(&["embedded"], 0);
+        }
         if settings.admin.token.is_empty() && kind.is_shared() {
             anyhow::bail!(
                 "a shared ledger needs one admin token for every node: set VOUCHERS__ADMIN__TOKEN"

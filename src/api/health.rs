@@ -22,6 +22,12 @@ pub struct Ready {
     status: &'static str,
     sales_paused: bool,
     read_only: bool,
+    /// The ledger server this node writes to (`host:port`); absent on the embedded ledger.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(example = "10.0.0.2:5432")]
+    ledger_server: Option<String>,
+    /// How many times this node moved to another ledger server (a promoted standby).
+    ledger_failovers: u64,
 }
 
 /// The process is up.
@@ -43,10 +49,16 @@ pub async fn ready(state: web::Data<AppState>) -> Result<HttpResponse, ApiError>
     match state.engine.ready().await {
         Ok(()) => {
             let s = state.engine.switches();
+            let (ledger_server, ledger_failovers) = match state.engine.ledger_server() {
+                Some((server, failovers)) => (Some(server), failovers),
+                None => (None, 0),
+            };
             Ok(HttpResponse::Ok().json(Ready {
                 status: "ok",
                 sales_paused: s.sales_paused,
                 read_only: s.read_only,
+                ledger_server,
+                ledger_failovers,
             }))
         }
         Err(what) => Err(ApiError::NotReady(what)),

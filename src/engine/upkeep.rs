@@ -179,6 +179,11 @@ impl EngineHandle {
         }
     }
 
+    /// The ledger server this node writes to and the failovers it has seen (`None`: embedded).
+    pub fn ledger_server(&self) -> Option<(String, u64)> {
+        self.node.ledger.server()
+    }
+
     pub(super) fn after_restocks(&self, restocks: impl Iterator<Item = Restock>) {
         for r in restocks {
             self.node.changed(&r.voucher_code);

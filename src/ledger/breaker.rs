@@ -49,6 +49,8 @@ pub struct Breaker {
     opened_at: AtomicU64,
     /// The origin of [`Breaker::now_ms`].
     origin: Instant,
+    /// Told of every call that could not reach the ledger (the store looks for a new primary).
+    on_outage: Option<Box<dyn Fn() + Send + Sync>>,
 }
 
 impl Breaker {
@@ -60,7 +62,14 @@ impl Breaker {
             in_a_row: AtomicU32::new(0),
             opened_at: AtomicU64::new(0),
             origin: Instant::now(),
+            on_outage: None,
         }
+    }
+
+    /// The breaker, with `hook` told of every call that could not reach the ledger.
+    pub fn on_outage(mut self, hook: impl Fn() + Send + Sync + 'static) -> Self {
+        self.on_outage = Some(Box::new(hook));
+        self
     }
 
     /// Milliseconds of a monotonic clock private to this breaker.
@@ -145,6 +154,9 @@ impl Breaker {
             }
             return;
         }
+        if let Some(hook) = &self.on_outage {
+            hook();
+        }
         let n = self.in_a_row.fetch_add(1, Ordering::AcqRel) + 1;
         let trips = admitted == Admit::Probe || (self.failures > 0 && n >= self.failures);
         if trips && self.state.load(Ordering::Acquire) != OPEN {
@@ -180,7 +192,7 @@ impl Drop for Pending<'_> {
 /// The ledger could not be reached, or did not answer in time: what the breaker counts. A
 /// [`LedgerError::Database`] error is the ledger answering (a lock timeout, a deadlock victim, a
 /// constraint), and a full commit queue is this node's own backlog; neither counts.
-fn is_outage<T>(res: &Result<T, LedgerError>) -> bool {
+pub(super) fn is_outage<T>(res: &Result<T, LedgerError>) -> bool {
     matches!(
         res,
         Err(LedgerError::Deadline | LedgerError::WorkerGone | LedgerError::Unreachable { .. })

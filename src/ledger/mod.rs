@@ -338,6 +338,14 @@ pub trait Ledger: Send + Sync + 'static {
     fn breaker(&self) -> Option<&breaker::Breaker> {
         None
     }
+    /// A call could not reach the ledger: a store that lists several servers looks for the
+    /// one to use now (a promoted standby).
+    fn lost(&self) {}
+    /// The server written to (`host:port`) and how many times this node switched servers;
+    /// `None` for the embedded ledger.
+    fn server(&self) -> Option<(String, u64)> {
+        None
+    }
     async fn create_voucher(&self, voucher: &Voucher, now: Millis) -> Result<(), LedgerError>;
     /// Several creates in one transaction (the node merges concurrent creates into one), each
     /// answered as [`Ledger::create_voucher`] would: `AlreadyExists` for a taken code. The outer

@@ -67,10 +67,11 @@ impl NodeLedger {
         // The merged calls' own deadline runs inside the breaker (a hung ledger counts as a
         // failure there); the coalescers' is a backstop behind it.
         let backstop = deadline + std::time::Duration::from_secs(1);
-        let breaker = Arc::new(Breaker::new(
-            settings.breaker_failures,
-            settings.breaker_open_ms,
-        ));
+        let store = inner.clone();
+        let breaker = Arc::new(
+            Breaker::new(settings.breaker_failures, settings.breaker_open_ms)
+                .on_outage(move || store.lost()),
+        );
         let (merged, guard) = (inner.clone(), breaker.clone());
         let committer = Committer::start(
             &rt,
@@ -212,6 +213,14 @@ impl Ledger for NodeLedger {
         Some(self.breaker.as_ref())
     }
 
+    fn lost(&self) {
+        self.inner.lost();
+    }
+
+    fn server(&self) -> Option<(String, u64)> {
+        self.inner.server()
+    }
+
     async fn ping(&self) -> Result<(), LedgerError> {
         self.run(|l| async move { l.ping().await }).await
     }
@@ -350,10 +359,16 @@ impl Ledger for NodeLedger {
         // is worth nothing: it gives up then.
         let (holder, inner) = (holder.to_string(), self.inner.clone());
         let deadline = std::time::Duration::from_millis((dead_after_ms / 3).max(10) as u64);
-        self.on_ledger_runtime(deadline, async move {
-            inner.heartbeat(&holder, now, dead_after_ms).await
-        })
-        .await
+        let store = inner.clone();
+        let beat = self
+            .on_ledger_runtime(deadline, async move {
+                inner.heartbeat(&holder, now, dead_after_ms).await
+            })
+            .await;
+        if super::breaker::is_outage(&beat) {
+            store.lost();
+        }
+        beat
     }
 
     async fn reap_holder(&self, holder: &str, now: Millis) -> Result<Vec<Restock>, LedgerError> {

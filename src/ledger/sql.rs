@@ -6,8 +6,9 @@
 use super::LedgerError;
 
 /// The ledger could not be reached: a connection-level failure, or the server saying the
-/// connection failed (SQLSTATE class 08) or that it is shutting down or starting (57P0x). Any
-/// other error is the database answering.
+/// connection failed (SQLSTATE class 08), that it is shutting down or starting (57P0x), or that
+/// it takes no writes (25006: a standby, or a primary demoted under the node). Any other error
+/// is the database answering.
 fn unreachable(e: &sqlx::Error) -> bool {
     match e {
         sqlx::Error::Io(_)
@@ -17,7 +18,7 @@ fn unreachable(e: &sqlx::Error) -> bool {
         | sqlx::Error::WorkerCrashed => true,
         sqlx::Error::Database(d) => d
             .code()
-            .is_some_and(|c| c.starts_with("08") || c.starts_with("57P0")),
+            .is_some_and(|c| c.starts_with("08") || c.starts_with("57P0") || c == "25006"),
         _ => false,
     }
 }

@@ -26,6 +26,8 @@
 mod commit;
 mod leases;
 mod open;
+mod primary;
+pub mod target;
 
 use async_trait::async_trait;
 use sqlx::postgres::PgPool;
@@ -69,6 +71,8 @@ pub struct PostgresLedger {
     /// One connection of its own for heartbeats: a pool busy with commits (or waiting on locks)
     /// must not delay a beat until the node looks dead.
     beats: PgPool,
+    /// Which listed server both pools connect to, and the search for a new primary.
+    locator: std::sync::Arc<primary::Locator>,
 }
 
 impl PostgresLedger {
@@ -331,6 +335,14 @@ impl Ledger for PostgresLedger {
         dead_after_ms: i64,
     ) -> Result<Incarnation, LedgerError> {
         self.register(name, now, dead_after_ms).await
+    }
+
+    fn lost(&self) {
+        self.locator.lost();
+    }
+
+    fn server(&self) -> Option<(String, u64)> {
+        Some(self.locator.server())
     }
 
     async fn heartbeat(
