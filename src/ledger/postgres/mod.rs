@@ -21,7 +21,8 @@
 //! This file holds [`PostgresLedger`] and its [`Ledger`] implementation, with the reads, the
 //! voucher and switch edits and the settling calls; [`open`] connects and migrates, [`commit`]
 //! runs the merged commit, and [`leases`] grants, returns and reaps leases and keeps the
-//! holders' beats.
+//! holders' beats. [`target`] reads the servers a multi-host `ledger.url` lists, and [`primary`]
+//! keeps the node's pools on the writable one through a failover.
 
 mod commit;
 mod leases;
