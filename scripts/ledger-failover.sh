@@ -43,7 +43,9 @@ for round in 1 2; do
   for b in "${bases[@]}"; do
     echo "  $b/health/ready: $(curl -sS "$b/health/ready")"
   done
-  echo "  the old primary rejoins as the standby: port $(scripts/ledger-pair.sh rejoin); $(scripts/ledger-pair.sh check)"
+  back=$(scripts/ledger-pair.sh rejoin) || { echo "  the old primary could not rejoin" >&2; status=1; break; }
+  state=$(scripts/ledger-pair.sh check) || { echo "  the pair is not synchronous again" >&2; status=1; break; }
+  echo "  the old primary rejoined as the standby (port $back): $state"
 done
-grep -h "primary moved" "$work"/node*.log | sed 's/^/  log: /' | head -6 || true
+grep -h "primary moved" "$work"/node*.log | sed -e 's/\x1b\[[0-9;]*m//g' -e 's/^/  log: /' | head -6 || true
 exit $status

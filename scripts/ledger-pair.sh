@@ -6,15 +6,20 @@
 #   scripts/ledger-pair.sh up        (re)build both clusters from scratch and start them
 #   scripts/ledger-pair.sh url       the multi-host URL of database DB (default test) for nodes
 #   scripts/ledger-pair.sh primary   the port of the writable primary (fails if none)
-#   scripts/ledger-pair.sh kill      SIGKILL the primary's postmaster and every process it started
+#   scripts/ledger-pair.sh kill [PORT]  SIGKILL the primary's (or PORT's) postmaster and every
+#                                    process it started
 #   scripts/ledger-pair.sh promote   promote the standby; it runs alone (nothing waits for a
 #                                    standby) until `rejoin`, as pg_auto_failover's wait_primary
 #   scripts/ledger-pair.sh rejoin    the killed server back as the synchronous standby of the
 #                                    new primary (pg_rewind; a new base backup if that fails)
+#   scripts/ledger-pair.sh revive    start the killed server as it was, taking writes alone: an
+#                                    old primary back unfenced (a split brain, for the tests)
 #   scripts/ledger-pair.sh check     both up, one primary, the other streaming synchronously
 #   scripts/ledger-pair.sh down      stop and drop both clusters
 # Run as root (it uses pg_createcluster / pg_ctlcluster and runs the PostgreSQL tools as postgres).
+# One user at a time: `up` rebuilds both clusters, whoever else is using them.
 set -euo pipefail
+[ -d /etc/postgresql ] || { echo "ledger-pair: no PostgreSQL clusters here (apt-get install postgresql)" >&2; exit 1; }
 version=${LEDGER_PAIR_PG:-$(ls /etc/postgresql | sort -n | tail -n1)}
 bin=/usr/lib/postgresql/$version/bin
 read -r port_a port_b <<<"${LEDGER_PAIR_PORTS:-5433 5434}"
@@ -107,22 +112,43 @@ case "${1:-}" in
     echo "${ports[$i]}"
     ;;
   kill)
-    i=$(primary_index)
-    [ -n "$i" ] || { echo "ledger-pair: no primary to kill" >&2; exit 1; }
+    if [ -n "${2:-}" ]; then
+      i=-1; for k in 0 1; do [ "${ports[$k]}" = "$2" ] && i=$k; done
+      [ "$i" -ge 0 ] || { echo "ledger-pair: $2 is not a port of the pair" >&2; exit 1; }
+    else
+      i=$(primary_index)
+      [ -n "$i" ] || { echo "ledger-pair: no primary to kill" >&2; exit 1; }
+    fi
     pid=$(head -n1 "$(data_of "${names[$i]}")/postmaster.pid")
+    # What a dead machine does: stopped first, so it forks nothing more; then every process
+    # killed at once, so no backend lives on to answer.
+    kill -STOP "$pid"
     children=$(pgrep -P "$pid" || true)
-    kill -9 "$pid"
-    # What a dead machine does to the rest: no backend lives on to answer.
-    [ -z "$children" ] || kill -9 $children 2>/dev/null || true
-    wait_for 10 "the primary gone" bash -c "! kill -0 $pid 2>/dev/null"
+    kill -9 "$pid" $children 2>/dev/null || true
+    wait_for 10 "the server gone" bash -c "! kill -0 $pid 2>/dev/null"
     echo "${ports[$i]}"
+    ;;
+  revive)
+    for i in 0 1; do
+      if ! up_at "${ports[$i]}"; then
+        pg_ctlcluster --skip-systemctl-redirect "$version" "${names[$i]}" start >/dev/null 2>&1
+        wait_for 30 "${names[$i]} up" up_at "${ports[$i]}"
+        if [ "$(q "${ports[$i]}" 'SELECT pg_is_in_recovery()')" = f ]; then
+          q "${ports[$i]}" "ALTER SYSTEM SET synchronous_standby_names = ''" && q "${ports[$i]}" "SELECT pg_reload_conf()" >/dev/null
+        fi
+        echo "${ports[$i]}"
+        exit 0
+      fi
+    done
+    echo "ledger-pair: nothing to revive" >&2; exit 1
     ;;
   promote)
     # The standby is the one that answers and is in recovery.
     for i in 0 1; do
       if up_at "${ports[$i]}" && [ "$(q "${ports[$i]}" 'SELECT pg_is_in_recovery()')" = t ]; then
         # Alone from now on: nothing may wait for a standby that is gone.
-        q "${ports[$i]}" "ALTER SYSTEM SET synchronous_standby_names = ''" && q "${ports[$i]}" "SELECT pg_reload_conf()" >/dev/null
+        q "${ports[$i]}" "ALTER SYSTEM SET synchronous_standby_names = ''" 2>/dev/null \
+          && q "${ports[$i]}" "SELECT pg_reload_conf()" >/dev/null 2>&1
         as_pg "$bin/pg_ctl" promote -w -D "$(data_of "${names[$i]}")" >/dev/null
         echo "${ports[$i]}"
         exit 0
@@ -134,7 +160,7 @@ case "${1:-}" in
     p=$(primary_index)
     [ -n "$p" ] || { echo "ledger-pair: no primary to rejoin" >&2; exit 1; }
     o=$(other "$p"); n=${names[$o]}
-    pg_ctlcluster --skip-systemctl-redirect "$version" "$n" stop -m fast 2>/dev/null || true
+    pg_ctlcluster --skip-systemctl-redirect "$version" "$n" stop -m fast >/dev/null 2>&1 || true
     # A freshly promoted primary's control file names its new timeline only after a checkpoint;
     # pg_rewind reads it there.
     q "${ports[$p]}" "CHECKPOINT"
@@ -144,9 +170,8 @@ case "${1:-}" in
       echo "ledger-pair: pg_rewind failed; taking a new base backup" >&2
       standby_from "$o" "${ports[$p]}"
     fi
-    # pg_rewind copied the primary's settings: this one is its standby, and waits for nobody.
-    echo "synchronous_standby_names = ''" >>"$(data_of "$n")/postgresql.auto.conf"
-    pg_ctlcluster --skip-systemctl-redirect "$version" "$n" start
+    # pg_rewind (or the base backup) copied the primary's settings, which wait for nobody yet.
+    pg_ctlcluster --skip-systemctl-redirect "$version" "$n" start >/dev/null
     make_sync "${ports[$p]}"
     echo "${ports[$o]}"
     ;;

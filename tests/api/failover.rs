@@ -324,6 +324,117 @@ async fn one_failover(c: &awc::Client, nodes: &[Node], db: &str, round: usize) -
     promoted
 }
 
+/// After a failover from `old` to `new`: `old` comes back writable without being rewound (a
+/// split brain the failover manager failed to fence), then `new` dies. The nodes must not write
+/// to `old` (it is on an older timeline than they wrote on): `503`s, no row there. When `new`
+/// comes back they sell again; `old` is then fenced (killed) for the rejoin.
+async fn an_unfenced_old_primary_is_never_written_to(
+    c: &awc::Client,
+    nodes: &[Node],
+    db: &str,
+    old: &str,
+    new: &str,
+) {
+    let bases: Vec<String> = nodes.iter().map(|n| n.base.clone()).collect();
+    let code = format!("SB-{}", vouchers::startup::random_hex(3));
+    let body = crate::helpers::voucher_body(&code, 1_000_000, 1);
+    let (s, b) = crate::helpers::create_voucher(c, &bases[0], &body).await;
+    assert_eq!(s, 201, "{b}");
+    for base in &bases {
+        let url = format!("{base}/vouchers/{code}");
+        eventually("every node knows the code", Duration::from_secs(10), || {
+            let url = url.clone();
+            async move { send(c, "GET", &url, None, None).await.0 == 200 }
+        })
+        .await;
+    }
+    assert_eq!(pair("revive").await, old);
+    let old_db = format!("postgres://postgres@127.0.0.1:{old}/{db}");
+    let rows = "SELECT (SELECT count(*) FROM reservations) + (SELECT count(*) FROM leases)";
+    let before = crate::helpers::scalar(&old_db, rows).await;
+    assert_eq!(pair_kill(new).await, new);
+    // Each node finds its server gone, searches (every 200 ms to 1 s) and finds only `old`,
+    // writable but on the timeline before the promotion. Three seconds of reserves: none may
+    // succeed.
+    let until = Instant::now() + Duration::from_secs(3);
+    let mut n = 0;
+    while Instant::now() < until {
+        for (i, base) in bases.iter().enumerate() {
+            n += 1;
+            let order = format!("{code}-sb{n}");
+            let t = Instant::now();
+            let mut a = try_reserve(c, base, &code, n, &order).await;
+            if a.is_none() && t.elapsed() < Duration::from_secs(1) {
+                // A pooled keep-alive connection the node had just closed: the same order again.
+                a = try_reserve(c, base, &code, n, &order).await;
+            }
+            assert!(
+                matches!(a, Some((503, _))),
+                "node {i} answered {a:?} after {:?} with only a stale primary up",
+                t.elapsed()
+            );
+        }
+        actix_rt::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        crate::helpers::scalar(&old_db, rows).await,
+        before,
+        "nothing was written to the stale primary"
+    );
+    for base in &bases {
+        assert_eq!(ready(c, base).await.0, 503);
+    }
+    // The newest primary comes back: the nodes sell on it again.
+    assert_eq!(pair("revive").await, new);
+    for (i, base) in bases.iter().enumerate() {
+        let mut k = 0;
+        eventually("the node sells again", Duration::from_secs(30), || {
+            k += 1;
+            let order = format!("{code}-back{i}-{k}");
+            let customer = 1_000 * (i as i64 + 1) + k;
+            let code = &code;
+            async move {
+                matches!(
+                    try_reserve(c, base, code, customer, &order).await,
+                    Some((201, _))
+                )
+            }
+        })
+        .await;
+        let (s, r) = ready(c, base).await;
+        assert_eq!(
+            (s, r["ledgerServer"].as_str()),
+            (200, Some(format!("127.0.0.1:{new}").as_str()))
+        );
+    }
+    assert_eq!(
+        crate::helpers::scalar(&old_db, rows).await,
+        before,
+        "nothing was written to the stale primary"
+    );
+    // The failover manager's fencing, late: the old primary goes down, to rejoin as a standby.
+    assert_eq!(pair_kill(old).await, old);
+}
+
+/// `scripts/ledger-pair.sh kill PORT`.
+async fn pair_kill(port: &str) -> String {
+    let port = port.to_string();
+    tokio::task::spawn_blocking(move || {
+        let out = std::process::Command::new(PAIR)
+            .args(["kill", &port])
+            .output()
+            .expect("run scripts/ledger-pair.sh");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    })
+    .await
+    .expect("ledger-pair.sh thread")
+}
+
 #[actix_web::test]
 #[cfg_attr(
     any(no_test_pair, no_test_redis),
@@ -357,7 +468,9 @@ async fn a_promoted_synchronous_standby_takes_over_and_loses_nothing() {
         ];
         nodes.push(Node::start_with_args(&url, &env, &["--config", CLUSTER_TOML]).await);
     }
+    let old = pair("primary").await;
     let first = one_failover(&c, &nodes, &db, 1).await;
+    an_unfenced_old_primary_is_never_written_to(&c, &nodes, &db, &old, &first).await;
     // The old primary back as the standby; then the same failover the other way.
     pair("rejoin").await;
     eprintln!("{}", pair("check").await);

@@ -51,11 +51,11 @@ impl PostgresLedger {
         let groups = independent_groups(batches);
         let mut verdicts: Vec<Result<Vec<Verdict>, LedgerError>> = Vec::with_capacity(groups.len());
         for (k, group) in groups.iter().enumerate() {
-            let mut res = call_merged(&self.pool, batches, group).await;
+            let mut res = call_merged(&self.pool(), batches, group).await;
             if k > 0 && matches!(&res, Err(e) if is_deadlock(e)) {
                 // A deadlock victim ran nothing: once more (the first call's is retried by
                 // `commit_batches`).
-                res = call_merged(&self.pool, batches, group).await;
+                res = call_merged(&self.pool(), batches, group).await;
             }
             match res {
                 Err(e) if k == 0 => return Err(e),

@@ -75,7 +75,7 @@ impl PostgresLedger {
         .bind(want)
         .bind(now)
         .bind(expires_at)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&self.pool())
         .await
         .inspect_err(|e| {
             if let sqlx::Error::Database(d) = e {
@@ -116,7 +116,7 @@ impl PostgresLedger {
         .bind(pick(|a| a.want))
         .bind(pick(|a| a.now))
         .bind(pick(|a| a.now + a.ttl_ms))
-        .fetch_all(&self.pool)
+        .fetch_all(&self.pool())
         .await?;
         let mut answers: Vec<Option<Result<Grant, LedgerError>>> =
             asks.iter().map(|_| None).collect();
@@ -151,7 +151,7 @@ impl PostgresLedger {
         _now: Millis,
         dead_after_ms: i64,
     ) -> Result<Incarnation, LedgerError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.pool().begin().await?;
         let number: i64 = sqlx::query_scalar(
             "INSERT INTO node_names (name, last_incarnation) VALUES ($1, 1) \
              ON CONFLICT (name) DO UPDATE SET last_incarnation = node_names.last_incarnation + 1 \
@@ -222,7 +222,7 @@ impl PostgresLedger {
         .bind(name)
         .bind(number)
         .bind(dead_after_ms.max(1))
-        .fetch_optional(&self.beats)
+        .fetch_optional(&self.beats())
         .await?
         // No row: this holder retired (a beat that landed after its own process's retire).
         .ok_or(LedgerError::NotFound)?;
@@ -235,7 +235,7 @@ impl PostgresLedger {
         which: Closing<'_>,
         now: Millis,
     ) -> Result<Vec<Restock>, LedgerError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.pool().begin().await?;
         let restocks = close_leases_in(&mut tx, which, now).await?;
         tx.commit().await?;
         Ok(restocks)
@@ -249,7 +249,7 @@ impl PostgresLedger {
         leases: &[(i64, Millis)],
     ) -> Result<Vec<Option<Restock>>, LedgerError> {
         let (ids, nows): (Vec<i64>, Vec<i64>) = leases.iter().copied().unzip();
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.pool().begin().await?;
         let codes: Vec<String> = sqlx::query_scalar(
             "SELECT DISTINCT voucher_code FROM leases \
              WHERE state = 'ACTIVE' AND id = ANY($1) ORDER BY voucher_code",
@@ -296,7 +296,7 @@ impl PostgresLedger {
         holder: &str,
         now: Millis,
     ) -> Result<Vec<Restock>, LedgerError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.pool().begin().await?;
         let gone: Option<String> = sqlx::query_scalar(&format!(
             "DELETE FROM nodes WHERE holder = \
                  (SELECT holder FROM nodes \

@@ -68,15 +68,21 @@ const EVENTS_SQL: &str = concat!(
 );
 
 pub struct PostgresLedger {
-    pool: PgPool,
-    /// One connection of its own for heartbeats: a pool busy with commits (or waiting on locks)
-    /// must not delay a beat until the node looks dead.
-    beats: PgPool,
-    /// Which listed server both pools connect to, and the search for a new primary.
+    /// Which listed server the node writes to, and the node's pools on it: its pool, and one
+    /// connection of its own for heartbeats (a pool busy with commits, or waiting on locks, must
+    /// not delay a beat until the node looks dead).
     locator: std::sync::Arc<primary::Locator>,
 }
 
 impl PostgresLedger {
+    fn pool(&self) -> PgPool {
+        self.locator.pool()
+    }
+
+    fn beats(&self) -> PgPool {
+        self.locator.beats()
+    }
+
     /// RESERVED → CONFIRMED (`confirm`) or RELEASED; `None` when the reservation is not
     /// RESERVED (or, to confirm, expired) or not there.
     async fn settle(
@@ -95,7 +101,7 @@ impl PostgresLedger {
         .bind(order_id)
         .bind(now)
         .bind(confirm)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&self.pool())
         .await?;
         Ok(row.as_ref().map(reservation_from).transpose()?)
     }
@@ -110,7 +116,7 @@ impl PostgresLedger {
         ))
         .bind(order_id)
         .bind(code)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&self.pool())
         .await?
         .ok_or(LedgerError::NotFound)?;
         Ok(reservation_from(&row)?)
@@ -156,13 +162,13 @@ fn insert_voucher<'q>(
 #[async_trait]
 impl Ledger for PostgresLedger {
     async fn ping(&self) -> Result<(), LedgerError> {
-        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        sqlx::query("SELECT 1").execute(&self.pool()).await?;
         Ok(())
     }
 
     async fn create_voucher(&self, v: &Voucher, now: Millis) -> Result<(), LedgerError> {
         let res = insert_voucher(v, now, INSERT_VOUCHER)
-            .execute(&self.pool)
+            .execute(&self.pool())
             .await;
         super::sql::insert_unique(res)
     }
@@ -176,7 +182,7 @@ impl Ledger for PostgresLedger {
         // inserts in one order, never in a cycle.
         let mut order: Vec<usize> = (0..vouchers.len()).collect();
         order.sort_by(|&a, &b| vouchers[a].0.code.cmp(&vouchers[b].0.code));
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.pool().begin().await?;
         let mut answers: Vec<Result<(), LedgerError>> = vouchers.iter().map(|_| Ok(())).collect();
         for i in order {
             let (v, now) = &vouchers[i];
@@ -196,7 +202,7 @@ impl Ledger for PostgresLedger {
             "SELECT {VOUCHER_COLUMNS} FROM vouchers WHERE code = $1"
         ))
         .bind(code)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&self.pool())
         .await?;
         Ok(row.as_ref().map(voucher_from).transpose()?)
     }
@@ -206,7 +212,7 @@ impl Ledger for PostgresLedger {
             "SELECT {VOUCHER_COLUMNS} FROM vouchers WHERE code = ANY($1)"
         ))
         .bind(codes)
-        .fetch_all(&self.pool)
+        .fetch_all(&self.pool())
         .await?;
         Ok(rows.iter().map(voucher_from).collect::<Result<_, _>>()?)
     }
@@ -214,7 +220,7 @@ impl Ledger for PostgresLedger {
     async fn voucher_stock(&self, code: &str) -> Result<Option<(Voucher, i64)>, LedgerError> {
         let row = sqlx::query(VOUCHER_STOCK_SQL)
             .bind(code)
-            .fetch_optional(&self.pool)
+            .fetch_optional(&self.pool())
             .await?;
         match row {
             Some(row) => Ok(Some((voucher_from(&row)?, row.try_get("available")?))),
@@ -227,7 +233,7 @@ impl Ledger for PostgresLedger {
         code: &str,
         patch: &VoucherPatch,
     ) -> Result<(Voucher, Option<Restock>), LedgerError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.pool().begin().await?;
         let row = sqlx::query(&format!(
             "SELECT {VOUCHER_COLUMNS} FROM vouchers WHERE code = $1 FOR UPDATE"
         ))
@@ -290,7 +296,7 @@ impl Ledger for PostgresLedger {
         .bind(now + ttl_ms)
         .bind(lease_ids)
         .bind(node)
-        .fetch_all(&self.pool)
+        .fetch_all(&self.pool())
         .await?)
     }
 
@@ -298,7 +304,7 @@ impl Ledger for PostgresLedger {
         Ok(sqlx::query_scalar(ACTIVE_LEASES_SQL)
             .bind(code)
             .bind(node)
-            .fetch_all(&self.pool)
+            .fetch_all(&self.pool())
             .await?)
     }
 
@@ -362,7 +368,7 @@ impl Ledger for PostgresLedger {
     async fn retire_node(&self, holder: &str) -> Result<(), LedgerError> {
         sqlx::query(RETIRE_SQL)
             .bind(holder)
-            .execute(&self.pool)
+            .execute(&self.pool())
             .await?;
         Ok(())
     }
@@ -376,7 +382,7 @@ impl Ledger for PostgresLedger {
             "SELECT {RESERVATION_COLUMNS} FROM reservations WHERE order_id = ANY($1)"
         ))
         .bind(order_ids)
-        .fetch_all(&self.pool)
+        .fetch_all(&self.pool())
         .await?;
         Ok(rows
             .iter()
@@ -407,7 +413,7 @@ impl Ledger for PostgresLedger {
         .bind(now)
         .bind(ending_after)
         .bind(codes)
-        .fetch_all(&self.pool)
+        .fetch_all(&self.pool())
         .await?;
         Ok(rows.into_iter().map(super::rows::live_units_from).collect())
     }
@@ -416,12 +422,12 @@ impl Ledger for PostgresLedger {
         Ok(sqlx::query_scalar(STARTING_SQL)
             .bind(from)
             .bind(to)
-            .fetch_all(&self.pool)
+            .fetch_all(&self.pool())
             .await?)
     }
 
     async fn switches(&self) -> Result<Switches, LedgerError> {
-        let row = sqlx::query_as(SWITCHES_SQL).fetch_one(&self.pool).await?;
+        let row = sqlx::query_as(SWITCHES_SQL).fetch_one(&self.pool()).await?;
         Ok(switches_from(row))
     }
 
@@ -434,7 +440,7 @@ impl Ledger for PostgresLedger {
             .bind(patch.sales_paused)
             .bind(patch.read_only)
             .bind(now)
-            .fetch_one(&self.pool)
+            .fetch_one(&self.pool())
             .await?;
         Ok(switches_from(row))
     }
@@ -442,7 +448,7 @@ impl Ledger for PostgresLedger {
     async fn won_orders(&self, code: &str) -> Result<Vec<(String, i64)>, LedgerError> {
         Ok(sqlx::query_as(WON_ORDERS_SQL)
             .bind(code)
-            .fetch_all(&self.pool)
+            .fetch_all(&self.pool())
             .await?)
     }
 
@@ -457,7 +463,7 @@ impl Ledger for PostgresLedger {
         )
         .bind(code)
         .bind(customers)
-        .fetch_all(&self.pool)
+        .fetch_all(&self.pool())
         .await?)
     }
 
@@ -499,7 +505,7 @@ impl Ledger for PostgresLedger {
             sqlx::query_as("SELECT out_voucher, out_units FROM vouchers_expire($1, $2)")
                 .bind(now)
                 .bind(limit)
-                .fetch_all(&self.pool)
+                .fetch_all(&self.pool())
                 .await?;
         Ok(group_restocks(rows))
     }
@@ -509,7 +515,7 @@ impl Ledger for PostgresLedger {
     }
 
     async fn counters(&self, code: &str) -> Result<Option<Counters>, LedgerError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.pool().begin().await?;
         sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
             .execute(&mut *tx)
             .await?;
@@ -577,7 +583,7 @@ impl Ledger for PostgresLedger {
 
     async fn feed_origin(&self) -> Result<String, LedgerError> {
         Ok(sqlx::query_scalar(FEED_ORIGIN_SQL)
-            .fetch_one(&self.pool)
+            .fetch_one(&self.pool())
             .await?)
     }
 
@@ -585,7 +591,7 @@ impl Ledger for PostgresLedger {
         let rows: Vec<EventRow> = sqlx::query_as(EVENTS_SQL)
             .bind(after)
             .bind(limit)
-            .fetch_all(&self.pool)
+            .fetch_all(&self.pool())
             .await?;
         rows.into_iter().map(event_from).collect()
     }
@@ -600,20 +606,20 @@ impl Ledger for PostgresLedger {
             .bind(ending_after)
             .bind(after)
             .bind(limit)
-            .fetch_all(&self.pool)
+            .fetch_all(&self.pool())
             .await?)
     }
 
     async fn codes_created_since(&self, since: Millis) -> Result<Vec<String>, LedgerError> {
         Ok(sqlx::query_scalar(CREATED_SINCE_SQL)
             .bind(since)
-            .fetch_all(&self.pool)
+            .fetch_all(&self.pool())
             .await?)
     }
 
     async fn watched_codes(&self) -> Result<Vec<String>, LedgerError> {
         Ok(sqlx::query_scalar(WATCHED_SQL)
-            .fetch_all(&self.pool)
+            .fetch_all(&self.pool())
             .await?)
     }
 
@@ -621,7 +627,7 @@ impl Ledger for PostgresLedger {
         if watched {
             let n = sqlx::query(WATCH_SQL)
                 .bind(code)
-                .execute(&self.pool)
+                .execute(&self.pool())
                 .await?;
             if n.rows_affected() == 0 && self.voucher(code).await?.is_none() {
                 return Err(LedgerError::NotFound);
@@ -629,7 +635,7 @@ impl Ledger for PostgresLedger {
         } else {
             sqlx::query(UNWATCH_SQL)
                 .bind(code)
-                .execute(&self.pool)
+                .execute(&self.pool())
                 .await?;
         }
         Ok(())

@@ -3,12 +3,11 @@
 //! ([`super::primary`]), the pool and the heartbeat's own connection, and the migrations, which
 //! nodes starting together run one after the other.
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgPool};
 
-use super::primary::{check_connection, Locator};
+use super::primary::{Locator, Shape};
 use super::target::Targets;
 use super::PostgresLedger;
 
@@ -77,45 +76,29 @@ impl PostgresLedger {
         let targets = Targets::parse(url)
             .map_err(|e| sqlx::Error::Configuration(e.into()))?
             .map_options(|o| session(o, timeout_ms));
+        let shape = Shape {
+            max_connections,
+            acquire_timeout: Duration::from_millis(acquire_timeout_ms.max(1)),
+        };
         let probe_timeout = Duration::from_millis(acquire_timeout_ms.clamp(200, 2000));
-        let locator = Arc::new(Locator::start_up(targets, probe_timeout).await?);
-        // Connections are checked before use (one short round trip per merged transaction):
-        // after an outage the pool replaces broken ones instead of failing a request on each.
-        // Waiting for a connection (and that check) fails fast, so the breaker sees a dead link
-        // within `acquire_timeout_ms` rather than at the end of each call's deadline.
-        let pool = follow(
-            &locator,
-            PgPoolOptions::new()
-                .max_connections(max_connections.max(2))
-                .acquire_timeout(Duration::from_millis(acquire_timeout_ms.max(1))),
-        )
-        .connect_with(locator.options())
-        .await?;
-        migrate(&pool).await?;
-        let beats = follow(
-            &locator,
-            PgPoolOptions::new()
-                .max_connections(1)
-                .acquire_timeout(Duration::from_secs(1)),
-        )
-        .connect_lazy_with(locator.options());
-        locator.follow(pool.clone());
-        locator.follow(beats.clone());
+        let locator = Locator::start_up(targets, shape, probe_timeout).await?;
+        migrate(&locator.pool()).await?;
         locator.spawn();
-        Ok(Self {
-            pool,
-            beats,
-            locator,
-        })
+        Ok(Self { locator })
     }
 }
 
 /// The session every connection of the node opens with. Tables grow from empty within seconds
 /// of a sale starting: a generic plan cached while they were tiny (a sequential scan) would stay
 /// for the life of the connection, so plans are custom (they see the real table size every
-/// time). No statement and no lock wait may hold a connection past the ledger's deadline.
+/// time). A commit is acknowledged only once it is durable (and, where the server names
+/// synchronous standbys, on one of them), whatever a role or database setting says. No
+/// statement and no lock wait may hold a connection past the ledger's deadline.
 fn session(options: PgConnectOptions, timeout_ms: u64) -> PgConnectOptions {
-    let options = options.options([("plan_cache_mode", "force_custom_plan")]);
+    let options = options.options([
+        ("plan_cache_mode", "force_custom_plan"),
+        ("synchronous_commit", "on"),
+    ]);
     if timeout_ms == 0 {
         return options;
     }
@@ -124,24 +107,6 @@ fn session(options: PgConnectOptions, timeout_ms: u64) -> PgConnectOptions {
         ("statement_timeout", ms.as_str()),
         ("lock_timeout", ms.as_str()),
     ])
-}
-
-/// A pool that may only hold connections to the server the locator chose: each new one is
-/// checked to be writable (when the URL asks for that), and one opened before the locator last
-/// switched servers is dropped instead of used. One server that any session will do needs
-/// neither.
-fn follow(locator: &Arc<Locator>, options: PgPoolOptions) -> PgPoolOptions {
-    let want = locator.want();
-    if want.check_sql().is_none() && !locator.switches() {
-        return options;
-    }
-    let me = Arc::downgrade(locator);
-    options
-        .after_connect(move |conn, _| Box::pin(check_connection(conn, want)))
-        .before_acquire(move |_, meta| {
-            let stale = me.upgrade().is_some_and(|l| l.stale(meta.age));
-            Box::pin(async move { Ok(!stale) })
-        })
 }
 
 async fn migrate(pool: &PgPool) -> Result<(), sqlx::Error> {

@@ -1,32 +1,40 @@
-//! Which listed server the node writes to, and finding the new primary after a failover.
+//! Which listed server the node writes to, the node's pools on it, and finding the new primary
+//! after a failover.
 //!
-//! The node's pools (its pool and its heartbeat connection) connect to one server of
-//! [`Targets`] at a time. When a call cannot reach the ledger (the node's ledger says so through
+//! The locator owns the node's two pools (its pool and its heartbeat connection), both on one
+//! server of [`Targets`]. When a call cannot reach the ledger (the node's ledger says so through
 //! [`Locator::lost`]: every call the breaker counts as an outage, and failed beats), the
-//! locator's task asks every listed server what it is and, if another one is now the one to use,
-//! points both pools at it. New connections go there; connections opened before the switch are
-//! dropped when next taken from the pool (`before_acquire`), and every new connection is checked
-//! to be writable before use (`after_connect`), so no write reaches a standby. Nothing restarts
-//! and no operator step is needed on the nodes: the breaker's probe after the switch closes it.
+//! locator's task asks the current server what it is and, if it is no longer the one to use,
+//! every listed server at once. If another one is now the one to use, it builds fresh pools on
+//! it and swaps them in; the old pools are closed. Fresh pools, not the old ones re-pointed:
+//! calls stuck on a server that vanished without resetting its connections (a dead machine)
+//! keep their slots in the old pool until TCP gives up, and must not starve the new one, nor
+//! the one heartbeat connection. Every new connection is checked before use to be writable and
+//! on a timeline no older than the newest this node wrote on (`after_connect`), so no write
+//! reaches a standby or a stale primary. Nothing restarts and no operator step is needed on the
+//! nodes: the breaker's probe after the switch closes it.
 //!
 //! Among the servers that may be written to, the one on the newest timeline wins, and the
 //! locator never goes back to an older timeline than one it wrote on: an old primary that comes
 //! back writable after its standby was promoted (a split brain the failover manager should have
-//! fenced) is not written to, the node answers `503` instead.
+//! fenced) is not written to; the node answers `503` and says why in its log.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, RwLock, Weak};
 use std::time::{Duration, Instant};
 
-use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool};
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection};
 use tokio::sync::Notify;
 
 use super::target::{Targets, Want};
 
-/// How long a search waits before asking the servers again when none is the one to use (the
-/// primary died and no standby is promoted yet).
+/// The pause before a search that found no server to use (the primary died and no standby is
+/// promoted yet) asks again: one connection per listed server per node, five times a second,
+/// for as long as the outage lasts; a promotion is noticed within it.
 const SEARCH_AGAIN: Duration = Duration::from_millis(200);
+/// How often a search that keeps finding nothing says so at `warn`.
+const WARN_EVERY: Duration = Duration::from_secs(10);
 
 /// What one server said it is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,22 +42,34 @@ struct Answer {
     wanted: bool,
     /// Its timeline, when it is a primary (0 for a standby).
     timeline: u32,
+    /// It names synchronous standbys (its commits wait for one).
+    synchronous: bool,
+}
+
+/// The size of the node's pools, to build them again on another server.
+#[derive(Debug, Clone, Copy)]
+pub struct Shape {
+    pub max_connections: u32,
+    pub acquire_timeout: Duration,
+}
+
+struct Pools {
+    main: PgPool,
+    beats: PgPool,
 }
 
 pub struct Locator {
     targets: Targets,
+    shape: Shape,
     /// The server the pools connect to now (an index of `targets.servers`).
     current: AtomicUsize,
     /// Switches to another server since start-up.
     failovers: AtomicU64,
     /// The newest timeline written on: never go back to an older one (see the module doc).
     timeline: AtomicU32,
-    /// When the pools last switched, on `origin`'s clock: pooled connections older than this
-    /// belong to the server before and are dropped.
-    switched_at_ms: AtomicU64,
-    origin: Instant,
-    /// The pools that follow the chosen server.
-    pools: std::sync::Mutex<Vec<PgPool>>,
+    pools: RwLock<Pools>,
+    /// This locator, for the pools' connection checks (which must not keep it alive).
+    me: Weak<Locator>,
     /// Set by [`Locator::lost`], taken by the search task.
     wake: Arc<Notify>,
     /// A search is under way: losses reported meanwhile need no second one.
@@ -59,56 +79,64 @@ pub struct Locator {
 }
 
 impl Locator {
-    /// Finds the server to use at start-up: an error when none of the listed servers is (none
-    /// answers, or all are standbys).
-    pub async fn start_up(targets: Targets, probe_timeout: Duration) -> Result<Self, sqlx::Error> {
-        let locator = Self {
-            targets,
-            current: AtomicUsize::new(0),
-            failovers: AtomicU64::new(0),
-            timeline: AtomicU32::new(0),
-            switched_at_ms: AtomicU64::new(0),
-            origin: Instant::now(),
-            pools: std::sync::Mutex::new(Vec::new()),
-            wake: Arc::new(Notify::new()),
-            searching: AtomicBool::new(false),
-            probe_timeout,
-        };
-        if locator.targets.needs_search() {
-            let (found, seen) = locator.search().await;
-            let Some((index, timeline)) = found else {
+    /// Finds the server to use at start-up and opens the pools on it (lazily: the first call
+    /// connects). An error when no listed server is the one to use (none answers, or all are
+    /// standbys).
+    pub async fn start_up(
+        targets: Targets,
+        shape: Shape,
+        probe_timeout: Duration,
+    ) -> Result<Arc<Self>, sqlx::Error> {
+        let (mut index, mut timeline) = (0, 0);
+        if targets.needs_search() {
+            let answers = probe_all(&targets, probe_timeout).await;
+            let Some((i, a)) = newest(&answers, 0) else {
                 return Err(sqlx::Error::Configuration(
                     format!(
-                        "no listed ledger server is {}: {}",
-                        match locator.targets.want {
-                            Want::Any => "reachable",
-                            Want::ReadWrite => "writable",
-                            Want::Primary => "a primary",
-                        },
-                        seen.join(", ")
+                        "no listed ledger server is writable: {}",
+                        describe(&targets, &answers)
                     )
                     .into(),
                 ));
             };
-            locator.current.store(index, Ordering::Release);
-            locator.timeline.store(timeline, Ordering::Release);
+            warn_if_alone(&targets, i, a);
+            (index, timeline) = (i, a.timeline);
         }
-        crate::metrics::ledger_server(&locator.labels(), locator.current());
+        let locator = Arc::new_cyclic(|me: &Weak<Locator>| Self {
+            pools: RwLock::new(build(
+                targets.servers[index].options.clone(),
+                shape,
+                targets.want,
+                me.clone(),
+            )),
+            targets,
+            shape,
+            current: AtomicUsize::new(index),
+            failovers: AtomicU64::new(0),
+            timeline: AtomicU32::new(timeline),
+            me: me.clone(),
+            wake: Arc::new(Notify::new()),
+            searching: AtomicBool::new(false),
+            probe_timeout,
+        });
+        crate::metrics::ledger_server(&locator.labels(), index);
         Ok(locator)
     }
 
-    /// The options of the server to connect to now.
-    pub fn options(&self) -> PgConnectOptions {
-        self.targets.servers[self.current()].options.clone()
+    /// The node's pool, on the server used now.
+    pub fn pool(&self) -> PgPool {
+        match self.pools.read() {
+            Ok(p) => p.main.clone(),
+            Err(poisoned) => poisoned.into_inner().main.clone(),
+        }
     }
 
-    pub fn want(&self) -> Want {
-        self.targets.want
-    }
-
-    /// May the pools move to another server? Only when several are listed.
-    pub fn switches(&self) -> bool {
-        self.targets.servers.len() > 1
+    /// The heartbeat's own connection, on the server used now.
+    pub fn beats(&self) -> PgPool {
+        match self.pools.read() {
+            Ok(p) => p.beats.clone(),
+            Err(poisoned) => poisoned.into_inner().beats.clone(),
+        }
     }
 
     fn current(&self) -> usize {
@@ -131,23 +159,6 @@ impl Locator {
         )
     }
 
-    /// Was a pooled connection of this age opened before the last switch?
-    pub fn stale(&self, age: Duration) -> bool {
-        let switched = self.switched_at_ms.load(Ordering::Acquire);
-        switched > 0 && age.as_millis() as u64 > self.now_ms().saturating_sub(switched)
-    }
-
-    fn now_ms(&self) -> u64 {
-        self.origin.elapsed().as_millis() as u64 + 1
-    }
-
-    /// Makes `pool` follow the chosen server.
-    pub fn follow(&self, pool: PgPool) {
-        if let Ok(mut pools) = self.pools.lock() {
-            pools.push(pool);
-        }
-    }
-
     /// A call could not reach the ledger: look for the primary (at once, unless a search is
     /// already under way).
     pub fn lost(&self) {
@@ -165,47 +176,49 @@ impl Locator {
         tokio::spawn(search_task(me, wake));
     }
 
-    /// Asks every listed server what it is; returns the one to use (its index and timeline),
-    /// and what each said, for the log.
-    async fn search(&self) -> (Option<(usize, u32)>, Vec<String>) {
-        let mut best: Option<(usize, u32)> = None;
-        let mut seen = Vec::new();
+    /// The server to use now, if any: the current one if it still qualifies (one connection),
+    /// else the newest qualifying one of all (asked at once). What each said, for the log.
+    async fn search(&self) -> (Option<(usize, Answer)>, String) {
         let floor = self.timeline.load(Ordering::Acquire);
-        for (i, server) in self.targets.servers.iter().enumerate() {
-            let answer = probe(&server.options, self.targets.want, self.probe_timeout).await;
-            seen.push(match &answer {
-                Ok(a) if a.wanted => format!("{} (timeline {})", server.label, a.timeline),
-                Ok(_) => format!("{} (not writable)", server.label),
-                Err(e) => format!("{} ({e})", server.label),
-            });
-            let Ok(a) = answer else { continue };
-            if !a.wanted || a.timeline < floor {
-                continue;
-            }
-            if self.targets.want == Want::Any {
-                return (Some((i, a.timeline)), seen);
-            }
-            if best.is_none_or(|(_, t)| a.timeline > t) {
-                best = Some((i, a.timeline));
+        let current = self.current();
+        let now = probe(
+            &self.targets.servers[current].options,
+            self.targets.want,
+            self.probe_timeout,
+        )
+        .await;
+        if let Ok(a) = now {
+            if a.wanted && a.timeline >= floor {
+                return (Some((current, a)), String::new());
             }
         }
-        (best, seen)
+        let answers = probe_all(&self.targets, self.probe_timeout).await;
+        (newest(&answers, floor), describe(&self.targets, &answers))
     }
 
-    /// Points the pools at server `index` (if they are not already there).
-    fn adopt(&self, index: usize, timeline: u32) {
-        self.timeline.fetch_max(timeline, Ordering::AcqRel);
+    /// Moves the pools to server `index` (if they are not already there); whether they moved.
+    fn adopt(&self, index: usize, answer: Answer) -> bool {
+        self.timeline.fetch_max(answer.timeline, Ordering::AcqRel);
         let before = self.current();
         if index == before {
-            return;
+            return false;
         }
-        let options = self.targets.servers[index].options.clone();
-        if let Ok(pools) = self.pools.lock() {
-            for pool in pools.iter() {
-                pool.set_connect_options(options.clone());
-            }
-        }
-        self.switched_at_ms.store(self.now_ms(), Ordering::Release);
+        warn_if_alone(&self.targets, index, answer);
+        let fresh = build(
+            self.targets.servers[index].options.clone(),
+            self.shape,
+            self.targets.want,
+            self.me.clone(),
+        );
+        let old = match self.pools.write() {
+            Ok(mut p) => std::mem::replace(&mut *p, fresh),
+            Err(poisoned) => std::mem::replace(&mut *poisoned.into_inner(), fresh),
+        };
+        // Calls still on the old pools fail there; its connections close as they come back.
+        tokio::spawn(async move {
+            old.beats.close().await;
+            old.main.close().await;
+        });
         self.current.store(index, Ordering::Release);
         self.failovers.fetch_add(1, Ordering::AcqRel);
         crate::metrics::ledger_server(&self.labels(), index);
@@ -213,61 +226,190 @@ impl Locator {
         tracing::warn!(
             from = %self.targets.servers[before].label,
             to = %self.targets.servers[index].label,
-            timeline,
+            timeline = answer.timeline,
             "the ledger's primary moved: connecting to the new one"
         );
+        true
+    }
+
+    /// May a fresh connection be used? It must be to a server that qualifies, on a timeline no
+    /// older than the newest written on.
+    async fn check(&self, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+        let a = ask(conn, self.targets.want).await?;
+        let floor = self.timeline.load(Ordering::Acquire);
+        if a.wanted && a.timeline >= floor {
+            return Ok(());
+        }
+        Err(sqlx::Error::Io(std::io::Error::new(
+            std::io::ErrorKind::ConnectionRefused,
+            format!(
+                "the ledger server is not the one to write to (writable: {}, timeline {} < {floor}?)",
+                a.wanted, a.timeline
+            ),
+        )))
     }
 }
 
-/// Waits for a reported loss, then searches until a server to use is found (the pools are
-/// switched if it is another one). Ends when the ledger is dropped.
+impl Drop for Locator {
+    fn drop(&mut self) {
+        // Ends the search task.
+        self.wake.notify_one();
+    }
+}
+
+/// The node's pools on one server. With a URL that asks for a writable server, each new
+/// connection is checked first.
+fn build(options: PgConnectOptions, shape: Shape, want: Want, me: Weak<Locator>) -> Pools {
+    let make = |max: u32, acquire: Duration| {
+        let options_of_pool = PgPoolOptions::new()
+            .max_connections(max)
+            .acquire_timeout(acquire);
+        let options_of_pool = if want == Want::Any {
+            options_of_pool
+        } else {
+            let me = me.clone();
+            options_of_pool.after_connect(move |conn, _| {
+                let me = me.clone();
+                Box::pin(async move {
+                    match me.upgrade() {
+                        Some(l) => l.check(conn).await,
+                        None => Ok(()),
+                    }
+                })
+            })
+        };
+        options_of_pool.connect_lazy_with(options.clone())
+    };
+    Pools {
+        // Connections are checked before use (one short round trip per merged transaction):
+        // after an outage the pool replaces broken ones instead of failing a request on each.
+        // Waiting for a connection (and that check) fails fast, so the breaker sees a dead link
+        // within the acquire timeout rather than at the end of each call's deadline.
+        main: make(shape.max_connections.max(2), shape.acquire_timeout),
+        beats: make(1, Duration::from_secs(1)),
+    }
+}
+
+/// Waits for a reported loss, then searches until a server to use is found (fresh pools are
+/// swapped in if it is another one). Ends when the ledger is dropped.
 async fn search_task(me: Weak<Locator>, wake: Arc<Notify>) {
     loop {
         wake.notified().await;
+        let mut warned_at: Option<Instant> = None;
         loop {
             let Some(locator) = me.upgrade() else { return };
             locator.searching.store(true, Ordering::Release);
             let (found, seen) = locator.search().await;
-            if let Some((index, timeline)) = found {
-                locator.adopt(index, timeline);
+            if let Some((index, answer)) = found {
+                let moved = locator.adopt(index, answer);
                 locator.searching.store(false, Ordering::Release);
+                drop(locator);
+                if !moved {
+                    // The server was fine (a slow call, a lost connection): a ledger that keeps
+                    // timing out is asked at most every SEARCH_AGAIN, not after every call.
+                    tokio::time::sleep(SEARCH_AGAIN).await;
+                }
                 break;
             }
-            tracing::debug!(servers = %seen.join(", "), "no ledger server to write to yet");
+            if warned_at.is_none_or(|t| t.elapsed() >= WARN_EVERY) {
+                warned_at = Some(Instant::now());
+                tracing::warn!(
+                    servers = %seen,
+                    timeline = locator.timeline.load(Ordering::Acquire),
+                    "no ledger server to write to (writable, on this timeline or a newer one)"
+                );
+            }
             drop(locator);
             tokio::time::sleep(SEARCH_AGAIN).await;
         }
     }
 }
 
-/// What a server is: reachable, writable as `want` asks, and its timeline if it is a primary.
+/// What every listed server is, asked at once.
+async fn probe_all(targets: &Targets, timeout: Duration) -> Vec<Result<Answer, sqlx::Error>> {
+    futures_util::future::join_all(
+        targets
+            .servers
+            .iter()
+            .map(|s| probe(&s.options, targets.want, timeout)),
+    )
+    .await
+}
+
+/// The qualifying server on the newest timeline (not older than `floor`), the first listed of
+/// equals.
+fn newest(answers: &[Result<Answer, sqlx::Error>], floor: u32) -> Option<(usize, Answer)> {
+    let mut best: Option<(usize, Answer)> = None;
+    for (i, a) in answers.iter().enumerate() {
+        let Ok(a) = a else { continue };
+        if a.wanted && a.timeline >= floor && best.is_none_or(|(_, b)| a.timeline > b.timeline) {
+            best = Some((i, *a));
+        }
+    }
+    best
+}
+
+fn describe(targets: &Targets, answers: &[Result<Answer, sqlx::Error>]) -> String {
+    targets
+        .servers
+        .iter()
+        .zip(answers)
+        .map(|(s, a)| match a {
+            Ok(a) if a.wanted => format!("{} (timeline {})", s.label, a.timeline),
+            Ok(_) => format!("{} (not writable)", s.label),
+            Err(e) => format!("{} ({e})", s.label),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// A primary that names no synchronous standby acknowledges commits that only it has.
+fn warn_if_alone(targets: &Targets, index: usize, answer: Answer) {
+    if targets.servers.len() > 1 && !answer.synchronous {
+        tracing::warn!(
+            server = %targets.servers[index].label,
+            "the ledger's primary waits for no synchronous standby: what it acknowledges now is \
+             on one server only until a standby is synchronous again"
+        );
+    }
+}
+
+/// What a server is: reachable, writable as `want` asks, its timeline if it is a primary.
 async fn probe(
     options: &PgConnectOptions,
     want: Want,
     timeout: Duration,
 ) -> Result<Answer, sqlx::Error> {
-    let ask = async {
+    let asked = async {
         let mut conn: PgConnection = options.connect().await?;
-        let (in_recovery, read_only, wal): (bool, String, Option<String>) = sqlx::query_as(
-            "SELECT pg_is_in_recovery(), current_setting('transaction_read_only'), \
-             CASE WHEN pg_is_in_recovery() THEN NULL \
-                  ELSE pg_walfile_name(pg_current_wal_lsn()) END",
-        )
-        .fetch_one(&mut conn)
-        .await?;
+        let a = ask(&mut conn, want).await;
         let _ = conn.close().await;
-        Ok::<_, sqlx::Error>(Answer {
-            wanted: match want {
-                Want::Any => true,
-                Want::ReadWrite => read_only == "off",
-                Want::Primary => !in_recovery,
-            },
-            timeline: wal.as_deref().map_or(0, timeline_of),
-        })
+        a
     };
-    tokio::time::timeout(timeout, ask)
+    tokio::time::timeout(timeout, asked)
         .await
         .map_err(|_| sqlx::Error::PoolTimedOut)?
+}
+
+async fn ask(conn: &mut PgConnection, want: Want) -> Result<Answer, sqlx::Error> {
+    let (in_recovery, read_only, wal, standbys): (bool, String, Option<String>, String) =
+        sqlx::query_as(
+            "SELECT pg_is_in_recovery(), current_setting('transaction_read_only'), \
+             CASE WHEN pg_is_in_recovery() THEN NULL \
+                  ELSE pg_walfile_name(pg_current_wal_lsn()) END, \
+             current_setting('synchronous_standby_names')",
+        )
+        .fetch_one(&mut *conn)
+        .await?;
+    Ok(Answer {
+        wanted: match want {
+            Want::Any => true,
+            Want::ReadWrite => read_only == "off",
+            Want::Primary => !in_recovery,
+        },
+        timeline: wal.as_deref().map_or(0, timeline_of),
+        synchronous: !standbys.trim().is_empty(),
+    })
 }
 
 /// The timeline of a WAL file name: its first eight hex digits.
@@ -276,23 +418,6 @@ fn timeline_of(wal_file: &str) -> u32 {
         .get(..8)
         .and_then(|t| u32::from_str_radix(t, 16).ok())
         .unwrap_or(0)
-}
-
-/// Is a fresh connection one the node may use? A connection to a server that is not (any
-/// longer) the one wanted fails as unreachable, which sends the locator looking.
-pub async fn check_connection(conn: &mut PgConnection, want: Want) -> Result<(), sqlx::Error> {
-    let Some(sql) = want.check_sql() else {
-        return Ok(());
-    };
-    let ok: bool = sqlx::query_scalar(sql).fetch_one(&mut *conn).await?;
-    if ok {
-        Ok(())
-    } else {
-        Err(sqlx::Error::Io(std::io::Error::new(
-            std::io::ErrorKind::ConnectionRefused,
-            "the ledger server is not writable (a standby?)",
-        )))
-    }
 }
 
 #[cfg(test)]
@@ -304,5 +429,29 @@ mod tests {
         assert_eq!(timeline_of("000000020000000000000003"), 2);
         assert_eq!(timeline_of("0000000A0000000000000003"), 10);
         assert_eq!(timeline_of("bad"), 0);
+    }
+
+    fn answer(wanted: bool, timeline: u32) -> Result<Answer, sqlx::Error> {
+        Ok(Answer {
+            wanted,
+            timeline,
+            synchronous: true,
+        })
+    }
+
+    #[test]
+    fn the_newest_writable_timeline_wins_and_never_one_below_the_floor() {
+        let answers = vec![
+            answer(true, 1),
+            Err(sqlx::Error::PoolTimedOut),
+            answer(false, 0),
+            answer(true, 3),
+            answer(true, 3),
+        ];
+        assert_eq!(newest(&answers, 0).map(|(i, _)| i), Some(3));
+        assert_eq!(newest(&answers, 3).map(|(i, _)| i), Some(3));
+        assert_eq!(newest(&answers, 4), None);
+        // An old primary back on timeline 1 after this node wrote on 2: not written to.
+        assert_eq!(newest(&answers[..3], 2), None);
     }
 }

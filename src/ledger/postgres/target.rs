@@ -4,10 +4,12 @@
 //! database and every other parameter shared) that sqlx does parse.
 //!
 //! `target_session_attrs` takes libpq's values that make sense for a ledger the node writes:
-//! `any` (the default: the first server that answers), `read-write` (one whose sessions are
-//! not read-only, as libpq checks it: `SHOW transaction_read_only`) and `primary` (one not in
-//! recovery). The read-only ones (`read-only`, `standby`, `prefer-standby`) are refused at
-//! start-up: a node must write.
+//! `any` (the default: the server, as it answers), `read-write` (one whose sessions are not
+//! read-only, as libpq checks it: `SHOW transaction_read_only`) and `primary` (one not in
+//! recovery). Several hosts need `read-write` or `primary`: with `any` a node could pick a
+//! standby. The read-only ones (`read-only`, `standby`, `prefer-standby`) are refused at
+//! start-up: a node must write. So are `host`, `hostaddr` and `port` parameters beside several
+//! listed hosts (libpq's other multi-host spelling), which would override them.
 
 use std::str::FromStr;
 
@@ -58,6 +60,10 @@ pub enum TargetError {
     EmptyHost,
     #[error("target_session_attrs={0} is not supported: a node must write (use any, read-write or primary)")]
     Unsupported(String),
+    #[error("ledger url lists several hosts: set target_session_attrs=read-write (or primary), or a node could write to a standby")]
+    SeveralWithoutAttrs,
+    #[error("ledger url lists several hosts and a {0} parameter: list each as host:port instead")]
+    Conflicting(String),
     #[error("ledger url for {host}: {reason}")]
     Invalid { host: String, reason: String },
 }
@@ -96,12 +102,29 @@ impl Targets {
         } else {
             format!("{path}?{}", kept.join("&"))
         };
+        // No host at all (`postgres:///db?host=/run/postgresql`, a Unix socket): one server.
+        let hosts: Vec<&str> = if hosts.is_empty() {
+            vec![""]
+        } else {
+            hosts.split(',').collect()
+        };
+        if hosts.len() > 1 {
+            if hosts.contains(&"") {
+                return Err(TargetError::EmptyHost);
+            }
+            if want == Want::Any {
+                return Err(TargetError::SeveralWithoutAttrs);
+            }
+            if let Some(key) = kept.iter().find_map(|pair| {
+                let key = pair.split('=').next().unwrap_or(pair);
+                ["host", "hostaddr", "port"].contains(&key).then_some(key)
+            }) {
+                return Err(TargetError::Conflicting(key.to_string()));
+            }
+        }
         let servers = hosts
-            .split(',')
+            .into_iter()
             .map(|host| {
-                if host.is_empty() {
-                    return Err(TargetError::EmptyHost);
-                }
                 let one = format!("{scheme}://{user}{host}{tail}");
                 let options =
                     PgConnectOptions::from_str(&one).map_err(|e| TargetError::Invalid {
@@ -170,6 +193,14 @@ mod tests {
     }
 
     #[test]
+    fn a_url_without_a_host_is_one_server_as_before() {
+        let t = Targets::parse("postgres:///db?host=/run/postgresql").unwrap();
+        assert_eq!(t.servers.len(), 1);
+        assert_eq!(t.servers[0].options.get_database(), Some("db"));
+        assert!(!t.needs_search());
+    }
+
+    #[test]
     fn read_only_targets_and_empty_hosts_are_refused() {
         for attrs in ["read-only", "standby", "prefer-standby", "bogus"] {
             let url = format!("postgres://a,b/db?target_session_attrs={attrs}");
@@ -179,15 +210,30 @@ mod tests {
             );
         }
         assert_eq!(
-            Targets::parse("postgres://a,,b/db").unwrap_err(),
-            TargetError::EmptyHost
+            Targets::parse("postgres://a,b/db").unwrap_err(),
+            TargetError::SeveralWithoutAttrs
         );
+        assert_eq!(
+            Targets::parse("postgres://a,b/db?target_session_attrs=primary&port=5433").unwrap_err(),
+            TargetError::Conflicting("port".into())
+        );
+        for url in [
+            "postgres://a,,b/db?target_session_attrs=primary",
+            "postgres://a,/db?target_session_attrs=primary",
+            "postgres://,a/db?target_session_attrs=primary",
+        ] {
+            assert_eq!(
+                Targets::parse(url).unwrap_err(),
+                TargetError::EmptyHost,
+                "{url}"
+            );
+        }
         assert_eq!(
             Targets::parse("127.0.0.1:5432").unwrap_err(),
             TargetError::NoScheme
         );
         assert!(matches!(
-            Targets::parse("postgres://a:notaport,b/db").unwrap_err(),
+            Targets::parse("postgres://a:notaport,b/db?target_session_attrs=primary").unwrap_err(),
             TargetError::Invalid { .. }
         ));
     }
