@@ -181,6 +181,7 @@ async def failover(rnd):
     await asyncio.sleep(args.delay)
     rnd.new = await asyncio.to_thread(pair, "promote")
     rnd.t_promote = time.monotonic()
+    rnd.wall_promote = time.strftime("%H:%M:%S", time.gmtime()) + f".{int(time.time() * 1000) % 1000:03d}"
 
 
 async def admin(method, path, body=None):
@@ -238,7 +239,7 @@ async def main():
     pct = lambda xs, q: xs[min(len(xs) - 1, int(q * len(xs)))] * 1000 if xs else float("nan")
     worst = max((t for _, t, _ in outage), default=0) * 1000
     print(f"round {args.round}: primary {rnd.old} SIGKILLed after {sum(1 for _, t in rnd.created.values() if t <= rnd.t_kill)} "
-          f"201s; standby {rnd.new} promoted {rnd.t_promote - rnd.t_kill:.1f} s later")
+          f"201s; standby {rnd.new} promoted {rnd.t_promote - rnd.t_kill:.1f} s later (at {rnd.wall_promote} UTC)")
     print(f"  flood: {args.workers} clients on {len(nodes)} nodes, {sum(rnd.statuses.values()):,} reserve answers {dict(sorted((str(k), v) for k, v in rnd.statuses.items()))} in {elapsed:.1f} s")
     print(f"  during the outage: answers {others}; 503 p50 {pct(o503, 0.5):.1f} ms, p99 {pct(o503, 0.99):.1f} ms, "
           f"slowest answer {worst:.0f} ms (deadline {args.deadline_ms:.0f} ms); 503 without Retry-After {no_retry_after}; hung {rnd.hung}")

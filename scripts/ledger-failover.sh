@@ -29,7 +29,7 @@ for i in 1 2 3; do
   port=$(free_port)
   VOUCHERS__HTTP__HOST=127.0.0.1 VOUCHERS__HTTP__PORT=$port VOUCHERS__LEDGER__URL="$url" \
   VOUCHERS__ADMIN__TOKEN=$token VOUCHERS__REDIS__URL="$redis" VOUCHERS__NODE__ID="failover-$i" \
-  VOUCHERS__REDIS__EVENTS_STREAM="" RUST_LOG=warn "$bin" --config config/cluster.toml >"$work/node$i.log" 2>&1 &
+  VOUCHERS__REDIS__EVENTS_STREAM="" RUST_LOG="${NODE_LOG:-warn}" "$bin" --config config/cluster.toml >"$work/node$i.log" 2>&1 &
   pids+=($!)
   wait_ready "http://127.0.0.1:$port"
   bases+=("http://127.0.0.1:$port")
@@ -47,5 +47,5 @@ for round in 1 2; do
   state=$(scripts/ledger-pair.sh check) || { echo "  the pair is not synchronous again" >&2; status=1; break; }
   echo "  the old primary rejoined as the standby (port $back): $state"
 done
-grep -h "primary moved" "$work"/node*.log | sed -e 's/\x1b\[[0-9;]*m//g' -e 's/^/  log: /' | head -6 || true
+grep -h "primary moved\|circuit\|no ledger server" "$work"/node1.log | sed -e "s/\x1b\[[0-9;]*m//g" -e "s/^/  log: /" | head -60 || true
 exit $status

@@ -51,6 +51,11 @@ pub struct Breaker {
     origin: Instant,
     /// Told of every call that could not reach the ledger (the store looks for a new primary).
     on_outage: Option<Box<dyn Fn() + Send + Sync>>,
+    /// How many times the store moved to another server (a promoted standby): a move since the
+    /// breaker opened ends its cool-down, so the first call after a failover probes at once.
+    moves: Option<Box<dyn Fn() -> u64 + Send + Sync>>,
+    /// [`Breaker::moves`] when it last opened.
+    moves_at_open: AtomicU64,
 }
 
 impl Breaker {
@@ -63,7 +68,27 @@ impl Breaker {
             opened_at: AtomicU64::new(0),
             origin: Instant::now(),
             on_outage: None,
+            moves: None,
+            moves_at_open: AtomicU64::new(0),
         }
+    }
+
+    /// The breaker, cooling down only while `moves` (the store's switches of server) stays
+    /// what it was when it opened.
+    pub fn on_move(mut self, moves: impl Fn() -> u64 + Send + Sync + 'static) -> Self {
+        self.moves = Some(Box::new(moves));
+        self
+    }
+
+    fn moves(&self) -> u64 {
+        self.moves.as_ref().map_or(0, |m| m())
+    }
+
+    /// Open, and still cooling down at `now`: not past `open_ms`, and the store has not moved
+    /// to another server since.
+    fn cooling(&self, now: u64) -> bool {
+        now < self.opened_at.load(Ordering::Acquire) + self.open_ms
+            && self.moves() == self.moves_at_open.load(Ordering::Acquire)
     }
 
     /// The breaker, with `hook` told of every call that could not reach the ledger.
@@ -92,7 +117,7 @@ impl Breaker {
     pub fn refuses(&self, now: u64) -> bool {
         match self.state.load(Ordering::Acquire) {
             CLOSED => false,
-            OPEN => now < self.opened_at.load(Ordering::Acquire) + self.open_ms,
+            OPEN => self.cooling(now),
             _ => true,
         }
     }
@@ -101,7 +126,7 @@ impl Breaker {
     pub fn admit(&self, now: u64) -> Admit {
         match self.state.load(Ordering::Acquire) {
             CLOSED => Admit::Pass,
-            OPEN if now >= self.opened_at.load(Ordering::Acquire) + self.open_ms => {
+            OPEN if !self.cooling(now) => {
                 // Only one caller wins the probe.
                 match self.state.compare_exchange(
                     OPEN,
@@ -136,8 +161,18 @@ impl Breaker {
             admitted,
             done: false,
         };
+        let moves = self.moves();
         let res = call.await;
         pending.done = true;
+        if is_outage(&res) && self.moves() != moves {
+            // It failed on the server the store has since left: that says nothing of the new
+            // one. A probe lost that way lets the next call probe at once.
+            if admitted == Admit::Probe {
+                self.moves_at_open.store(u64::MAX, Ordering::Release);
+                self.state.store(OPEN, Ordering::Release);
+            }
+            return res;
+        }
         self.record(admitted, !is_outage(&res), self.now_ms());
         res
     }
@@ -160,6 +195,7 @@ impl Breaker {
         let n = self.in_a_row.fetch_add(1, Ordering::AcqRel) + 1;
         let trips = admitted == Admit::Probe || (self.failures > 0 && n >= self.failures);
         if trips && self.state.load(Ordering::Acquire) != OPEN {
+            self.moves_at_open.store(self.moves(), Ordering::Release);
             self.opened_at.store(now, Ordering::Release);
             self.state.store(OPEN, Ordering::Release);
             crate::metrics::breaker_state(BreakerState::Open);
@@ -202,6 +238,43 @@ pub(super) fn is_outage<T>(res: &Result<T, LedgerError>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_move_of_the_store_to_another_server_ends_the_cool_down() {
+        let moved = std::sync::Arc::new(AtomicU64::new(0));
+        let seen = moved.clone();
+        let b = Breaker::new(1, 10_000).on_move(move || seen.load(Ordering::Acquire));
+        b.record(Admit::Pass, false, 0);
+        assert_eq!(b.state(), BreakerState::Open);
+        assert!(b.refuses(1));
+        assert_eq!(b.admit(1), Admit::Refuse);
+        moved.store(1, Ordering::Release);
+        assert!(!b.refuses(2));
+        assert_eq!(b.admit(2), Admit::Probe);
+        // A failed probe opens it again, cooling down against the new count.
+        b.record(Admit::Probe, false, 3);
+        assert!(b.refuses(4));
+    }
+
+    #[test]
+    fn calls_that_failed_on_the_server_left_behind_do_not_count() {
+        let moved = std::sync::Arc::new(AtomicU64::new(0));
+        let seen = moved.clone();
+        let b = Breaker::new(2, 10_000).on_move(move || seen.load(Ordering::Acquire));
+        let stale = || async {
+            moved.fetch_add(1, Ordering::AcqRel);
+            Err::<(), _>(LedgerError::Deadline)
+        };
+        for _ in 0..5 {
+            assert!(futures_util::FutureExt::now_or_never(b.call(stale())).is_some());
+        }
+        assert_eq!(b.state(), BreakerState::Closed, "old failures opened it");
+        let fresh = || async { Err::<(), _>(LedgerError::Deadline) };
+        for _ in 0..2 {
+            let _ = futures_util::FutureExt::now_or_never(b.call(fresh()));
+        }
+        assert_eq!(b.state(), BreakerState::Open);
+    }
 
     #[test]
     fn opens_after_failures_in_a_row_probes_once_and_closes_on_success() {

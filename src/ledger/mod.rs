@@ -346,6 +346,10 @@ pub trait Ledger: Send + Sync + 'static {
     fn server(&self) -> Option<(String, u64)> {
         None
     }
+    /// How many times this node switched servers (cheap: the breaker asks it while open).
+    fn failovers(&self) -> u64 {
+        0
+    }
     async fn create_voucher(&self, voucher: &Voucher, now: Millis) -> Result<(), LedgerError>;
     /// Several creates in one transaction (the node merges concurrent creates into one), each
     /// answered as [`Ledger::create_voucher`] would: `AlreadyExists` for a taken code. The outer

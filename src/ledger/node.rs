@@ -67,10 +67,11 @@ impl NodeLedger {
         // The merged calls' own deadline runs inside the breaker (a hung ledger counts as a
         // failure there); the coalescers' is a backstop behind it.
         let backstop = deadline + std::time::Duration::from_secs(1);
-        let store = inner.clone();
+        let (store, moved) = (inner.clone(), inner.clone());
         let breaker = Arc::new(
             Breaker::new(settings.breaker_failures, settings.breaker_open_ms)
-                .on_outage(move || store.lost()),
+                .on_outage(move || store.lost())
+                .on_move(move || moved.failovers()),
         );
         let (merged, guard) = (inner.clone(), breaker.clone());
         let committer = Committer::start(
@@ -219,6 +220,10 @@ impl Ledger for NodeLedger {
 
     fn server(&self) -> Option<(String, u64)> {
         self.inner.server()
+    }
+
+    fn failovers(&self) -> u64 {
+        self.inner.failovers()
     }
 
     async fn ping(&self) -> Result<(), LedgerError> {

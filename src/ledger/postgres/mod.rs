@@ -352,6 +352,10 @@ impl Ledger for PostgresLedger {
         Some(self.locator.server())
     }
 
+    fn failovers(&self) -> u64 {
+        self.locator.failovers()
+    }
+
     async fn heartbeat(
         &self,
         holder: &str,

@@ -159,6 +159,11 @@ impl Locator {
         )
     }
 
+    /// Switches to another server since start-up.
+    pub fn failovers(&self) -> u64 {
+        self.failovers.load(Ordering::Acquire)
+    }
+
     /// A call could not reach the ledger: look for the primary (at once, unless a search is
     /// already under way).
     pub fn lost(&self) {
