@@ -4,7 +4,8 @@
 Per round: a voucher of TOTAL units, a flood of distinct customers over the nodes (keep-alive
 HTTP/1.1 on loopback), one in ten confirming and one in ten releasing what it won; when a third
 of the units are sold the primary's postmaster is SIGKILLed (scripts/ledger-pair.sh kill), and
-the standby is promoted DELAY seconds later. Clients retry a 503 or a lost answer with the same
+the standby is promoted DELAY seconds later. With --pressure, wrk floods a second voucher on every
+node at the same time (its books are checked to balance, not against answers wrk keeps no record of). Clients retry a 503 or a lost answer with the same
 order id, as a checkout service would. Then the books are read straight from the promoted
 primary and held against what the clients were told.
 """
@@ -25,6 +26,8 @@ p.add_argument("--workers", type=int, default=96)
 p.add_argument("--delay", type=float, default=3.0, help="seconds from the kill to the promotion")
 p.add_argument("--round", type=int, default=1)
 p.add_argument("--deadline-ms", type=float, default=5000, help="ledger.timeout_ms: no answer may take longer")
+p.add_argument("--pressure", type=int, default=0,
+               help="wrk connections per node flooding a second, never-sold-out voucher meanwhile (0: none)")
 args = p.parse_args()
 nodes = [n.rstrip("/") for n in args.nodes.split(",")]
 CLIENT_TIMEOUT = args.deadline_ms / 1000 + 5
@@ -205,8 +208,24 @@ async def main():
                 break
             await asyncio.sleep(0.1)
         conn.close()
+    wrks = []
+    if args.pressure:
+        big = f"PRESSURE{args.round}"
+        status, answer = await admin("POST", "/admin/vouchers", {
+            "code": big, "discountAmount": 100, "totalLimit": 1_000_000_000, "perUserLimit": 1})
+        assert status == 201, (status, answer)
+        for i, base in enumerate(nodes):
+            wrks.append(subprocess.Popen(
+                ["wrk", "-t1", f"-c{args.pressure}", "-d120s", "-s", "load-tests/wrk-reserve.lua", base,
+                 "--", big, f"n{i}x", "1", "random"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     t0 = time.monotonic()
     await asyncio.gather(failover(rnd), *(worker(w, rnd) for w in range(args.workers)))
+    pressure = []
+    for w in wrks:
+        w.send_signal(2)  # SIGINT: wrk prints what it saw and stops
+        out = w.communicate(timeout=30)[0]
+        rate = next((l.split()[1] for l in out.splitlines() if l.startswith("Requests/sec")), "?")
+        pressure.append(rate)
     # Units released late (after the others saw OUT_OF_STOCK) go to more customers.
     port = rnd.new
     for _ in range(300):
@@ -240,6 +259,15 @@ async def main():
     worst = max((t for _, t, _ in outage), default=0) * 1000
     print(f"round {args.round}: primary {rnd.old} SIGKILLed after {sum(1 for _, t in rnd.created.values() if t <= rnd.t_kill)} "
           f"201s; standby {rnd.new} promoted {rnd.t_promote - rnd.t_kill:.1f} s later (at {rnd.wall_promote} UTC)")
+    if wrks:
+        big = f"PRESSURE{args.round}"
+        bfree, btotal = map(int, psql(port, f"SELECT free, total_limit FROM vouchers WHERE code = '{big}'")[0])
+        bunused = int(psql(port, f"SELECT COALESCE(SUM(granted - consumed), 0) FROM leases WHERE voucher_code = '{big}' AND state = 'ACTIVE'")[0][0])
+        blive = int(psql(port, f"SELECT count(*) FROM reservations WHERE voucher_code = '{big}' AND status <> 'RELEASED'")[0][0])
+        bbalanced = bfree + bunused + blive == btotal
+        balanced = balanced and bbalanced
+        print(f"  pressure: wrk -c{args.pressure} per node on a second voucher, {', '.join(pressure)} req/s per node "
+              f"(before, during and after the outage); its books: {blive:,} reserved, balanced {bbalanced}")
     print(f"  flood: {args.workers} clients on {len(nodes)} nodes, {sum(rnd.statuses.values()):,} reserve answers {dict(sorted((str(k), v) for k, v in rnd.statuses.items()))} in {elapsed:.1f} s")
     print(f"  during the outage: answers {others}; 503 p50 {pct(o503, 0.5):.1f} ms, p99 {pct(o503, 0.99):.1f} ms, "
           f"slowest answer {worst:.0f} ms (deadline {args.deadline_ms:.0f} ms); 503 without Retry-After {no_retry_after}; hung {rnd.hung}")

@@ -3,7 +3,7 @@
 # over. Release build, three nodes + Redis on the multi-host URL of the pair
 # scripts/ledger-pair.sh builds (two PostgreSQL clusters on ports 5433 and 5434, streaming,
 # synchronous).
-#   scripts/ledger-failover.sh            [TOTAL=10000 WORKERS=96 DELAY=3]
+#   scripts/ledger-failover.sh            [TOTAL=10000 WORKERS=96 DELAY=3 PRESSURE=0]
 # Round 1: a flood on a TOTAL-unit voucher (distinct customers, one in ten confirming, one in
 # ten releasing) over the three nodes; at a third sold the primary's postmaster is SIGKILLed,
 # DELAY seconds later the standby is promoted (the failover manager's part, played by the
@@ -12,10 +12,12 @@
 # from the promoted primary against the 201s, confirms and releases the clients saw (lost,
 # phantom, oversold, sold %, balanced, live nodes reaped). Then the old primary rejoins as the
 # standby (pg_rewind) and round 2 fails over back the same way. Exits non-zero if a check
-# fails. Traffic goes to 127.0.0.1 only and stops by itself.
+# fails. PRESSURE=N adds wrk with N connections per node on a second voucher throughout (its
+# books must balance too). Traffic goes to 127.0.0.1 only and stops by itself.
 set -euo pipefail
 . "$(dirname "$0")/lib.sh"
 need psql python3 curl pg_createcluster
+[ "${PRESSURE:-0}" = 0 ] || need wrk
 bin=$(release_bin)
 token="failover-$RANDOM$RANDOM"
 scripts/ledger-pair.sh up >/dev/null
@@ -39,7 +41,7 @@ status=0
 for round in 1 2; do
   python3 scripts/ledger-failover.py --nodes "$nodes" --token "$token" --pair scripts/ledger-pair.sh \
     --db "$fdb" --total "${TOTAL:-10000}" --workers "${WORKERS:-96}" --delay "${DELAY:-3}" \
-    --round "$round" --deadline-ms "$deadline" || status=1
+    --round "$round" --deadline-ms "$deadline" --pressure "${PRESSURE:-0}" || status=1
   for b in "${bases[@]}"; do
     echo "  $b/health/ready: $(curl -sS "$b/health/ready")"
   done

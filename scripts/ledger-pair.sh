@@ -67,6 +67,9 @@ EOF
 
 down() {
   for n in "${names[@]}"; do
+    # A postmaster left stopped (a `kill` cut short) takes no signal but SIGKILL and SIGCONT.
+    pid=$(head -n1 "$(data_of "$n")/postmaster.pid" 2>/dev/null || true)
+    if [ -n "$pid" ]; then kill -CONT "$pid" 2>/dev/null || true; fi
     if [ -d "/etc/postgresql/$version/$n" ]; then
       pg_dropcluster --stop "$version" "$n" 2>/dev/null || {
         pg_ctlcluster --skip-systemctl-redirect "$version" "$n" stop -m immediate 2>/dev/null || true

@@ -170,6 +170,7 @@ impl Breaker {
             if admitted == Admit::Probe {
                 self.moves_at_open.store(u64::MAX, Ordering::Release);
                 self.state.store(OPEN, Ordering::Release);
+                crate::metrics::breaker_state(BreakerState::Open);
             }
             return res;
         }

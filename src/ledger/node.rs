@@ -81,8 +81,13 @@ impl NodeLedger {
             deadline,
             Arc::new(move |batches| {
                 let (ledger, guard) = (merged.clone(), guard.clone());
-                // A merged transaction passes the breaker once, however many batches it carries.
-                Box::pin(async move { guard.call(ledger.commit_batches(&batches)).await })
+                // A merged transaction passes the breaker once, however many batches it carries;
+                // its deadline runs inside, so a hung one counts as a failure there.
+                Box::pin(async move {
+                    guard
+                        .call(within(deadline, ledger.commit_batches(&batches)))
+                        .await
+                })
             }),
         );
         let (ledger, guard) = (inner.clone(), breaker.clone());

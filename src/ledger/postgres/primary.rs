@@ -3,10 +3,10 @@
 //!
 //! The locator owns the node's two pools (its pool and its heartbeat connection), both on one
 //! server of [`Targets`]. When a call cannot reach the ledger (the node's ledger says so through
-//! [`Locator::lost`]: every call the breaker counts as an outage, and failed beats), the
-//! locator's task asks the current server what it is and, if it is no longer the one to use,
-//! every listed server at once. If another one is now the one to use, it builds fresh pools on
-//! it and swaps them in; the old pools are closed. Fresh pools, not the old ones re-pointed:
+//! [`Locator::lost`]: every call the breaker counts as an outage, and failed beats), and every
+//! [`RECHECK`] besides, the locator's task asks every listed server at once what it is. If
+//! another one is now the one to use, it builds fresh pools on it and swaps them in; the old
+//! pools are closed. Fresh pools, not the old ones re-pointed:
 //! calls stuck on a server that vanished without resetting its connections (a dead machine)
 //! keep their slots in the old pool until TCP gives up, and must not starve the new one, nor
 //! the one heartbeat connection. Every new connection is checked before use to be writable and
@@ -35,6 +35,10 @@ use super::target::{Targets, Want};
 const SEARCH_AGAIN: Duration = Duration::from_millis(200);
 /// How often a search that keeps finding nothing says so at `warn`.
 const WARN_EVERY: Duration = Duration::from_secs(10);
+/// How often the servers are asked even when every call succeeds: a standby promoted while the
+/// old primary still answers (a split brain the failover manager did not fence) is found
+/// within this, and the nodes move to its newer timeline.
+const RECHECK: Duration = Duration::from_secs(5);
 
 /// What one server said it is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -181,24 +185,43 @@ impl Locator {
         tokio::spawn(search_task(me, wake));
     }
 
-    /// The server to use now, if any: the current one if it still qualifies (one connection),
-    /// else the newest qualifying one of all (asked at once). What each said, for the log.
-    async fn search(&self) -> (Option<(usize, Answer)>, String) {
+    /// The server to use now, if any: the qualifying one on the newest timeline (asked at once;
+    /// the current one among equals). What each said, for the log. `routine`: nothing failed,
+    /// this is the periodic check, so the current server is asked over a pooled connection (no
+    /// new backend on it every RECHECK); after a failure, over a new one (a pooled acquire
+    /// would retry a refusing server until its timeout).
+    async fn search(&self, routine: bool) -> (Option<(usize, Answer)>, String) {
         let floor = self.timeline.load(Ordering::Acquire);
         let current = self.current();
-        let now = probe(
-            &self.targets.servers[current].options,
-            self.targets.want,
-            self.probe_timeout,
-        )
+        let answers = futures_util::future::join_all(self.targets.servers.iter().enumerate().map(
+            |(i, s)| async move {
+                if routine && i == current {
+                    if let Ok(a) = self.ask_pooled().await {
+                        return Ok(a);
+                    }
+                }
+                probe(&s.options, self.targets.want, self.probe_timeout).await
+            },
+        ))
         .await;
-        if let Ok(a) = now {
-            if a.wanted && a.timeline >= floor {
-                return (Some((current, a)), String::new());
+        let mut found = newest(&answers, floor);
+        if let (Some((_, best)), Some(Ok(now))) = (found, answers.get(current)) {
+            if now.wanted && now.timeline == best.timeline {
+                found = Some((current, *now));
             }
         }
-        let answers = probe_all(&self.targets, self.probe_timeout).await;
-        (newest(&answers, floor), describe(&self.targets, &answers))
+        (found, describe(&self.targets, &answers))
+    }
+
+    async fn ask_pooled(&self) -> Result<Answer, sqlx::Error> {
+        let pool = self.pool();
+        let asked = async {
+            let mut conn = pool.acquire().await?;
+            ask(&mut conn, self.targets.want).await
+        };
+        tokio::time::timeout(self.probe_timeout, asked)
+            .await
+            .map_err(|_| sqlx::Error::PoolTimedOut)?
     }
 
     /// Moves the pools to server `index` (if they are not already there); whether they moved.
@@ -219,10 +242,12 @@ impl Locator {
             Ok(mut p) => std::mem::replace(&mut *p, fresh),
             Err(poisoned) => std::mem::replace(&mut *poisoned.into_inner(), fresh),
         };
-        // Calls still on the old pools fail there; its connections close as they come back.
+        // Calls still on the old pools fail there; their connections close as they come back.
+        // Both pools are marked closed at once (a beat stuck on a vanished server must not keep
+        // the main pool open).
         tokio::spawn(async move {
-            old.beats.close().await;
-            old.main.close().await;
+            let (beats, main) = (old.beats.close(), old.main.close());
+            futures_util::future::join(beats, main).await;
         });
         self.current.store(index, Ordering::Release);
         self.failovers.fetch_add(1, Ordering::AcqRel);
@@ -295,16 +320,19 @@ fn build(options: PgConnectOptions, shape: Shape, want: Want, me: Weak<Locator>)
     }
 }
 
-/// Waits for a reported loss, then searches until a server to use is found (fresh pools are
-/// swapped in if it is another one). Ends when the ledger is dropped.
+/// Waits for a reported loss (or [`RECHECK`]), then searches until a server to use is found
+/// (fresh pools are swapped in if it is another one). Ends when the ledger is dropped.
 async fn search_task(me: Weak<Locator>, wake: Arc<Notify>) {
     loop {
-        wake.notified().await;
+        let mut routine = tokio::time::timeout(RECHECK, wake.notified())
+            .await
+            .is_err();
         let mut warned_at: Option<Instant> = None;
         loop {
             let Some(locator) = me.upgrade() else { return };
             locator.searching.store(true, Ordering::Release);
-            let (found, seen) = locator.search().await;
+            let (found, seen) = locator.search(routine).await;
+            routine = false;
             if let Some((index, answer)) = found {
                 let moved = locator.adopt(index, answer);
                 locator.searching.store(false, Ordering::Release);
