@@ -18,14 +18,23 @@ const CLUSTER_TOML: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/config/cluster.
 
 /// Runs `scripts/ledger-pair.sh ARG` off the test's thread; its output, trimmed.
 async fn pair(arg: &'static str) -> String {
+    pair_with(vec![arg.to_string()]).await
+}
+
+/// `scripts/ledger-pair.sh kill PORT`.
+async fn pair_kill(port: &str) -> String {
+    pair_with(vec!["kill".into(), port.to_string()]).await
+}
+
+async fn pair_with(args: Vec<String>) -> String {
     tokio::task::spawn_blocking(move || {
         let out = std::process::Command::new(PAIR)
-            .arg(arg)
+            .args(&args)
             .output()
             .expect("run scripts/ledger-pair.sh");
         assert!(
             out.status.success(),
-            "ledger-pair.sh {arg}: {}",
+            "ledger-pair.sh {args:?}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
         String::from_utf8_lossy(&out.stdout).trim().to_string()
@@ -414,25 +423,6 @@ async fn an_unfenced_old_primary_is_never_written_to(
     );
     // The failover manager's fencing, late: the old primary goes down, to rejoin as a standby.
     assert_eq!(pair_kill(old).await, old);
-}
-
-/// `scripts/ledger-pair.sh kill PORT`.
-async fn pair_kill(port: &str) -> String {
-    let port = port.to_string();
-    tokio::task::spawn_blocking(move || {
-        let out = std::process::Command::new(PAIR)
-            .args(["kill", &port])
-            .output()
-            .expect("run scripts/ledger-pair.sh");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).trim().to_string()
-    })
-    .await
-    .expect("ledger-pair.sh thread")
 }
 
 #[actix_web::test]
