@@ -26,17 +26,6 @@ pub enum Want {
     Primary,
 }
 
-impl Want {
-    /// The query that tells whether a server is the one wanted: it answers `true` when it is.
-    pub fn check_sql(self) -> Option<&'static str> {
-        match self {
-            Want::Any => None,
-            Want::ReadWrite => Some("SELECT current_setting('transaction_read_only') = 'off'"),
-            Want::Primary => Some("SELECT NOT pg_is_in_recovery()"),
-        }
-    }
-}
-
 /// One listed server.
 #[derive(Debug, Clone)]
 pub struct Server {
