@@ -88,23 +88,8 @@ impl Cluster {
     }
 
     async fn create(&self, code: &str, total: i64, per_user: i64) {
-        let body = crate::helpers::voucher_body(code, total, per_user);
-        let (s, b) = create_voucher(&self.client, &self.base(0), &body).await;
-        assert_eq!(s, 201, "{b}");
-        // Every node learns the code by the UPDATED signal, or by its next read of the codes
-        // (engine.known_codes_refresh_ms); until then it answers 404 from memory.
-        for node in 0..self.nodes.len() {
-            let url = format!("{}/vouchers/{code}", self.base(node));
-            eventually(
-                "every node knows the new code",
-                Duration::from_secs(10),
-                || {
-                    let url = url.clone();
-                    async move { send(&self.client, "GET", &url, None, None).await.0 == 200 }
-                },
-            )
+        crate::helpers::create_on_every_node(&self.client, &self.bases(), code, total, per_user)
             .await;
-        }
     }
 
     async fn admin(&self, node: usize, code: &str) -> Value {

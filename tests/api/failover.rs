@@ -11,7 +11,9 @@ use futures_util::StreamExt;
 use serde_json::Value;
 
 use crate::audit::{books, Seen};
-use crate::helpers::{client, eventually, metric_sum, metrics_text, send, try_reserve, Node};
+use crate::helpers::{
+    client, create_on_every_node, eventually, metric_sum, metrics_text, send, try_reserve, Node,
+};
 
 const PAIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/ledger-pair.sh");
 const CLUSTER_TOML: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/config/cluster.toml");
@@ -178,17 +180,7 @@ async fn one_failover(c: &awc::Client, nodes: &[Node], db: &str, round: usize) -
     let bases: Vec<String> = nodes.iter().map(|n| n.base.clone()).collect();
     let code = format!("FO{round}-{}", vouchers::startup::random_hex(3));
     let total = 150;
-    let body = crate::helpers::voucher_body(&code, total, 1);
-    let (s, b) = crate::helpers::create_voucher(c, &bases[0], &body).await;
-    assert_eq!(s, 201, "{b}");
-    for base in &bases {
-        let url = format!("{base}/vouchers/{code}");
-        eventually("every node knows the code", Duration::from_secs(10), || {
-            let url = url.clone();
-            async move { send(c, "GET", &url, None, None).await.0 == 200 }
-        })
-        .await;
-    }
+    create_on_every_node(c, &bases, &code, total, 1).await;
     let failovers_before: Vec<f64> = {
         let mut v = Vec::new();
         for base in &bases {
@@ -346,17 +338,7 @@ async fn an_unfenced_old_primary_is_never_written_to(
 ) {
     let bases: Vec<String> = nodes.iter().map(|n| n.base.clone()).collect();
     let code = format!("SB-{}", vouchers::startup::random_hex(3));
-    let body = crate::helpers::voucher_body(&code, 1_000_000, 1);
-    let (s, b) = crate::helpers::create_voucher(c, &bases[0], &body).await;
-    assert_eq!(s, 201, "{b}");
-    for base in &bases {
-        let url = format!("{base}/vouchers/{code}");
-        eventually("every node knows the code", Duration::from_secs(10), || {
-            let url = url.clone();
-            async move { send(c, "GET", &url, None, None).await.0 == 200 }
-        })
-        .await;
-    }
+    create_on_every_node(c, &bases, &code, 1_000_000, 1).await;
     assert_eq!(pair("revive").await, old);
     let old_db = format!("postgres://postgres@127.0.0.1:{old}/{db}");
     let rows = "SELECT (SELECT count(*) FROM reservations) + (SELECT count(*) FROM leases)";

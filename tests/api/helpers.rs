@@ -266,6 +266,33 @@ pub async fn create_voucher(client: &awc::Client, base: &str, body: &Value) -> A
     .await
 }
 
+/// Creates voucher `code` on the first of `bases` (asserting `201`) and waits until every node
+/// knows it: by the UPDATED signal, or by its next read of the codes
+/// (`engine.known_codes_refresh_ms`); until then a node answers 404 from memory.
+pub async fn create_on_every_node(
+    client: &awc::Client,
+    bases: &[String],
+    code: &str,
+    total: i64,
+    per_user: i64,
+) {
+    let body = voucher_body(code, total, per_user);
+    let (s, b) = create_voucher(client, &bases[0], &body).await;
+    assert_eq!(s, 201, "{b}");
+    for base in bases {
+        let url = format!("{base}/vouchers/{code}");
+        eventually(
+            "every node knows the new code",
+            Duration::from_secs(10),
+            || {
+                let url = url.clone();
+                async move { send(client, "GET", &url, None, None).await.0 == 200 }
+            },
+        )
+        .await;
+    }
+}
+
 /// The Prometheus text a node exports.
 pub async fn metrics_text(client: &awc::Client, base: &str) -> String {
     let mut res = client
