@@ -24,6 +24,7 @@
 //! - [`feed`]: the relay that copies the ledger's change feed to a Redis Stream.
 //! - [`shutdown`]: the background tasks' cooperative stop, waited for.
 //! - [`metrics`]: every metric name and the helpers that record them.
+//! - `memory`: hands what a flood left behind back to the system once it is over.
 //! - [`domain`]: vouchers, reservations, eligibility and input rules.
 //! - [`clock`]: the injected clock that lease and expiry logic read.
 
@@ -35,6 +36,7 @@ pub mod engine;
 pub mod feed;
 pub mod jobs;
 pub mod ledger;
+mod memory;
 pub mod metrics;
 pub mod shutdown;
 pub mod signals;

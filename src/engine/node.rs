@@ -173,6 +173,27 @@ impl Node {
         }
     }
 
+    /// Gives back the registry's room once most of its rows are gone: a flood of first reserves
+    /// on a long tail's vouchers grows it to tens of thousands of rows, and their actors stop
+    /// a couple of minutes later. Called by the live numbers, once a second; costs a look at
+    /// each shard's size unless there is room to give back.
+    pub(crate) fn tidy_registry(&self) {
+        if crate::memory::mostly_empty(self.registry.capacity(), self.registry.len()) {
+            self.registry.shrink_to_fit();
+            self.give_back_memory();
+        }
+    }
+
+    /// Has every thread actors ran on hand the memory its stopped actors left back to the
+    /// system ([`crate::memory`]).
+    fn give_back_memory(&self) {
+        let workers = self.workers.read().unwrap_or_else(|e| e.into_inner());
+        for arbiter in self.shards.iter().chain(workers.iter().map(|(_, a)| a)) {
+            arbiter.spawn_fn(crate::memory::collect_thread);
+        }
+        crate::memory::give_back();
+    }
+
     /// This node changed `code`'s books: the reconciler recounts it at its next run.
     pub(crate) fn changed(&self, code: &str) {
         let mut changed = self.changed.lock().unwrap_or_else(|e| e.into_inner());

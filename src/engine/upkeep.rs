@@ -115,6 +115,7 @@ impl EngineHandle {
     pub async fn live_numbers(&self) -> Result<usize, EngineError> {
         // These gauges are set here, so that they never go idle (see `metrics::install`).
         m::actors(self.node.registry.len());
+        self.node.tidy_registry();
         m::redis_configured(self.node.signals.enabled());
         let now = self.now_ms();
         let watched = self.node.ledger.watched_codes().await?;
@@ -284,6 +285,9 @@ impl EngineHandle {
                 let now: Vec<String> = changed.iter().take(MAX_RECOUNTS_PER_RUN).cloned().collect();
                 for code in &now {
                     changed.remove(code);
+                }
+                if crate::memory::mostly_empty(changed.capacity(), changed.len()) {
+                    changed.shrink_to_fit();
                 }
                 now.into_iter().collect()
             }

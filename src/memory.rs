@@ -1,0 +1,48 @@
+//! Handing memory the node no longer uses back to the system.
+//!
+//! Both allocators of the process keep freed memory for reuse: mimalloc (Rust's allocations,
+//! the global allocator of the `vouchers` binary) frees a page only when the thread that owns
+//! it next allocates or collects, so a thread that went quiet keeps the pages its stopped
+//! actors left; glibc's malloc (SQLite's page caches) keeps freed chunks in its arenas. After a
+//! flood of first reserves on a long tail's vouchers that left the node 158 MB against 71 MB
+//! untouched once every actor had stopped (docs/PERFORMANCE.md, "The long tail"). The engine
+//! calls [`collect_thread`] on the threads its stopped actors ran on and [`give_back`] once;
+//! the embedded ledger calls [`give_back`] from its expiry sweeper with the writer released:
+//! never on the path of a reserve or a commit.
+
+// Links mimalloc's library into every binary of the crate (tests too), for `mi_collect`.
+use mimalloc as _;
+
+extern "C" {
+    /// mimalloc's `mi_collect`: frees what the calling thread's heap holds unused.
+    fn mi_collect(force: bool);
+}
+
+/// Gives the calling thread's unused mimalloc pages back to the system: a walk of this
+/// thread's heap, a few milliseconds at most after a flood.
+pub(crate) fn collect_thread() {
+    // SAFETY: `mi_collect` takes no pointer and only touches the calling thread's heap (and
+    // the process's free segments, under mimalloc's own locks); the library is linked in
+    // whichever global allocator the binary chose (with another, it has nothing to collect).
+    unsafe { mi_collect(true) };
+}
+
+/// [`collect_thread`], then glibc's free arena memory (process-wide) back to the system.
+pub(crate) fn give_back() {
+    collect_thread();
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: `malloc_trim` takes no pointer; glibc locks each arena it trims.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
+/// Whether a table of `len` entries that has room for `capacity` is mostly empty: then it is
+/// worth shrinking (a flood grew it, and most of what it held is gone). A small table stays as
+/// it is.
+pub(crate) fn mostly_empty(capacity: usize, len: usize) -> bool {
+    capacity > 4 * len + ROOM_KEPT
+}
+
+/// Entries a table keeps room for however empty it is.
+const ROOM_KEPT: usize = 1024;
