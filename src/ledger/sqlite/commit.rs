@@ -202,6 +202,6 @@ pub(super) fn apply_merged(
     {
         usage.taken(rows[0].voucher_code, rows.iter().map(|r| r.customer_id));
     }
-    usage.committed();
+    usage.tidy();
     Ok(results)
 }

@@ -118,6 +118,16 @@ impl SqliteLedger {
                 .map(|(code, customer)| (code.as_str(), *customer)),
         )
         .await?;
+        // The sweeper runs every second whether or not anything sells: the counts of vouchers
+        // nobody commits on any more are dropped even on a node that stopped selling, and what
+        // a sweep (here or after a merged commit) dropped goes back to the system once the
+        // writer is free for the next commit.
+        usage.tidy();
+        let freed = usage.take_freed();
+        drop(w);
+        if freed {
+            crate::memory::give_back();
+        }
         Ok(restocks)
     }
 }

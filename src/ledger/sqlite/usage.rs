@@ -21,10 +21,13 @@
 //!   failed (or never returned) drops them all, and so does a commit of any other connection
 //!   to the file (another process, or a second handle on it, as the tests open): each use reads
 //!   SQLite's `data_version` first, which moves exactly when another connection committed;
-//! - a voucher no commit used for [`IDLE`] (10 to 20 minutes, looked at after each merged
-//!   commit) is dropped, so the memory held is that of the vouchers on sale: about 30 bytes
-//!   per customer holding a unit, in maps that grow a sixty-fourth at a time (no stall of the
-//!   writer when a voucher's map of millions doubles).
+//! - a voucher no commit used for [`IDLE`] (10 to 10½ minutes) is dropped, and a small one
+//!   (at most [`SMALL`] units held, which load again in under a millisecond) after one
+//!   [`SWEEP_EVERY`] (30 to 60 s): the sweep runs after merged commits and after the expiry
+//!   sweeper's runs, so a node that stopped selling gives the memory back too. What is held is
+//!   that of the vouchers selling now: about 30 bytes per customer holding a unit, in maps that
+//!   grow a sixty-fourth at a time (no stall of the writer when a voucher's map of millions
+//!   doubles); a long tail's first reserves leave nothing behind a minute after they stop.
 //!
 //! Loading a voucher reads its live rows on the writer (about 0.75 µs each: a million held
 //! units stall the node's commits for most of a second, once); `vouchers_ledger_usage_loads_total`
@@ -39,9 +42,20 @@ use super::raw;
 use crate::ledger::LedgerError;
 use crate::metrics as m;
 
-/// How long a voucher no merged commit used keeps its counts (at least; at most twice as long,
-/// or until the node's next merged commit if it makes none).
+/// How often the counts are swept: a voucher no commit used since the sweep before is dropped
+/// if it is small; a large one after [`IDLE_SWEEPS`] such sweeps.
+pub(crate) const SWEEP_EVERY: Duration = Duration::from_secs(30);
+
+/// How long a large voucher no merged commit used keeps its counts (at least; at most one
+/// [`SWEEP_EVERY`] longer).
 pub(crate) const IDLE: Duration = Duration::from_secs(600);
+
+/// Sweeps a large voucher no commit used survives: [`IDLE`] in all.
+const IDLE_SWEEPS: u32 = (IDLE.as_secs() / SWEEP_EVERY.as_secs()) as u32;
+
+/// The most units a voucher's customers hold (rows its load reads, about 0.75 µs each) for it
+/// to count as small: dropped after one idle sweep.
+pub(crate) const SMALL: i64 = 1024;
 
 /// A voucher's customers who hold units, as two range reads of the `(voucher, status)` index:
 /// equality on the whole key, not `IN (list)` (a temporary B-tree) nor `<> 'RELEASED'` (which
@@ -69,6 +83,9 @@ pub(crate) struct UsageCache {
     /// A release or sweep is committing and has not applied its change yet: if its caller
     /// gave up waiting (its future dropped), the commit may still have happened.
     unsettled: bool,
+    /// A sweep dropped counts since the expiry sweeper last looked: it hands the memory back
+    /// ([`UsageCache::take_freed`]) once the writer is released.
+    freed: bool,
 }
 
 /// Parts of a large voucher's customer map.
@@ -135,7 +152,7 @@ impl Customers {
     }
 
     #[cfg(test)]
-    fn len(&self) -> usize {
+    fn count(&self) -> usize {
         match self {
             Self::One(map) => map.len(),
             Self::Parts { parts, .. } => parts.iter().map(HashMap::len).sum(),
@@ -144,7 +161,7 @@ impl Customers {
 
     #[cfg(test)]
     fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.count() == 0
     }
 }
 
@@ -165,6 +182,8 @@ pub(crate) struct VoucherUsage {
     offset: Option<i64>,
     /// Whether a commit used this voucher since the last sweep.
     touched: bool,
+    /// Sweeps in a row that found it untouched.
+    idle_sweeps: u32,
 }
 
 impl VoucherUsage {
@@ -319,17 +338,35 @@ impl UsageCache {
         Ok(())
     }
 
-    /// After a merged commit: about once per [`IDLE`], drops the vouchers no commit used since
-    /// the sweep before.
-    pub(crate) fn committed(&mut self) {
+    /// After a merged commit and an expiry sweep: about once per [`SWEEP_EVERY`], drops the
+    /// small vouchers no commit used since the sweep before, and the large ones no commit used
+    /// for [`IDLE`]; then gives back the table's room if most of it is empty.
+    pub(crate) fn tidy(&mut self) {
         self.sweep(Instant::now());
+    }
+
+    /// Whether a sweep dropped counts since the last call.
+    pub(crate) fn take_freed(&mut self) -> bool {
+        std::mem::take(&mut self.freed)
     }
 
     fn sweep(&mut self, now: Instant) {
         match self.swept {
-            Some(at) if now.saturating_duration_since(at) >= IDLE => {
+            Some(at) if now.saturating_duration_since(at) >= SWEEP_EVERY => {
                 self.swept = Some(now);
-                self.vouchers.retain(|_, v| std::mem::take(&mut v.touched));
+                let before = self.vouchers.len();
+                self.vouchers.retain(|_, v| {
+                    if std::mem::take(&mut v.touched) {
+                        v.idle_sweeps = 0;
+                        return true;
+                    }
+                    v.idle_sweeps += 1;
+                    v.idle_sweeps < IDLE_SWEEPS && v.live > SMALL
+                });
+                if crate::memory::mostly_empty(self.vouchers.capacity(), self.vouchers.len()) {
+                    self.vouchers.shrink_to_fit();
+                }
+                self.freed |= self.vouchers.len() < before;
             }
             Some(_) => {}
             None => self.swept = Some(now),
@@ -392,18 +429,45 @@ mod tests {
     }
 
     #[test]
-    fn a_sweep_drops_the_vouchers_no_commit_used_for_a_while() {
-        let mut c = with(&["A", "B"]);
+    fn a_sweep_drops_small_vouchers_soon_and_large_ones_after_idle() {
+        let mut c = with(&["SMALL", "LARGE", "BUSY"]);
+        // Few customers, many units: the rows a load reads are what makes it large.
+        for customer in 0..4 {
+            c.add("LARGE", customer, SMALL / 4);
+        }
+        c.add("LARGE", 0, 1);
+        c.add("SMALL", 1, 1);
         let t0 = Instant::now();
         c.sweep(t0);
-        c.vouchers.get_mut("A").unwrap().touched = true;
-        c.sweep(t0 + IDLE / 2);
-        assert_eq!(c.loaded(), 2, "no sweep before IDLE has passed");
-        c.sweep(t0 + IDLE);
-        assert_eq!(c.loaded(), 1);
-        assert!(c.vouchers.contains_key("A"));
-        c.sweep(t0 + IDLE * 2);
-        assert_eq!(c.loaded(), 0, "A was not used since the last sweep");
+        c.sweep(t0 + SWEEP_EVERY / 2);
+        assert_eq!(c.loaded(), 3, "no sweep before SWEEP_EVERY has passed");
+        c.vouchers.get_mut("SMALL").unwrap().touched = true;
+        let mut t = t0;
+        for sweep in 1..=IDLE_SWEEPS {
+            t += SWEEP_EVERY;
+            c.vouchers.get_mut("BUSY").unwrap().touched = true;
+            c.sweep(t);
+            assert_eq!(c.vouchers.contains_key("SMALL"), sweep == 1, "sweep {sweep}");
+            assert_eq!(c.vouchers.contains_key("LARGE"), sweep < IDLE_SWEEPS, "sweep {sweep}");
+            assert!(c.vouchers.contains_key("BUSY"), "used before every sweep");
+        }
+        assert_eq!(t - t0, IDLE);
+    }
+
+    #[test]
+    fn a_sweep_gives_back_the_room_of_the_vouchers_it_dropped() {
+        let codes: Vec<String> = (0..10_000).map(|i| format!("C{i}")).collect();
+        let mut c = with(&codes.iter().map(String::as_str).collect::<Vec<_>>());
+        let room = c.vouchers.capacity();
+        let t0 = Instant::now();
+        c.sweep(t0);
+        c.sweep(t0 + SWEEP_EVERY);
+        assert_eq!(c.loaded(), 0);
+        assert!(
+            c.vouchers.capacity() < room / 4,
+            "{} of {room}",
+            c.vouchers.capacity()
+        );
     }
 
     #[test]
@@ -457,7 +521,7 @@ mod tests {
         };
         // The parts share the customers: none holds more than twice its share.
         assert!(parts.iter().all(|p| p.len() < 2 * n as usize / PARTS));
-        assert_eq!(c.len(), n as usize);
+        assert_eq!(c.count(), n as usize);
         for customer in 0..n {
             assert_eq!(
                 c.get(customer),
