@@ -73,11 +73,22 @@ impl SqliteLedger {
                 // memory, not in a temporary file opened, written and unlinked at every
                 // merged commit.
                 .pragma("temp_store", "memory"),
+            None,
         )
         .await?;
         migrate(&writer).await?;
-        let reader = pool(readers.max(1), options.clone().read_only(true)).await?;
-        let checkpointer = pool(1, options).await?;
+        // Readers close after 20 s unused (sqlx then opens one again, so one is always
+        // ready): each keeps a page cache of up to 2 MiB, filled by whatever it last read (a
+        // flood of first reserves on a long tail fills them all), which a node that went
+        // quiet should give back. A quiet node reopens its one reader every 20–40 s: a file
+        // open and a few pragmas.
+        let reader = pool(
+            readers.max(1),
+            options.clone().read_only(true),
+            Some(READER_IDLE),
+        )
+        .await?;
+        let checkpointer = pool(1, options, None).await?;
         let checkpoints = tokio::spawn(checkpoint_every(checkpointer, CHECKPOINT_EVERY));
         Ok(Self {
             writer: Default::default(),
@@ -88,12 +99,21 @@ impl SqliteLedger {
     }
 }
 
+/// How long a reader beyond the first stays open unused.
+const READER_IDLE: Duration = Duration::from_secs(20);
+
 /// A pool of `max` connections to the local file: no ping before each use, and kept open for
-/// the ledger's life (a connection to a local file needs no recycling).
-async fn pool(max: u32, options: SqliteConnectOptions) -> Result<SqlitePool, sqlx::Error> {
+/// the ledger's life (a connection to a local file needs no recycling) unless `idle` closes
+/// the ones unused that long (and one is opened again).
+async fn pool(
+    max: u32,
+    options: SqliteConnectOptions,
+    idle: Option<Duration>,
+) -> Result<SqlitePool, sqlx::Error> {
     SqlitePoolOptions::new()
         .max_connections(max)
-        .idle_timeout(None)
+        .min_connections(u32::from(idle.is_some()))
+        .idle_timeout(idle)
         .max_lifetime(None)
         .test_before_acquire(false)
         .acquire_timeout(CONNECTION_WAIT)
