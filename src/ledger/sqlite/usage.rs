@@ -447,8 +447,16 @@ mod tests {
             t += SWEEP_EVERY;
             c.vouchers.get_mut("BUSY").unwrap().touched = true;
             c.sweep(t);
-            assert_eq!(c.vouchers.contains_key("SMALL"), sweep == 1, "sweep {sweep}");
-            assert_eq!(c.vouchers.contains_key("LARGE"), sweep < IDLE_SWEEPS, "sweep {sweep}");
+            assert_eq!(
+                c.vouchers.contains_key("SMALL"),
+                sweep == 1,
+                "sweep {sweep}"
+            );
+            assert_eq!(
+                c.vouchers.contains_key("LARGE"),
+                sweep < IDLE_SWEEPS,
+                "sweep {sweep}"
+            );
             assert!(c.vouchers.contains_key("BUSY"), "used before every sweep");
         }
         assert_eq!(t - t0, IDLE);
