@@ -99,7 +99,7 @@ impl SqliteLedger {
     }
 }
 
-/// How long a reader beyond the first stays open unused.
+/// How long a reader stays open unused.
 const READER_IDLE: Duration = Duration::from_secs(20);
 
 /// A pool of `max` connections to the local file: no ping before each use, and kept open for
