@@ -15,6 +15,8 @@ use crate::signals::Signal;
 
 /// Most vouchers this node changed that one reconciler run recounts.
 const MAX_RECOUNTS_PER_RUN: usize = 2_000;
+/// Vouchers recounted in one read of each table.
+const RECOUNT_PAGE: usize = 500;
 
 impl EngineHandle {
     /// The subscription to cluster signals came up (`true`) or ended. While it is down a
@@ -144,12 +146,11 @@ impl EngineHandle {
             std::mem::take(&mut *self.node.recount.lock().unwrap_or_else(|e| e.into_inner()))
                 .into_iter()
                 .collect();
-        for code in sold_out {
-            let shown = on_sale.contains(code.as_str());
-            if let Err(e) = reconcile_one(&self.node.ledger, &code, shown).await {
+        for page in sold_out.chunks(RECOUNT_PAGE) {
+            if let Err(e) = recount(&self.node.ledger, page, |c| on_sale.contains(c)).await {
                 // Tried again at the next run.
-                tracing::warn!(code = %code, error = %e, "recount after a sell-out failed");
-                self.node.recount_soon(&code);
+                tracing::warn!(vouchers = page.len(), error = %e, "recount after a sell-out failed");
+                page.iter().for_each(|c| self.node.recount_soon(c));
             }
         }
         Ok(units.len())
@@ -315,16 +316,14 @@ impl EngineHandle {
         let mut codes: Vec<String> = codes.into_iter().collect();
         codes.sort();
         let mut unbalanced = Vec::new();
-        let mut codes = codes.into_iter();
-        while let Some(code) = codes.next() {
-            let shown = self.node.spotlight.shows(&code);
-            match reconcile_one(&self.node.ledger, &code, shown).await {
-                Ok(true) => {}
-                Ok(false) => unbalanced.push(code),
+        for (i, page) in codes.chunks(RECOUNT_PAGE).enumerate() {
+            match recount(&self.node.ledger, page, |c| self.node.spotlight.shows(c)).await {
+                Ok(found) => unbalanced.extend(found),
                 Err(e) => {
-                    // This one and every one not recounted yet: at the next run.
-                    self.node.changed(&code);
-                    codes.for_each(|c| self.node.changed(&c));
+                    // This page and every one not recounted yet: at the next run.
+                    codes[i * RECOUNT_PAGE..]
+                        .iter()
+                        .for_each(|c| self.node.changed(c));
                     return Err(e.into());
                 }
             }
@@ -333,20 +332,24 @@ impl EngineHandle {
     }
 }
 
-/// Recounts one voucher and records the verdict (a series of its own only for a voucher
-/// `shown` on `/metrics`); `false` when its books do not balance. The reconciler runs it for
-/// what changed and its audit, and the live numbers the moment a voucher sells out here.
-async fn reconcile_one(
+/// Recounts `codes` (at most [`RECOUNT_PAGE`] of them: one read of each table) and records each
+/// verdict (a series of its own only for a voucher `shown` on `/metrics`); returns those whose
+/// books do not balance. The reconciler runs it for what changed and its audit, and the live
+/// numbers the moment a voucher sells out here.
+async fn recount(
     ledger: &SharedLedger,
-    code: &str,
-    shown: bool,
-) -> Result<bool, LedgerError> {
-    let Some(c) = ledger.counters(code).await? else {
-        return Ok(true);
-    };
-    m::reconciled(code, &c, shown);
-    if !c.balanced {
-        tracing::error!(code = %code, counters = ?c, "ledger does not balance");
+    codes: &[String],
+    shown: impl Fn(&str) -> bool,
+) -> Result<Vec<String>, LedgerError> {
+    let counters = ledger.counters_many(codes).await?;
+    let mut unbalanced = Vec::new();
+    for (code, c) in codes.iter().zip(counters) {
+        let Some(c) = c else { continue };
+        m::reconciled(code, &c, shown(code));
+        if !c.balanced {
+            tracing::error!(code = %code, counters = ?c, "ledger does not balance");
+            unbalanced.push(code.clone());
+        }
     }
-    Ok(c.balanced)
+    Ok(unbalanced)
 }

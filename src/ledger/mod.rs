@@ -528,7 +528,17 @@ pub trait Ledger: Send + Sync + 'static {
     /// Reaps ACTIVE leases whose expiry passed: unused units go back to `free`.
     async fn reap_expired(&self, now: Millis) -> Result<Vec<Restock>, LedgerError>;
     /// Counters of one voucher, with the reconciliation verdict.
-    async fn counters(&self, code: &str) -> Result<Option<Counters>, LedgerError>;
+    async fn counters(&self, code: &str) -> Result<Option<Counters>, LedgerError> {
+        Ok(self
+            .counters_many(std::slice::from_ref(&code.to_string()))
+            .await?
+            .pop()
+            .flatten())
+    }
+    /// [`Self::counters`] of each of `codes`, in order (`None` for a code with no voucher), read
+    /// in one snapshot with one query per table for all of them: the reconciler recounts the
+    /// thousands of vouchers a campaign touched at a fraction of the CPU of one read per voucher.
+    async fn counters_many(&self, codes: &[String]) -> Result<Vec<Option<Counters>>, LedgerError>;
     /// The live numbers (see [`LiveUnits`]) of those of `codes` whose sale started by `now` and
     /// ends after `ending_after` (a read per voucher asked, never of the whole catalogue).
     async fn live_units(

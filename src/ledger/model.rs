@@ -132,6 +132,44 @@ pub struct ModelLedger {
 }
 
 impl ModelLedger {
+    /// One voucher's counters, from the model's state.
+    fn counters_of(&self, code: &str) -> Option<Counters> {
+        let s = self.state();
+        let Some(v) = s.vouchers.get(code) else {
+            return None;
+        };
+        let mut by_status: HashMap<&str, i64> = HashMap::new();
+        for row in s.reservations.values().filter(|r| r.r.voucher_code == code) {
+            *by_status.entry(row.r.status.as_str()).or_insert(0) += 1;
+        }
+        let by_status: Vec<(String, i64)> = by_status
+            .into_iter()
+            .map(|(k, n)| (k.to_string(), n))
+            .collect();
+        let consumed = s
+            .leases
+            .values()
+            .filter(|l| l.voucher_code == code)
+            .map(|l| l.consumed)
+            .sum();
+        let usage = s
+            .usage
+            .iter()
+            .filter(|((c, _), _)| c == code)
+            .map(|(_, n)| n)
+            .sum();
+        let counters = Counters {
+            total_limit: v.voucher.total_limit,
+            free: v.free,
+            leased_unused: s.leased_unused(code),
+            reserved: v.reserved,
+            confirmed: v.confirmed,
+            released: v.released,
+            balanced: false,
+        };
+        Some(super::reconcile(counters, &by_status, consumed, usage))
+    }
+
     /// The ACTIVE leases of `code` with units left: `(id, holder, unused, expires_at)`, for a
     /// simulation's diagnosis of where units sit.
     pub fn unused_leases(&self, code: &str) -> Vec<(i64, String, i64, Millis)> {
@@ -763,43 +801,8 @@ impl Ledger for ModelLedger {
         Ok(self.state().close(Closing::ExpiredBy(now)))
     }
 
-    async fn counters(&self, code: &str) -> Result<Option<Counters>, LedgerError> {
-        let s = self.state();
-        let Some(v) = s.vouchers.get(code) else {
-            return Ok(None);
-        };
-        let mut by_status: HashMap<&str, i64> = HashMap::new();
-        for row in s.reservations.values().filter(|r| r.r.voucher_code == code) {
-            *by_status.entry(row.r.status.as_str()).or_insert(0) += 1;
-        }
-        let by_status: Vec<(String, i64)> = by_status
-            .into_iter()
-            .map(|(k, n)| (k.to_string(), n))
-            .collect();
-        let consumed = s
-            .leases
-            .values()
-            .filter(|l| l.voucher_code == code)
-            .map(|l| l.consumed)
-            .sum();
-        let usage = s
-            .usage
-            .iter()
-            .filter(|((c, _), _)| c == code)
-            .map(|(_, n)| n)
-            .sum();
-        let counters = Counters {
-            total_limit: v.voucher.total_limit,
-            free: v.free,
-            leased_unused: s.leased_unused(code),
-            reserved: v.reserved,
-            confirmed: v.confirmed,
-            released: v.released,
-            balanced: false,
-        };
-        Ok(Some(super::reconcile(
-            counters, &by_status, consumed, usage,
-        )))
+    async fn counters_many(&self, codes: &[String]) -> Result<Vec<Option<Counters>>, LedgerError> {
+        Ok(codes.iter().map(|code| self.counters_of(code)).collect())
     }
 
     async fn live_units(

@@ -507,9 +507,9 @@ impl Ledger for NodeLedger {
             .await
     }
 
-    async fn counters(&self, code: &str) -> Result<Option<Counters>, LedgerError> {
-        let code = code.to_string();
-        self.run(move |l| async move { l.counters(&code).await })
+    async fn counters_many(&self, codes: &[String]) -> Result<Vec<Option<Counters>>, LedgerError> {
+        let codes = codes.to_vec();
+        self.run(move |l| async move { l.counters_many(&codes).await })
             .await
     }
 

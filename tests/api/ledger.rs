@@ -117,8 +117,32 @@ async fn conformance(l: SharedLedger) {
     usage_counts_every_live_reservation(&l).await;
     the_catalogue_is_read_in_pages_and_by_what_is_new(&l).await;
     reads_and_grants_of_many_vouchers_answer_each(&l).await;
+    counters_of_many_vouchers_are_each_ones_own(&l).await;
     // Last: it checks the feed of every change the checks above made.
     the_feed_tells_every_change_once_in_order(&l).await;
+}
+
+/// The reconciler's recount of many vouchers at once gives each voucher the counters a recount
+/// of it alone gives (nothing of one voucher leaks into another's), in the order asked, with
+/// `None` for a code with no voucher; and every one of them balances.
+async fn counters_of_many_vouchers_are_each_ones_own(l: &SharedLedger) {
+    let mut codes = l.voucher_codes(0, "", 1_000).await.unwrap();
+    assert!(codes.len() >= 5, "the checks before made vouchers: {codes:?}");
+    codes.reverse();
+    codes.insert(1, "NO-SUCH-VOUCHER".into());
+    let many = l.counters_many(&codes).await.unwrap();
+    assert_eq!(many.len(), codes.len());
+    let mut distinct = std::collections::HashSet::new();
+    for (code, c) in codes.iter().zip(&many) {
+        assert_eq!(*c, l.counters(code).await.unwrap(), "{code}");
+        if let Some(c) = c {
+            assert!(c.balanced, "{code}: {c:?}");
+            distinct.insert((c.total_limit, c.free, c.reserved, c.confirmed, c.released));
+        }
+    }
+    assert_eq!(many[1], None);
+    assert!(distinct.len() > 1, "every voucher got the same counters: {many:?}");
+    assert!(l.counters_many(&[]).await.unwrap().is_empty());
 }
 
 /// The merged calls of cold activation: one read of several vouchers gives those that exist,

@@ -30,6 +30,8 @@ mod open;
 mod primary;
 pub mod target;
 
+use std::collections::HashMap;
+
 use async_trait::async_trait;
 use sqlx::postgres::PgPool;
 use sqlx::Row;
@@ -518,71 +520,86 @@ impl Ledger for PostgresLedger {
         self.close_leases(Closing::ExpiredBy(now), now).await
     }
 
-    async fn counters(&self, code: &str) -> Result<Option<Counters>, LedgerError> {
+    async fn counters_many(&self, codes: &[String]) -> Result<Vec<Option<Counters>>, LedgerError> {
+        if codes.is_empty() {
+            return Ok(Vec::new());
+        }
         let mut tx = self.pool().begin().await?;
         sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
             .execute(&mut *tx)
             .await?;
-        let head: Option<(i64, i64, i64, i64, i64)> = sqlx::query_as(
-            "SELECT total_limit, free, confirmed, released, closed_consumed \
-             FROM vouchers WHERE code = $1",
+        let heads: Vec<(String, i64, i64, i64, i64, i64)> = sqlx::query_as(
+            "SELECT code, total_limit, free, confirmed, released, closed_consumed \
+             FROM vouchers WHERE code = ANY($1)",
         )
-        .bind(code)
-        .fetch_optional(&mut *tx)
-        .await?;
-        let Some((total_limit, free, confirmed, released, kept_closed)) = head else {
-            return Ok(None);
-        };
-        let by_status: Vec<(String, i64)> = sqlx::query_as(
-            "SELECT status, COUNT(*) FROM reservations WHERE voucher_code = $1 GROUP BY status",
-        )
-        .bind(code)
+        .bind(codes)
         .fetch_all(&mut *tx)
         .await?;
-        let (leased_unused, consumed, closed): (i64, i64, i64) = sqlx::query_as(
-            "SELECT COALESCE(SUM(CASE WHEN state = 'ACTIVE' THEN granted - consumed ELSE 0 END), 0)::BIGINT, \
+        let rows: Vec<(String, String, i64)> = sqlx::query_as(
+            "SELECT voucher_code, status, COUNT(*) FROM reservations \
+             WHERE voucher_code = ANY($1) GROUP BY voucher_code, status",
+        )
+        .bind(codes)
+        .fetch_all(&mut *tx)
+        .await?;
+        let leases: Vec<(String, i64, i64, i64)> = sqlx::query_as(
+            "SELECT voucher_code, \
+             COALESCE(SUM(CASE WHEN state = 'ACTIVE' THEN granted - consumed ELSE 0 END), 0)::BIGINT, \
              COALESCE(SUM(consumed), 0)::BIGINT, \
              COALESCE(SUM(consumed) FILTER (WHERE state <> 'ACTIVE'), 0)::BIGINT \
-             FROM leases WHERE voucher_code = $1",
+             FROM leases WHERE voucher_code = ANY($1) GROUP BY voucher_code",
         )
-        .bind(code)
-        .fetch_one(&mut *tx)
+        .bind(codes)
+        .fetch_all(&mut *tx)
         .await?;
-        let usage: i64 = sqlx::query_scalar(
-            "SELECT COALESCE(SUM(used), 0)::BIGINT FROM customer_usage WHERE voucher_code = $1",
+        let usage: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT voucher_code, COALESCE(SUM(used), 0)::BIGINT FROM customer_usage \
+             WHERE voucher_code = ANY($1) GROUP BY voucher_code",
         )
-        .bind(code)
-        .fetch_one(&mut *tx)
+        .bind(codes)
+        .fetch_all(&mut *tx)
         .await?;
         tx.commit().await?;
-        // Units taken by batches, less those confirmed or released since (see the migration).
-        let reserved = consumed - confirmed - released;
-        let mut counters = super::reconcile(
-            Counters {
-                total_limit,
-                free,
-                leased_unused,
-                reserved,
-                confirmed,
-                released,
-                balanced: false,
-            },
-            &by_status,
-            consumed,
-            usage,
-        );
-        // The grant check reads closed leases' consumption from the voucher row (migration 10):
-        // a copy that drifted from the leases would weaken DESIGN §3's last line unseen.
-        if kept_closed != closed {
-            tracing::error!(
-                code,
-                kept_closed,
-                closed,
-                "vouchers.closed_consumed disagrees with the closed leases"
-            );
-            counters.balanced = false;
+        let mut by_status: HashMap<String, Vec<(String, i64)>> = HashMap::new();
+        for (code, status, n) in rows {
+            by_status.entry(code).or_default().push((status, n));
         }
-        Ok(Some(counters))
+        let leases: HashMap<String, (i64, i64, i64)> =
+            leases.into_iter().map(|(c, a, b, d)| (c, (a, b, d))).collect();
+        let usage: HashMap<String, i64> = usage.into_iter().collect();
+        let mut found: HashMap<String, Counters> = HashMap::with_capacity(heads.len());
+        for (code, total_limit, free, confirmed, released, kept_closed) in heads {
+            let (leased_unused, consumed, closed) = leases.get(&code).copied().unwrap_or_default();
+            // Units taken by batches, less those confirmed or released since (see the migration).
+            let reserved = consumed - confirmed - released;
+            let mut counters = super::reconcile(
+                Counters {
+                    total_limit,
+                    free,
+                    leased_unused,
+                    reserved,
+                    confirmed,
+                    released,
+                    balanced: false,
+                },
+                by_status.get(&code).map_or(&[][..], Vec::as_slice),
+                consumed,
+                usage.get(&code).copied().unwrap_or(0),
+            );
+            // The grant check reads closed leases' consumption from the voucher row (migration
+            // 10): a copy that drifted from the leases would weaken DESIGN §3's last line unseen.
+            if kept_closed != closed {
+                tracing::error!(
+                    code,
+                    kept_closed,
+                    closed,
+                    "vouchers.closed_consumed disagrees with the closed leases"
+                );
+                counters.balanced = false;
+            }
+            found.insert(code, counters);
+        }
+        Ok(codes.iter().map(|c| found.get(c).copied()).collect())
     }
 
     async fn feed_origin(&self) -> Result<String, LedgerError> {

@@ -24,6 +24,8 @@ mod tests;
 mod usage;
 mod writer;
 
+use std::collections::HashMap;
+
 use async_trait::async_trait;
 use sqlx::sqlite::SqlitePool;
 use sqlx::{Connection, Row};
@@ -461,57 +463,75 @@ impl Ledger for SqliteLedger {
         self.close_leases(Closing::ExpiredBy(now), now).await
     }
 
-    async fn counters(&self, code: &str) -> Result<Option<Counters>, LedgerError> {
+    async fn counters_many(&self, codes: &[String]) -> Result<Vec<Option<Counters>>, LedgerError> {
+        if codes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let list = json_list(codes);
         let mut tx = self.reader.begin().await?;
-        let head: Option<(i64, i64, i64, i64, i64)> = sqlx::query_as(
-            "SELECT total_limit, free, reserved, confirmed, released FROM vouchers WHERE code = ?",
+        let heads: Vec<(String, i64, i64, i64, i64, i64)> = sqlx::query_as(
+            "SELECT code, total_limit, free, reserved, confirmed, released FROM vouchers \
+             WHERE code IN (SELECT value FROM json_each(?))",
         )
-        .bind(code)
-        .fetch_optional(&mut *tx)
+        .bind(&list)
+        .fetch_all(&mut *tx)
         .await?;
-        let Some((total_limit, free, reserved, confirmed, released)) = head else {
-            return Ok(None);
-        };
-        // Read straight off the (voucher, status) index, with no sort.
-        let (rows_reserved, rows_confirmed, rows_released): (i64, i64, i64) = sqlx::query_as(
-            "SELECT COALESCE(SUM(status = 'RESERVED'), 0), COALESCE(SUM(status = 'CONFIRMED'), 0), \
-             COALESCE(SUM(status = 'RELEASED'), 0) FROM reservations WHERE voucher_code = ?",
+        // Read straight off the (voucher, status) index.
+        let rows: Vec<(String, i64, i64, i64)> = sqlx::query_as(
+            "SELECT voucher_code, COALESCE(SUM(status = 'RESERVED'), 0), \
+             COALESCE(SUM(status = 'CONFIRMED'), 0), COALESCE(SUM(status = 'RELEASED'), 0) \
+             FROM reservations WHERE voucher_code IN (SELECT value FROM json_each(?)) \
+             GROUP BY voucher_code",
         )
-        .bind(code)
-        .fetch_one(&mut *tx)
+        .bind(&list)
+        .fetch_all(&mut *tx)
         .await?;
-        let by_status: Vec<(String, i64)> = vec![
-            ("RESERVED".into(), rows_reserved),
-            ("CONFIRMED".into(), rows_confirmed),
-            ("RELEASED".into(), rows_released),
-        ];
-        let (leased_unused, consumed): (i64, i64) = sqlx::query_as(
-            "SELECT COALESCE(SUM(CASE WHEN state = 'ACTIVE' THEN granted - consumed ELSE 0 END), 0), \
-             COALESCE(SUM(consumed), 0) FROM leases WHERE voucher_code = ?",
+        let leases: Vec<(String, i64, i64)> = sqlx::query_as(
+            "SELECT voucher_code, \
+             COALESCE(SUM(CASE WHEN state = 'ACTIVE' THEN granted - consumed ELSE 0 END), 0), \
+             COALESCE(SUM(consumed), 0) FROM leases \
+             WHERE voucher_code IN (SELECT value FROM json_each(?)) GROUP BY voucher_code",
         )
-        .bind(code)
-        .fetch_one(&mut *tx)
+        .bind(&list)
+        .fetch_all(&mut *tx)
         .await?;
-        // This ledger's usage is the count of the rows that are not RELEASED (migration 6): it
-        // cannot drift from them, so the reconciler's usage check holds by construction. The
-        // writer's counts of it, which enforce the limit, are checked against the books at
-        // every merged commit (`usage`).
-        let usage = rows_reserved + rows_confirmed;
         tx.commit().await?;
-        Ok(Some(super::reconcile(
-            Counters {
-                total_limit,
-                free,
-                leased_unused,
-                reserved,
-                confirmed,
-                released,
-                balanced: false,
-            },
-            &by_status,
-            consumed,
-            usage,
-        )))
+        let rows: HashMap<String, (i64, i64, i64)> =
+            rows.into_iter().map(|(c, a, b, d)| (c, (a, b, d))).collect();
+        let leases: HashMap<String, (i64, i64)> =
+            leases.into_iter().map(|(c, a, b)| (c, (a, b))).collect();
+        let mut found: HashMap<String, Counters> = HashMap::with_capacity(heads.len());
+        for (code, total_limit, free, reserved, confirmed, released) in heads {
+            let (rows_reserved, rows_confirmed, rows_released) =
+                rows.get(&code).copied().unwrap_or_default();
+            let (leased_unused, consumed) = leases.get(&code).copied().unwrap_or_default();
+            let by_status: Vec<(String, i64)> = vec![
+                ("RESERVED".into(), rows_reserved),
+                ("CONFIRMED".into(), rows_confirmed),
+                ("RELEASED".into(), rows_released),
+            ];
+            // This ledger's usage is the count of the rows that are not RELEASED (migration 6):
+            // it cannot drift from them, so the reconciler's usage check holds by construction.
+            // The writer's counts of it, which enforce the limit, are checked against the books
+            // at every merged commit (`usage`).
+            let usage = rows_reserved + rows_confirmed;
+            let counters = super::reconcile(
+                Counters {
+                    total_limit,
+                    free,
+                    leased_unused,
+                    reserved,
+                    confirmed,
+                    released,
+                    balanced: false,
+                },
+                &by_status,
+                consumed,
+                usage,
+            );
+            found.insert(code, counters);
+        }
+        Ok(codes.iter().map(|c| found.get(c).copied()).collect())
     }
 
     async fn voucher_codes(
