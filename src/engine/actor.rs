@@ -17,6 +17,7 @@ use super::soldout::VoucherShared;
 use super::{outcome_of, settle_without_units, EngineError, Node};
 use crate::clock::Millis;
 use crate::domain::{ReserveRequest, Voucher};
+use crate::ledger::{GrantAsk, OpenAsk};
 use crate::metrics::{self as m, Outcome};
 
 type ReplyTo = oneshot::Sender<Reply>;
@@ -192,6 +193,24 @@ impl VoucherActor {
                     ctx.spawn(read.into_actor(self).map(move |res, act, ctx| {
                         act.feed(Event::VoucherRead { first, res }, ctx)
                     }));
+                }
+                Command::Open {
+                    want,
+                    now,
+                    ttl_ms,
+                    amount,
+                } => {
+                    let node = self.node.node_id.clone();
+                    let grant = GrantAsk {
+                        code,
+                        node,
+                        want,
+                        now,
+                        ttl_ms,
+                    };
+                    let ask = OpenAsk { grant, amount };
+                    let open = async move { ledger.open(&ask).await };
+                    self.call(ctx, open, Event::Opened);
                 }
                 Command::Commit { id, batch } => {
                     let commit = async move {

@@ -137,6 +137,33 @@ pub struct GrantAsk {
     pub ttl_ms: i64,
 }
 
+/// A cold voucher's first call ([`Ledger::open`]): read its definition and, if that definition
+/// serves an order of `amount` at the grant's `now`, take a first lease in the same call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OpenAsk {
+    pub grant: GrantAsk,
+    /// The first reserve's order amount: a voucher that refuses it (below its minimum) gets no
+    /// lease, so a flood of refused first reserves moves no units.
+    pub amount: i64,
+}
+
+impl OpenAsk {
+    /// Whether `v` (as read) gets the first lease: it sells to this order now.
+    pub fn serves(&self, v: &Voucher) -> bool {
+        v.check_eligible(self.grant.now, self.amount).is_ok()
+    }
+}
+
+/// The answer to [`Ledger::open`].
+#[derive(Debug)]
+pub struct Opened {
+    /// The definition, `None` when there is no such voucher.
+    pub voucher: Option<Voucher>,
+    /// The first grant's answer; `None` when none was asked (no voucher, or it does not serve
+    /// the order now).
+    pub grant: Option<Result<Grant, LedgerError>>,
+}
+
 /// The answer to a grant request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Grant {
@@ -413,6 +440,22 @@ pub trait Ledger: Send + Sync + 'static {
             );
         }
         Ok(answers)
+    }
+    /// A cold voucher's first call: its definition, and a first lease if it serves the order now
+    /// ([`OpenAsk::serves`]). The node merges the opens of many actors into one read and one
+    /// grant transaction, so the first reserve on a cold voucher waits for one round of the
+    /// node's merged calls, not a read's and then a grant's. The outer error means the read
+    /// failed and no grant was asked.
+    async fn open(&self, ask: &OpenAsk) -> Result<Opened, LedgerError> {
+        let voucher = self.voucher(&ask.grant.code).await?;
+        let grant = match &voucher {
+            Some(v) if ask.serves(v) => {
+                let g = &ask.grant;
+                Some(self.grant(&g.code, &g.node, g.want, g.now, g.ttl_ms).await)
+            }
+            _ => None,
+        };
+        Ok(Opened { voucher, grant })
     }
     /// Pushes the expiry of the given ACTIVE leases of `node`; returns the ids still ACTIVE.
     async fn renew(

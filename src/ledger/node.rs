@@ -28,7 +28,7 @@ use super::coalesce::Coalescer;
 use super::committer::Committer;
 use super::{
     Batch, BatchResults, Beat, Counters, Grant, GrantAsk, Incarnation, Ledger, LedgerError,
-    LiveUnits, Restock, RowOutcome, SharedLedger,
+    LiveUnits, OpenAsk, Opened, Restock, RowOutcome, SharedLedger,
 };
 use crate::clock::Millis;
 use crate::config::LedgerSettings;
@@ -50,6 +50,9 @@ pub struct NodeLedger {
     reads: Coalescer<String, Option<Voucher>>,
     /// The actors' lease grants, merged into one transaction.
     grants: Coalescer<GrantAsk, Grant>,
+    /// The cold actors' first calls (a read and a first grant), merged: one read and one grant
+    /// transaction for all of them.
+    opens: Coalescer<OpenAsk, Opened>,
     /// The actors' lease returns, merged into one transaction.
     returns: Coalescer<(i64, Millis), Option<Restock>>,
     /// Creates of vouchers (the admin API's), merged into one transaction.
@@ -98,18 +101,8 @@ impl NodeLedger {
             Arc::new(move |codes: Vec<String>| {
                 let (ledger, guard) = (ledger.clone(), guard.clone());
                 Box::pin(async move {
-                    let found = guard
-                        .call(within(deadline, ledger.vouchers(&codes)))
-                        .await?;
-                    // By code, not a scan of the answer per code: a merged read of a thousand
-                    // codes would compare a million strings on the ledger's thread.
-                    // A code asked twice (an actor and its successor) gets its answer twice.
-                    let found: std::collections::HashMap<&str, &Voucher> =
-                        found.iter().map(|v| (v.code.as_str(), v)).collect();
-                    Ok(codes
-                        .iter()
-                        .map(|c| Ok(found.get(c.as_str()).map(|v| (*v).clone())))
-                        .collect())
+                    let found = read_merged(&ledger, &guard, deadline, &codes).await?;
+                    Ok(found.into_iter().map(Ok).collect())
                 })
             }),
         );
@@ -120,30 +113,17 @@ impl NodeLedger {
             backstop,
             Arc::new(move |asks: Vec<GrantAsk>| {
                 let (ledger, guard) = (ledger.clone(), guard.clone());
-                Box::pin(async move {
-                    match guard.call(within(deadline, ledger.grant_many(&asks))).await {
-                        // The ledger refused the merged grant (a lock wait that timed out on one
-                        // busy voucher, a check): that must not fail every voucher in it, so
-                        // each goes again on its own.
-                        Err(LedgerError::Database { .. }) if asks.len() > 1 => {
-                            let mut answers = Vec::with_capacity(asks.len());
-                            for ask in &asks {
-                                let one = std::slice::from_ref(ask);
-                                answers.push(
-                                    match guard.call(within(deadline, ledger.grant_many(one))).await
-                                    {
-                                        Ok(mut got) => got.pop().unwrap_or(Err(
-                                            LedgerError::Inconsistent("a grant left unanswered"),
-                                        )),
-                                        Err(e) => Err(e),
-                                    },
-                                );
-                            }
-                            Ok(answers)
-                        }
-                        other => other,
-                    }
-                })
+                Box::pin(async move { grant_merged(&ledger, &guard, deadline, &asks).await })
+            }),
+        );
+        let (ledger, guard) = (inner.clone(), breaker.clone());
+        let opens = Coalescer::start(
+            &rt,
+            MAX_MERGED_CALLS,
+            backstop,
+            Arc::new(move |asks: Vec<OpenAsk>| {
+                let (ledger, guard) = (ledger.clone(), guard.clone());
+                Box::pin(async move { open_merged(&ledger, &guard, deadline, asks).await })
             }),
         );
         let (ledger, guard) = (inner.clone(), breaker.clone());
@@ -183,6 +163,7 @@ impl NodeLedger {
             breaker,
             reads,
             grants,
+            opens,
             returns,
             creates,
         }
@@ -216,6 +197,99 @@ impl NodeLedger {
             Err(_) => Err(LedgerError::Deadline),
         }
     }
+}
+
+/// One merged read of `codes` through the breaker: each code's definition, in order (a code
+/// asked twice, by an actor and its successor, gets its answer twice).
+async fn read_merged(
+    ledger: &SharedLedger,
+    guard: &Breaker,
+    deadline: std::time::Duration,
+    codes: &[String],
+) -> Result<Vec<Option<Voucher>>, LedgerError> {
+    let found = guard.call(within(deadline, ledger.vouchers(codes))).await?;
+    // By code, not a scan of the answer per code: a merged read of a thousand codes would
+    // compare a million strings on the ledger's thread.
+    let found: std::collections::HashMap<&str, &Voucher> =
+        found.iter().map(|v| (v.code.as_str(), v)).collect();
+    Ok(codes
+        .iter()
+        .map(|c| found.get(c.as_str()).map(|v| (*v).clone()))
+        .collect())
+}
+
+/// One merged grant transaction through the breaker, each ask with its own answer.
+async fn grant_merged(
+    ledger: &SharedLedger,
+    guard: &Breaker,
+    deadline: std::time::Duration,
+    asks: &[GrantAsk],
+) -> Result<Vec<Result<Grant, LedgerError>>, LedgerError> {
+    match guard.call(within(deadline, ledger.grant_many(asks))).await {
+        // The ledger refused the merged grant (a lock wait that timed out on one busy voucher,
+        // a check): that must not fail every voucher in it, so each goes again on its own.
+        Err(LedgerError::Database { .. }) if asks.len() > 1 => {
+            let mut answers = Vec::with_capacity(asks.len());
+            for ask in asks {
+                let one = std::slice::from_ref(ask);
+                answers.push(
+                    match guard.call(within(deadline, ledger.grant_many(one))).await {
+                        Ok(mut got) => got
+                            .pop()
+                            .unwrap_or(Err(LedgerError::Inconsistent("a grant left unanswered"))),
+                        Err(e) => Err(e),
+                    },
+                );
+            }
+            Ok(answers)
+        }
+        other => other,
+    }
+}
+
+/// Merged opens ([`Ledger::open`]): one read of every voucher asked, then one grant transaction
+/// for those that serve their first order now. A failed read fails them all with no grant
+/// asked; a failed grant transaction is each one's grant answer.
+async fn open_merged(
+    ledger: &SharedLedger,
+    guard: &Breaker,
+    deadline: std::time::Duration,
+    asks: Vec<OpenAsk>,
+) -> Result<Vec<Result<Opened, LedgerError>>, LedgerError> {
+    let codes: Vec<String> = asks.iter().map(|a| a.grant.code.clone()).collect();
+    let read = read_merged(ledger, guard, deadline, &codes).await?;
+    let serving: Vec<usize> = (0..asks.len())
+        .filter(|&i| read[i].as_ref().is_some_and(|v| asks[i].serves(v)))
+        .collect();
+    let mut grants: Vec<Option<Result<Grant, LedgerError>>> = asks.iter().map(|_| None).collect();
+    if !serving.is_empty() {
+        let grant_asks: Vec<GrantAsk> = serving.iter().map(|&i| asks[i].grant.clone()).collect();
+        match grant_merged(ledger, guard, deadline, &grant_asks).await {
+            Ok(answers) if answers.len() == serving.len() => {
+                for (&i, a) in serving.iter().zip(answers) {
+                    grants[i] = Some(a);
+                }
+            }
+            Ok(_) => {
+                for &i in &serving {
+                    grants[i] = Some(Err(LedgerError::Inconsistent(
+                        "a merged grant answered the wrong number",
+                    )));
+                }
+            }
+            Err(e) => {
+                let e = Arc::new(e);
+                for &i in &serving {
+                    grants[i] = Some(Err(LedgerError::CommitFailed(e.clone())));
+                }
+            }
+        }
+    }
+    Ok(read
+        .into_iter()
+        .zip(grants)
+        .map(|(voucher, grant)| Ok(Opened { voucher, grant }))
+        .collect())
 }
 
 #[async_trait]
@@ -296,6 +370,10 @@ impl Ledger for NodeLedger {
                 ttl_ms,
             })
             .await
+    }
+
+    async fn open(&self, ask: &OpenAsk) -> Result<Opened, LedgerError> {
+        self.opens.call(ask.clone()).await
     }
 
     async fn grant_many(

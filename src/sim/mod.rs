@@ -375,10 +375,12 @@ mod tests {
             ),
             // A second grant failed while that listing was out: the listing must not clear the
             // check the second failure asked for.
-            // (Its first seeds, 12021778221612618265 and 12009981336541799024, stopped having a
-            // grant fail while a listing is out: re-picked with `seeds_reaching`.)
+            // (Its first seeds, 12021778221612618265, 12009981336541799024 and
+            // 14553950063185975115, stopped having a grant fail while a listing is out:
+            // re-picked with `seeds_reaching`, the last time with `SEED_SCAN_ROUNDS=3000` after
+            // a cold core's first grant went into its first read.)
             (
-                14553950063185975115,
+                10369396081915058627,
                 "ledger-lost,ledger-slow",
                 "listing cleared a newer failure's check",
                 second_failure_while_listing_out,
@@ -388,9 +390,10 @@ mod tests {
             // round reaches the reload, the failed first read and the stop; the grant in
             // flight is no longer drawn, and a scan of 400 seeds found no round that draws it.
             // Re-picked with `seeds_reaching` after cores stopped re-reading definitions
-            // nobody asked for: 12493531915866343102 no longer reached the stop.)
+            // nobody asked for: 12493531915866343102 no longer reached the stop; and again,
+            // 2959352562695820255, after a cold core's first grant went into its first read.)
             (
-                2959352562695820255,
+                2030832850625747548,
                 "pause,ledger-fail,ledger-lost,ledger-slow,signal-drop,copies,switches,raise,release,confirm",
                 "stop with a grant in flight",
                 reload_then_failed_first_read_then_stop,
@@ -407,10 +410,10 @@ mod tests {
             // Under steady demand a grant was nearly always out when the lease listing came
             // back, so the listing was thrown away again and again and a lost grant's lease
             // waited for its TTL. The listing is now settled when that grant answers.
-            // (Its first seed, 9358027812662690846, no longer has a grant out when a listing
-            // comes back: re-picked with `seeds_reaching`.)
+            // (Its first seeds, 9358027812662690846 and 9219112618581991474, no longer had a
+            // grant out when a listing came back: re-picked with `seeds_reaching`.)
             (
-                9219112618581991474,
+                6387777158891554393,
                 "crash,ledger-lost,ledger-slow,copies,release",
                 "listing discarded while grants were out",
                 listing_answered_while_a_grant_was_out,

@@ -8,7 +8,7 @@ use vouchers::clock::{Clock, ManualClock};
 use vouchers::config::Settings;
 use vouchers::domain::{ReserveRequest, Voucher, VoucherStatus};
 use vouchers::engine::{EngineError, EngineHandle};
-use vouchers::ledger;
+use vouchers::ledger::{self, Ledger};
 use vouchers::signals::Publisher;
 
 use crate::audit::Seen;
@@ -230,4 +230,76 @@ async fn reserves_on_an_actor_whose_thread_ends_are_served_by_its_successor() {
     let books = crate::audit::books(&url, "GONE").await;
     books.assert_matches_clients("GONE", &(1..=600).map(|i| format!("gone-{i}")).collect());
     assert_eq!(books.reserved, 600, "every 201 once, nothing else");
+}
+
+/// The first calls of many cold vouchers' actors at once ([`ledger::Ledger::open`] through the
+/// node's merged calls, on real SQLite): each gets its own definition and its own first lease;
+/// a code with no voucher gets neither, and a voucher that refuses the order (below its minimum
+/// amount) gets its definition and no lease, so refused first reserves move no units.
+#[actix_web::test]
+async fn the_first_calls_of_many_cold_vouchers_each_get_their_own_answer() {
+    let dir = temp_dir("opens");
+    let url = format!("sqlite://{}/ledger.db", dir.display());
+    let settings = test_settings(&url);
+    let node = Arc::new(ledger::NodeLedger::start(
+        ledger::connect(&url, 2).await.unwrap(),
+        tokio::runtime::Handle::current(),
+        &settings.ledger,
+    ));
+    let now = ManualClock::starting_now().now_ms();
+    let codes: Vec<String> = (0..60).map(|i| format!("OPEN{i}")).collect();
+    for (i, code) in codes.iter().enumerate() {
+        let mut v = on_sale(code, 5, 3 + i as i64 % 4, now);
+        if i == 7 {
+            v.min_order_amount = 1_000;
+        }
+        node.create_voucher(&v, now).await.unwrap();
+    }
+    let ask = |code: &str| ledger::OpenAsk {
+        grant: ledger::GrantAsk {
+            code: code.into(),
+            node: "open-node".into(),
+            want: 2,
+            now,
+            ttl_ms: 30_000,
+        },
+        amount: 100,
+    };
+    let mut asked: Vec<String> = codes.clone();
+    asked.push("NO-SUCH".into());
+    let answers = join_all(asked.iter().map(|c| {
+        let (node, ask) = (node.clone(), ask(c));
+        async move { node.open(&ask).await }
+    }))
+    .await;
+    let mut leases = Vec::new();
+    for (code, a) in asked.iter().zip(&answers) {
+        let o = a.as_ref().unwrap_or_else(|e| panic!("{code}: {e:?}"));
+        match code.as_str() {
+            "NO-SUCH" => assert!(o.voucher.is_none() && o.grant.is_none(), "{o:?}"),
+            "OPEN7" => {
+                assert_eq!(o.voucher.as_ref().map(|v| v.code.as_str()), Some("OPEN7"));
+                assert!(o.grant.is_none(), "a refused order took a lease: {o:?}");
+            }
+            _ => {
+                assert_eq!(
+                    o.voucher.as_ref().map(|v| v.code.as_str()),
+                    Some(code.as_str())
+                );
+                let g = o.grant.as_ref().expect("a grant").as_ref().unwrap();
+                let lease = g.lease.as_ref().expect("a lease");
+                assert_eq!(lease.granted, 2, "{code}: {g:?}");
+                leases.push(lease.id);
+            }
+        }
+    }
+    leases.sort();
+    leases.dedup();
+    assert_eq!(leases.len(), codes.len() - 1, "every lease its own");
+    for code in &codes {
+        let b = crate::audit::books(&url, code).await;
+        b.assert_balanced(code);
+        let held = if code == "OPEN7" { 0 } else { 2 };
+        assert_eq!(b.leased_unused, held, "{code}: {b:?}");
+    }
 }

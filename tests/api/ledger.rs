@@ -118,8 +118,46 @@ async fn conformance(l: SharedLedger) {
     the_catalogue_is_read_in_pages_and_by_what_is_new(&l).await;
     reads_and_grants_of_many_vouchers_answer_each(&l).await;
     counters_of_many_vouchers_are_each_ones_own(&l).await;
+    a_first_call_reads_and_grants_only_what_serves_the_order(&l).await;
     // Last: it checks the feed of every change the checks above made.
     the_feed_tells_every_change_once_in_order(&l).await;
+}
+
+/// A cold voucher's first call ([`ledger::Ledger::open`]): the definition and a first lease when
+/// the voucher sells to the order now; the definition and no lease for an order it refuses
+/// (below its minimum, or before its start); nothing for a code with no voucher.
+async fn a_first_call_reads_and_grants_only_what_serves_the_order(l: &SharedLedger) {
+    let mut v = voucher("OPENA", 4, 1);
+    v.min_order_amount = 50;
+    l.create_voucher(&v, NOW).await.unwrap();
+    let ask = |code: &str, amount: i64, now: i64| ledger::OpenAsk {
+        grant: GrantAsk {
+            code: code.into(),
+            node: "open-node".into(),
+            want: 3,
+            now,
+            ttl_ms: 30_000,
+        },
+        amount,
+    };
+    let o = l.open(&ask("OPENX", 100, NOW)).await.unwrap();
+    assert!(o.voucher.is_none() && o.grant.is_none(), "{o:?}");
+    let o = l.open(&ask("OPENA", 10, NOW)).await.unwrap();
+    assert_eq!(o.voucher.as_ref().map(|v| v.min_order_amount), Some(50));
+    assert!(o.grant.is_none(), "below the minimum: {o:?}");
+    let early = v.starts_at - 1;
+    let o = l.open(&ask("OPENA", 100, early)).await.unwrap();
+    assert!(
+        o.voucher.is_some() && o.grant.is_none(),
+        "before its start: {o:?}"
+    );
+    let c = balanced(l, "OPENA").await;
+    assert_eq!((c.free, c.leased_unused), (4, 0), "{c:?}");
+    let o = l.open(&ask("OPENA", 100, NOW)).await.unwrap();
+    let g = o.grant.expect("a grant").unwrap();
+    assert_eq!(g.lease.as_ref().map(|l| l.granted), Some(3), "{g:?}");
+    let c = balanced(l, "OPENA").await;
+    assert_eq!((c.free, c.leased_unused), (1, 3), "{c:?}");
 }
 
 /// The reconciler's recount of many vouchers at once gives each voucher the counters a recount
@@ -127,7 +165,10 @@ async fn conformance(l: SharedLedger) {
 /// `None` for a code with no voucher; and every one of them balances.
 async fn counters_of_many_vouchers_are_each_ones_own(l: &SharedLedger) {
     let mut codes = l.voucher_codes(0, "", 1_000).await.unwrap();
-    assert!(codes.len() >= 5, "the checks before made vouchers: {codes:?}");
+    assert!(
+        codes.len() >= 5,
+        "the checks before made vouchers: {codes:?}"
+    );
     codes.reverse();
     codes.insert(1, "NO-SUCH-VOUCHER".into());
     let many = l.counters_many(&codes).await.unwrap();
@@ -141,7 +182,10 @@ async fn counters_of_many_vouchers_are_each_ones_own(l: &SharedLedger) {
         }
     }
     assert_eq!(many[1], None);
-    assert!(distinct.len() > 1, "every voucher got the same counters: {many:?}");
+    assert!(
+        distinct.len() > 1,
+        "every voucher got the same counters: {many:?}"
+    );
     assert!(l.counters_many(&[]).await.unwrap().is_empty());
 }
 

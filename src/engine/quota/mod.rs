@@ -95,7 +95,7 @@ use super::{EngineError, Gate, Reserved};
 use crate::clock::Millis;
 use crate::config::EngineSettings;
 use crate::domain::{Ineligible, ReserveRequest, Voucher};
-use crate::ledger::{Batch, BatchRow, Grant, LedgerError, RowOutcome};
+use crate::ledger::{Batch, BatchRow, Grant, LedgerError, Opened, RowOutcome};
 use crate::metrics::{LeaseEvent, LedgerOp};
 use crate::signals::Signal;
 
@@ -166,6 +166,8 @@ pub(crate) enum Event<R, W> {
         first: bool,
         res: Result<Option<Voucher>, LedgerError>,
     },
+    /// The answer to [`Command::Open`]: the definition and, if one was asked, the first grant.
+    Opened(Result<Opened, LedgerError>),
     /// The voucher was edited (signal or API): the new definition.
     Reload(Voucher),
     /// The answer to [`Command::Commit`] `id`.
@@ -209,6 +211,15 @@ pub(crate) enum Command<R, W> {
     /// Read the voucher's definition; answer with [`Event::VoucherRead`].
     ReadVoucher {
         first: bool,
+    },
+    /// The first call of a core whose first event is a reserve: read the definition and, if it
+    /// serves an order of `amount` now, take a first lease of up to `want` units in the same
+    /// call ([`crate::ledger::Ledger::open`]); answer with [`Event::Opened`].
+    Open {
+        want: i64,
+        now: Millis,
+        ttl_ms: i64,
+        amount: i64,
     },
     /// Commit `batch` (through the node's group committer); answer with [`Event::Committed`].
     Commit {
@@ -346,6 +357,8 @@ pub(crate) struct VoucherCore<R, W> {
     /// The ledger has no such voucher: answer `404` from memory (a cheap negative cache against
     /// floods of unknown codes) until it appears or the actor stops.
     missing: bool,
+    /// The first call went out (it goes with the first event: see [`VoucherCore::first_call`]).
+    called: bool,
     /// A stop was asked: nothing more is started.
     stopping: bool,
     leases: VecDeque<LocalLease>,
@@ -425,7 +438,8 @@ pub(crate) struct VoucherCore<R, W> {
 }
 
 impl<R, W> VoucherCore<R, W> {
-    /// A core for `code`, created at `now`; its first command reads the voucher.
+    /// A core for `code`, created at `now`; its first event makes it read the voucher (and,
+    /// when that event is a reserve, take a first lease in the same call).
     pub(crate) fn new(
         code: String,
         settings: EngineSettings,
@@ -440,10 +454,11 @@ impl<R, W> VoucherCore<R, W> {
             shared,
             now,
             gate: Gate::Open,
-            out: vec![Command::ReadVoucher { first: true }],
+            out: Vec::new(),
             stats: Vec::new(),
             voucher: None,
             missing: false,
+            called: false,
             stopping: false,
             leases: VecDeque::new(),
             pending: VecDeque::new(),
@@ -579,6 +594,9 @@ impl<R, W> VoucherCore<R, W> {
         }
         self.now = now;
         self.gate = gate;
+        if !std::mem::replace(&mut self.called, true) {
+            self.first_call(&event);
+        }
         match event {
             Event::Reserve(req, reply) => self.on_reserve(req, reply),
             Event::Warm(w) => self.on_warm(w),
@@ -590,6 +608,7 @@ impl<R, W> VoucherCore<R, W> {
                 }
                 return;
             }
+            Event::Opened(res) => self.on_opened(res),
             Event::Reload(v) => self.take_definition(v),
             Event::Committed { id, res } => self.on_committed(id, res),
             Event::Granted(res) => self.on_granted(res),

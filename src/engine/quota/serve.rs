@@ -88,6 +88,53 @@ impl<R, W> VoucherCore<R, W> {
         }
     }
 
+    /// The core's first call, made with its first event. A reserve (that the switches let
+    /// through) asks for the definition and a first lease together ([`Command::Open`]): the
+    /// first reserve on a cold voucher waits for one round of the node's merged calls instead
+    /// of a read's and then a grant's. Anything else reads the definition alone.
+    pub(super) fn first_call(&mut self, event: &Event<R, W>) {
+        let amount = match event {
+            Event::Reserve(req, _) if self.gate == Gate::Open && !self.draining => req.order_amount,
+            _ => {
+                self.out.push(Command::ReadVoucher { first: true });
+                return;
+            }
+        };
+        let want = block_size(&self.sizing, self.rate.per_sec(self.now), 1, None);
+        self.granting = Some(Asked {
+            epoch: self.shared.restock_epoch(),
+            landed: self.landed,
+        });
+        self.shared.mark_changed();
+        self.out.push(Command::Open {
+            want,
+            now: self.now,
+            ttl_ms: self.settings.lease_ttl_ms,
+            amount,
+        });
+    }
+
+    /// The answer to the first call: the definition as a first read's, then the grant (if one
+    /// was asked) as any grant's answer. A failed call may have granted with its answer lost:
+    /// it counts as a failed grant first (its listing returns such a lease), then as a failed
+    /// first read, which keeps the core until that listing ran.
+    pub(super) fn on_opened(&mut self, res: Result<Opened, LedgerError>) {
+        match res {
+            Ok(Opened { voucher, grant }) => {
+                self.on_loaded(Ok(voucher));
+                match grant {
+                    Some(g) => self.on_granted(g),
+                    None => self.granting = None,
+                }
+            }
+            Err(e) => {
+                let e = Arc::new(e);
+                self.on_granted(Err(LedgerError::CommitFailed(e.clone())));
+                self.on_loaded(Err(LedgerError::CommitFailed(e)));
+            }
+        }
+    }
+
     pub(super) fn on_loaded(&mut self, res: Result<Option<Voucher>, LedgerError>) {
         match res {
             Ok(Some(v)) => self.take_definition(v),
@@ -105,8 +152,16 @@ impl<R, W> VoucherCore<R, W> {
                 tracing::warn!(code = %self.code, error = %e, "load voucher");
                 self.stats.push(Stat::LedgerError(LedgerOp::LoadVoucher));
                 self.fail_all(EngineError::Unavailable);
-                self.stopping = true;
-                self.out.push(Command::Stop);
+                if self.orphan_check.is_some() {
+                    // A failed first call may have granted a lease with its answer lost: the
+                    // core stays until its listing has found and returned it (a stopped core
+                    // would leave it to the reaper for up to a lease TTL), and its next event
+                    // makes the first call again.
+                    self.called = false;
+                } else {
+                    self.stopping = true;
+                    self.out.push(Command::Stop);
+                }
             }
         }
     }

@@ -94,7 +94,11 @@ impl Rig {
             now: T0,
             gate: Gate::Open,
         };
-        let first = rig.out();
+        assert!(
+            rig.out().is_empty(),
+            "a core calls nothing before its first event"
+        );
+        let first = rig.on(Event::Tick);
         assert!(matches!(first[..], [Command::ReadVoucher { first: true }]));
         rig.on(Event::VoucherRead {
             first: true,
@@ -149,12 +153,126 @@ fn bare() -> TestCore {
     TestCore::new("V".into(), settings, sizing, shared, T0)
 }
 
-/// A reserve reaches a new core, then its first read of the voucher answers `res`.
+/// A tick, then a reserve reach a new core (its first call is a plain read), then that read
+/// answers `res`.
 fn reserve_then_first_read(res: Result<Option<Voucher>, LedgerError>) -> Out {
     let mut core = bare();
+    core.handle(T0, Gate::Open, Event::Tick);
     core.handle(T0, Gate::Open, Event::Reserve(req(1), 1));
+    let out: Out = core.commands().collect();
+    assert!(
+        matches!(out[..], [Command::ReadVoucher { first: true }]),
+        "{out:?}"
+    );
     core.handle(T0, Gate::Open, Event::VoucherRead { first: true, res });
     core.commands().collect()
+}
+
+/// A reserve is a new core's first event: its first call reads and asks for a first lease
+/// (the want of one block), answered `res`.
+fn opened_by_a_reserve(res: Result<Opened, LedgerError>) -> (TestCore, Out) {
+    let mut core = bare();
+    core.handle(T0, Gate::Open, Event::Reserve(req(1), 1));
+    let out: Out = core.commands().collect();
+    assert!(
+        matches!(
+            out[..],
+            [Command::Open {
+                amount: 100,
+                now: T0,
+                ..
+            }]
+        ),
+        "{out:?}"
+    );
+    core.handle(T0, Gate::Open, Event::Opened(res));
+    let out = core.commands().collect();
+    (core, out)
+}
+
+#[test]
+fn a_cold_core_reads_and_takes_its_first_lease_in_one_call() {
+    let (_, out) = opened_by_a_reserve(Ok(Opened {
+        voucher: Some(voucher(100)),
+        grant: Some(lease(7, 4, 96)),
+    }));
+    // Straight to the batch: no read or grant of its own after the first call.
+    let (_, batch) = commit_of(out);
+    assert_eq!((batch.lease_id, batch.rows.len()), (7, 1));
+}
+
+#[test]
+fn a_first_call_that_found_no_voucher_or_granted_nothing_answers_from_the_definition() {
+    let (_, out) = opened_by_a_reserve(Ok(Opened {
+        voucher: None,
+        grant: None,
+    }));
+    assert_eq!(answers(&out), [(1, "NotFound".to_string())]);
+    // The voucher refuses the order (below its minimum): the ledger took no lease for it.
+    let mut v = voucher(100);
+    v.min_order_amount = 500;
+    let (mut core, out) = opened_by_a_reserve(Ok(Opened {
+        voucher: Some(v),
+        grant: None,
+    }));
+    let refused = format!("{:?}", EngineError::NotEligible(Ineligible::MinOrderAmount));
+    assert_eq!(answers(&out), [(1, refused)]);
+    // Its next eligible reserve asks for units as any core does.
+    let mut big = req(2);
+    big.order_amount = 600;
+    core.handle(T0, Gate::Open, Event::Reserve(big, 2));
+    let out: Out = core.commands().collect();
+    assert!(has(&out, |c| matches!(c, Command::Grant { .. })), "{out:?}");
+}
+
+#[test]
+fn a_failed_first_call_answers_503_and_stays_to_return_a_lease_it_may_have_taken() {
+    let (mut core, out) = opened_by_a_reserve(Err(failed()));
+    assert_eq!(answers(&out), [(1, "Unavailable".to_string())]);
+    assert!(!has(&out, |c| matches!(c, Command::Stop)), "{out:?}");
+    // Its next event makes the first call again.
+    let later = T0 + DOWN_MS;
+    core.handle(later, Gate::Open, Event::Reserve(req(2), 2));
+    let out: Out = core.commands().collect();
+    assert!(matches!(out[..], [Command::Open { .. }]), "{out:?}");
+    core.handle(
+        later,
+        Gate::Open,
+        Event::Opened(Ok(Opened {
+            voucher: Some(voucher(100)),
+            grant: Some(lease(8, 4, 96)),
+        })),
+    );
+    core.commands().for_each(drop);
+    // The listing the failure asked for finds the lease the lost answer granted: it goes back.
+    core.handle(T0 + ORPHAN_CHECK_MS, Gate::Open, Event::Tick);
+    let out: Out = core.commands().collect();
+    assert!(has(&out, |c| matches!(c, Command::FindLeases)), "{out:?}");
+    core.handle(
+        T0 + ORPHAN_CHECK_MS,
+        Gate::Open,
+        Event::Found(Ok(vec![5, 8])),
+    );
+    let out: Out = core.commands().collect();
+    assert!(has(&out, |c| matches!(
+        c,
+        Command::Return { lease_id: 5, .. }
+    )));
+    assert!(!has(&out, |c| matches!(
+        c,
+        Command::Return { lease_id: 8, .. }
+    )));
+}
+
+#[test]
+fn a_first_reserve_the_switches_divert_reads_the_definition_alone() {
+    let mut core = bare();
+    core.handle(T0, Gate::SalesPaused, Event::Reserve(req(1), 1));
+    let out: Out = core.commands().collect();
+    assert!(
+        matches!(out[..], [Command::ReadVoucher { first: true }]),
+        "{out:?}"
+    );
 }
 
 fn commit_of(out: Out) -> (u64, Batch) {

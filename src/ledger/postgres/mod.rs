@@ -564,8 +564,10 @@ impl Ledger for PostgresLedger {
         for (code, status, n) in rows {
             by_status.entry(code).or_default().push((status, n));
         }
-        let leases: HashMap<String, (i64, i64, i64)> =
-            leases.into_iter().map(|(c, a, b, d)| (c, (a, b, d))).collect();
+        let leases: HashMap<String, (i64, i64, i64)> = leases
+            .into_iter()
+            .map(|(c, a, b, d)| (c, (a, b, d)))
+            .collect();
         let usage: HashMap<String, i64> = usage.into_iter().collect();
         let mut found: HashMap<String, Counters> = HashMap::with_capacity(heads.len());
         for (code, total_limit, free, confirmed, released, kept_closed) in heads {

@@ -496,8 +496,10 @@ impl Ledger for SqliteLedger {
         .fetch_all(&mut *tx)
         .await?;
         tx.commit().await?;
-        let rows: HashMap<String, (i64, i64, i64)> =
-            rows.into_iter().map(|(c, a, b, d)| (c, (a, b, d))).collect();
+        let rows: HashMap<String, (i64, i64, i64)> = rows
+            .into_iter()
+            .map(|(c, a, b, d)| (c, (a, b, d)))
+            .collect();
         let leases: HashMap<String, (i64, i64)> =
             leases.into_iter().map(|(c, a, b)| (c, (a, b))).collect();
         let mut found: HashMap<String, Counters> = HashMap::with_capacity(heads.len());

@@ -2,6 +2,7 @@
 //! between nodes, heartbeats, crashes and restarts, switches and operators' changes.
 
 use super::*;
+use crate::ledger::{GrantAsk, OpenAsk};
 
 impl World {
     /// Hands an event to a core and carries out its commands.
@@ -127,6 +128,22 @@ impl World {
                     res
                 }),
             },
+            Command::Open {
+                want,
+                now,
+                ttl_ms,
+                amount,
+            } => {
+                let grant = GrantAsk {
+                    code: code.clone(),
+                    node: holder.clone(),
+                    want,
+                    now,
+                    ttl_ms,
+                };
+                let ask = OpenAsk { grant, amount };
+                Event::Opened(attempt(fail_before, || ready(ledger.open(&ask))))
+            }
             Command::Grant { want, now, ttl_ms } => Event::Granted(attempt(fail_before, || {
                 ready(ledger.grant(&code, &holder, want, now, ttl_ms))
             })),
@@ -517,6 +534,7 @@ pub(super) fn lost(event: Event<Tag, ()>) -> Event<Tag, ()> {
             res: Err(failed()),
         },
         Event::Granted(_) => Event::Granted(Err(failed())),
+        Event::Opened(_) => Event::Opened(Err(failed())),
         Event::Renewed(_) => Event::Renewed(Err(failed())),
         Event::Found(_) => Event::Found(Err(failed())),
         Event::Returned { lease_id, .. } => Event::Returned {

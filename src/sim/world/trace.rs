@@ -21,6 +21,12 @@ pub(super) fn event_name(e: &Event<Tag, ()>) -> String {
         Event::VoucherRead { first, res } => {
             format!("voucher read (first {first}) ok {}", res.is_ok())
         }
+        Event::Opened(Ok(o)) => format!(
+            "opened: voucher {}, granted {:?}",
+            o.voucher.is_some(),
+            o.grant
+        ),
+        Event::Opened(Err(e)) => format!("opened: failed {e:?}"),
         other => format!("{other:?}"),
     }
 }
