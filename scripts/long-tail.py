@@ -64,6 +64,24 @@ def metrics_page(base):
     return len(series), len(text.encode()), took
 
 
+def print_memory(pid):
+    """The node's RSS by kind (smaps_rollup) and its largest mappings."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        kinds = {l.split(":")[0]: l.split()[1] for l in f if l.split(":")[0] in
+                 ("Rss", "Anonymous", "Shared_Clean", "Private_Clean", "Private_Dirty")}
+    print("  memory (kB): " + ", ".join(f"{k} {v}" for k, v in kinds.items()))
+    rss, name = {}, ""
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+                name = head[5] if len(head) > 5 else "[anon]"
+            elif head[0] == "Rss:":
+                rss[name] = rss.get(name, 0) + int(head[1])
+    for name, kb in sorted(rss.items(), key=lambda x: -x[1])[:6]:
+        print(f"  {kb / 1024:8.1f} MB  {name}")
+
+
 def wrk_lua(script, base, args, threads=1, conns=256, duration=10):
     argv = ["wrk", f"-t{threads}", f"-c{conns}", f"-d{duration}s", "-s",
             os.path.join(bench.ROOT, "load-tests", script), base, "--"] + args
@@ -79,6 +97,8 @@ def main():
     ap.add_argument("--engine-bin", default=os.path.join(bench.BIN, "vouchers"))
     ap.add_argument("--idle-out-s", type=int, default=400,
                     help="how long to wait for every actor to idle out")
+    ap.add_argument("--memory", action="store_true",
+                    help="after the idle-out, print where the node's RSS is (smaps)")
     ap.add_argument("--skip-customers", action="store_true")
     ap.add_argument("--skip-create", action="store_true")
     args = ap.parse_args()
@@ -128,6 +148,8 @@ def main():
             print(f"idled out (actors {actors:.0f}): CPU {idle_cpu(p.pid):.1f} % of a core, "
                   f"RSS {bench.rss_mb(p.pid):.0f} MB, /metrics {series:,} series, "
                   f"{size / 1e6:.2f} MB, {took:.0f} ms")
+            if args.memory:
+                print_memory(p.pid)
 
         if not args.skip_create:
             r = wrk_lua("wrk-create.lua", base, [bench.TOKEN, "NEW"], threads=2, conns=16)

@@ -23,6 +23,11 @@
 //! the node that holds it, so a reserve served from a lease needs no coordination with any other
 //! node: only its durable commit.
 //!
+//! - **First call.** A core calls nothing until its first event. A reserve (that the switches
+//!   let through) asks for the definition and a first lease together ([`Command::Open`]); any
+//!   other event reads the definition alone. A failed first read stops the core, unless the
+//!   failed call may have granted a lease (an open): then the core stays until its listing of
+//!   the node's leases ran (see *Lost answers*), and its next event calls again.
 //! - **Admit.** A reserve that the voucher's definition accepts now joins the queue (`pending`);
 //!   one it refuses (paused, ended, amount too low, not started) or that a switch stops is
 //!   *diverted* to a lookup: it may be the retry of a stored order, which gets its `201` whatever
