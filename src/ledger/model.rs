@@ -135,9 +135,7 @@ impl ModelLedger {
     /// One voucher's counters, from the model's state.
     fn counters_of(&self, code: &str) -> Option<Counters> {
         let s = self.state();
-        let Some(v) = s.vouchers.get(code) else {
-            return None;
-        };
+        let v = s.vouchers.get(code)?;
         let mut by_status: HashMap<&str, i64> = HashMap::new();
         for row in s.reservations.values().filter(|r| r.r.voucher_code == code) {
             *by_status.entry(row.r.status.as_str()).or_insert(0) += 1;
