@@ -17,7 +17,7 @@ use super::soldout::VoucherShared;
 use super::{outcome_of, settle_without_units, EngineError, Node};
 use crate::clock::Millis;
 use crate::domain::{ReserveRequest, Voucher};
-use crate::ledger::{GrantAsk, OpenAsk};
+use crate::ledger::OpenAsk;
 use crate::metrics::{self as m, Outcome};
 
 type ReplyTo = oneshot::Sender<Reply>;
@@ -201,14 +201,7 @@ impl VoucherActor {
                     amount,
                 } => {
                     let node = self.node.node_id.clone();
-                    let grant = GrantAsk {
-                        code,
-                        node,
-                        want,
-                        now,
-                        ttl_ms,
-                    };
-                    let ask = OpenAsk { grant, amount };
+                    let ask = OpenAsk::new(code, node, want, now, ttl_ms, amount);
                     let open = async move { ledger.open(&ask).await };
                     self.call(ctx, open, Event::Opened);
                 }

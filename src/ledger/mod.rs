@@ -148,6 +148,26 @@ pub struct OpenAsk {
 }
 
 impl OpenAsk {
+    /// The first call of `node`'s core of `code`: a first lease of up to `want` units for an
+    /// order of `amount`.
+    pub fn new(
+        code: String,
+        node: String,
+        want: i64,
+        now: Millis,
+        ttl_ms: i64,
+        amount: i64,
+    ) -> Self {
+        let grant = GrantAsk {
+            code,
+            node,
+            want,
+            now,
+            ttl_ms,
+        };
+        Self { grant, amount }
+    }
+
     /// Whether `v` (as read) gets the first lease: it sells to this order now.
     pub fn serves(&self, v: &Voucher) -> bool {
         v.check_eligible(self.grant.now, self.amount).is_ok()

@@ -120,7 +120,8 @@ impl NodeLedger {
         let opens = Coalescer::start(
             &rt,
             MAX_MERGED_CALLS,
-            backstop,
+            // Two calls in a row (a read, then a grant), each with its own deadline.
+            backstop + deadline,
             Arc::new(move |asks: Vec<OpenAsk>| {
                 let (ledger, guard) = (ledger.clone(), guard.clone());
                 Box::pin(async move { open_merged(&ledger, &guard, deadline, asks).await })

@@ -54,16 +54,21 @@ impl<R, W> VoucherCore<R, W> {
         if let (true, Some(cap)) = (self.before_start(), self.prestart_cap) {
             want = want.min((cap - self.room()).max(1));
         }
-        self.granting = Some(Asked {
-            epoch: self.shared.restock_epoch(),
-            landed: self.landed,
-        });
-        self.shared.mark_changed();
+        self.grant_asked();
         self.out.push(Command::Grant {
             want,
             now,
             ttl_ms: self.settings.lease_ttl_ms,
         });
+    }
+
+    /// A grant goes out now (alone, or in the first call): what the answer is judged against.
+    pub(super) fn grant_asked(&mut self) {
+        self.granting = Some(Asked {
+            epoch: self.shared.restock_epoch(),
+            landed: self.landed,
+        });
+        self.shared.mark_changed();
     }
 
     pub(super) fn on_granted(&mut self, res: Result<Grant, LedgerError>) {

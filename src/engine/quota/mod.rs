@@ -362,8 +362,12 @@ pub(crate) struct VoucherCore<R, W> {
     /// The ledger has no such voucher: answer `404` from memory (a cheap negative cache against
     /// floods of unknown codes) until it appears or the actor stops.
     missing: bool,
-    /// The first call went out (it goes with the first event: see [`VoucherCore::first_call`]).
+    /// The first call is out or answered (it goes with the first event: see
+    /// [`VoucherCore::first_call`]). Cleared when it failed while the core stays: then the next
+    /// reserve or warm-up (not any event: a tick during an outage does not call again) makes it.
     called: bool,
+    /// The first call failed and is to be made again.
+    call_again: bool,
     /// A stop was asked: nothing more is started.
     stopping: bool,
     leases: VecDeque<LocalLease>,
@@ -464,6 +468,7 @@ impl<R, W> VoucherCore<R, W> {
             voucher: None,
             missing: false,
             called: false,
+            call_again: false,
             stopping: false,
             leases: VecDeque::new(),
             pending: VecDeque::new(),
@@ -599,7 +604,10 @@ impl<R, W> VoucherCore<R, W> {
         }
         self.now = now;
         self.gate = gate;
-        if !std::mem::replace(&mut self.called, true) {
+        let calls = !self.call_again || matches!(event, Event::Reserve(..) | Event::Warm(_));
+        if !self.called && calls {
+            self.called = true;
+            self.call_again = false;
             self.first_call(&event);
         }
         match event {

@@ -94,18 +94,21 @@ impl<R, W> VoucherCore<R, W> {
     /// of a read's and then a grant's. Anything else reads the definition alone.
     pub(super) fn first_call(&mut self, event: &Event<R, W>) {
         let amount = match event {
-            Event::Reserve(req, _) if self.gate == Gate::Open && !self.draining => req.order_amount,
+            // Not while a failed call holds the core down: a plain read, then the pump's grant.
+            Event::Reserve(req, _)
+                if self.gate == Gate::Open
+                    && !self.draining
+                    && !matches!(self.hold, Some((Hold::Down, until)) if self.now < until) =>
+            {
+                req.order_amount
+            }
             _ => {
                 self.out.push(Command::ReadVoucher { first: true });
                 return;
             }
         };
         let want = block_size(&self.sizing, self.rate.per_sec(self.now), 1, None);
-        self.granting = Some(Asked {
-            epoch: self.shared.restock_epoch(),
-            landed: self.landed,
-        });
-        self.shared.mark_changed();
+        self.grant_asked();
         self.out.push(Command::Open {
             want,
             now: self.now,
@@ -124,7 +127,13 @@ impl<R, W> VoucherCore<R, W> {
                 self.on_loaded(Ok(voucher));
                 match grant {
                     Some(g) => self.on_granted(g),
-                    None => self.granting = None,
+                    None => {
+                        // Leases a listing found while this call was out are settled as any
+                        // grant answer settles them: none of them is this call's.
+                        self.granting = None;
+                        let suspects = std::mem::take(&mut self.suspects);
+                        self.return_orphans(suspects);
+                    }
                 }
             }
             Err(e) => {
@@ -152,12 +161,18 @@ impl<R, W> VoucherCore<R, W> {
                 tracing::warn!(code = %self.code, error = %e, "load voucher");
                 self.stats.push(Stat::LedgerError(LedgerOp::LoadVoucher));
                 self.fail_all(EngineError::Unavailable);
-                if self.orphan_check.is_some() {
+                let settling = self.orphan_check.is_some()
+                    || self.finding
+                    || !self.suspects.is_empty()
+                    || !self.returning.is_empty()
+                    || !self.unreturned.is_empty();
+                if settling {
                     // A failed first call may have granted a lease with its answer lost: the
-                    // core stays until its listing has found and returned it (a stopped core
-                    // would leave it to the reaper for up to a lease TTL), and its next event
-                    // makes the first call again.
+                    // core stays until its listing has found and returned it, and the return
+                    // was answered (a stopped core would leave it to the reaper for up to a
+                    // lease TTL); its next reserve or warm-up makes the first call again.
                     self.called = false;
+                    self.call_again = true;
                 } else {
                     self.stopping = true;
                     self.out.push(Command::Stop);

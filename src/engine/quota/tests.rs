@@ -230,7 +230,17 @@ fn a_failed_first_call_answers_503_and_stays_to_return_a_lease_it_may_have_taken
     let (mut core, out) = opened_by_a_reserve(Err(failed()));
     assert_eq!(answers(&out), [(1, "Unavailable".to_string())]);
     assert!(!has(&out, |c| matches!(c, Command::Stop)), "{out:?}");
-    // Its next event makes the first call again.
+    // A tick does not call again (a ledger that is down is not asked every tick)...
+    core.handle(T0 + 1, Gate::Open, Event::Tick);
+    let out: Out = core.commands().collect();
+    assert!(
+        !has(&out, |c| matches!(
+            c,
+            Command::Open { .. } | Command::ReadVoucher { .. }
+        )),
+        "{out:?}"
+    );
+    // ...its next reserve does, once the hold is over.
     let later = T0 + DOWN_MS;
     core.handle(later, Gate::Open, Event::Reserve(req(2), 2));
     let out: Out = core.commands().collect();

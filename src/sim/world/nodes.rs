@@ -2,7 +2,7 @@
 //! between nodes, heartbeats, crashes and restarts, switches and operators' changes.
 
 use super::*;
-use crate::ledger::{GrantAsk, OpenAsk};
+use crate::ledger::OpenAsk;
 
 impl World {
     /// Hands an event to a core and carries out its commands.
@@ -134,14 +134,7 @@ impl World {
                 ttl_ms,
                 amount,
             } => {
-                let grant = GrantAsk {
-                    code: code.clone(),
-                    node: holder.clone(),
-                    want,
-                    now,
-                    ttl_ms,
-                };
-                let ask = OpenAsk { grant, amount };
+                let ask = OpenAsk::new(code.clone(), holder.clone(), want, now, ttl_ms, amount);
                 Event::Opened(attempt(fail_before, || ready(ledger.open(&ask))))
             }
             Command::Grant { want, now, ttl_ms } => Event::Granted(attempt(fail_before, || {
