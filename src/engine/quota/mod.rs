@@ -27,7 +27,8 @@
 //!   let through) asks for the definition and a first lease together ([`Command::Open`]); any
 //!   other event reads the definition alone. A failed first read stops the core, unless the
 //!   failed call may have granted a lease (an open): then the core stays until its listing of
-//!   the node's leases ran (see *Lost answers*), and its next event calls again.
+//!   the node's leases and their returns are settled (see *Lost answers*), and its next
+//!   reserve or warm-up calls again.
 //! - **Admit.** A reserve that the voucher's definition accepts now joins the queue (`pending`);
 //!   one it refuses (paused, ended, amount too low, not started) or that a switch stops is
 //!   *diverted* to a lookup: it may be the retry of a stored order, which gets its `201` whatever
