@@ -132,9 +132,8 @@ pub struct ModelLedger {
 }
 
 impl ModelLedger {
-    /// One voucher's counters, from the model's state.
-    fn counters_of(&self, code: &str) -> Option<Counters> {
-        let s = self.state();
+    /// One voucher's counters, from the model's state `s` (one lock for all of a call's codes).
+    fn counters_of(s: &State, code: &str) -> Option<Counters> {
         let v = s.vouchers.get(code)?;
         let mut by_status: HashMap<&str, i64> = HashMap::new();
         for row in s.reservations.values().filter(|r| r.r.voucher_code == code) {
@@ -800,7 +799,11 @@ impl Ledger for ModelLedger {
     }
 
     async fn counters_many(&self, codes: &[String]) -> Result<Vec<Option<Counters>>, LedgerError> {
-        Ok(codes.iter().map(|code| self.counters_of(code)).collect())
+        let s = self.state();
+        Ok(codes
+            .iter()
+            .map(|code| Self::counters_of(&s, code))
+            .collect())
     }
 
     async fn live_units(
