@@ -21,7 +21,10 @@ end
 function request()
   local i = first + (counter % count)
   counter = counter + 1
-  local body = string.format('{"customerId":%d,"orderId":"cold-%d","orderAmount":10000}', counter, counter)
+  -- Customer and order numbered from FIRST too: a later run's orders are new ones (an orderId
+  -- used on one voucher is refused on another).
+  local n = first + counter
+  local body = string.format('{"customerId":%d,"orderId":"cold-%d","orderAmount":10000}', n, n)
   return wrk.format(nil, "/vouchers/" .. prefix .. i .. "/reservations", nil, body)
 end
 

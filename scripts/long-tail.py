@@ -2,16 +2,18 @@
 """The long tail: what a node costs with many vouchers on sale that nobody touches, and what the
 first reserves on many cold vouchers cost. One node, release build, 127.0.0.1 only.
 
-  scripts/long-tail.py [--vouchers N] [--touch M] [--ledger sqlite|postgres] [--engine-bin PATH]
-                       [--skip-customers] [--skip-create]
+  scripts/long-tail.py [--vouchers N] [--touch M] [--floods F] [--ledger sqlite|postgres]
+                       [--engine-bin PATH] [--memory] [--skip-customers] [--skip-create]
 
 Steps (each printed as it is measured):
   1. N vouchers on sale (inserted straight into the ledger's table: the catalogue is the subject,
      not how it was filled), node started on them: its CPU over 10 s of no traffic, RSS,
      /metrics (series, bytes, time to render).
-  2. M of them get their first reserve (wrk -t1 -c256, every request a voucher no request
-     touched before): first reserves per second and p99; then the node's CPU 10 s after, and,
-     once every actor idled out (vouchers_active_actors = 0), CPU and RSS again.
+  2. First reserves for M/10,000 s (wrk -t1 -c256, every request a voucher no request touched
+     before; the codes never wrap, so a rate of 10,000/s touches M of them): first reserves
+     per second and p99; then the node's CPU 10 s after, and,
+     once every actor idled out (vouchers_active_actors = 0), CPU and RSS again. Repeated F
+     times on codes no earlier flood touched.
   3. Vouchers created over the admin API by 16 connections for 10 s: creates per second.
   4. A never-sells-out voucher with a new customer on every request, 6 windows of 10 s: req/s,
      p99 and RSS per window (SQLite only).
@@ -97,6 +99,10 @@ def main():
     ap.add_argument("--engine-bin", default=os.path.join(bench.BIN, "vouchers"))
     ap.add_argument("--idle-out-s", type=int, default=400,
                     help="how long to wait for every actor to idle out")
+    ap.add_argument("--floods", type=int, default=1,
+                    help="floods of first reserves, each on codes no earlier one touched, each "
+                         "followed by the idle-out: RSS after the second shows whether the first "
+                         "left a high-water mark or a leak")
     ap.add_argument("--memory", action="store_true",
                     help="after the idle-out, print where the node's RSS is (smaps)")
     ap.add_argument("--skip-customers", action="store_true")
@@ -129,11 +135,20 @@ def main():
         print(f"untouched: CPU {cpu:.1f} % of a core, RSS {bench.rss_mb(p.pid):.0f} MB, "
               f"/metrics {series:,} series, {size / 1e6:.2f} MB, {took:.0f} ms")
 
-        if args.touch:
-            r = wrk_lua("wrk-cold.lua", base, ["TAIL", str(args.touch)], duration=10)
+        touched = 0
+        for flood in range(args.floods if args.touch else 0):
+            # Codes never wrap (the rest of the catalogue is in range), so every request is a
+            # first reserve and wrk's rate is the cold rate; the flood lasts as long as
+            # `--touch` first reserves take at the target's 10,000/s. A later flood takes the
+            # codes after the earlier ones'.
+            flood_s = max(1, args.touch // 10_000)
+            r = wrk_lua("wrk-cold.lua", base,
+                        ["TAIL", str(args.vouchers - touched), str(touched)], duration=flood_s)
             answered = sum(r["statuses"].values())
-            print(f"first reserves on cold vouchers: {r['rps']:,.0f}/s, p99 {r['p99']:.1f} ms, "
-                  f"statuses {r['statuses']} ({min(answered, args.touch):,} vouchers touched)")
+            touched += answered
+            print(f"flood {flood + 1}: first reserves on cold vouchers for {flood_s} s: "
+                  f"{r['rps']:,.0f}/s, p99 {r['p99']:.1f} ms, statuses {r['statuses']} "
+                  f"({answered:,} vouchers touched, {args.touch:,} asked)")
             time.sleep(10)
             print(f"10 s later: CPU {idle_cpu(p.pid):.1f} % of a core, "
                   f"RSS {bench.rss_mb(p.pid):.0f} MB, actors "

@@ -105,6 +105,7 @@ impl EngineHandle {
             shards: arbiters.iter().map(Arbiter::handle).collect(),
             workers: std::sync::RwLock::new(Vec::new()),
             next_generation: AtomicU64::new(0),
+            given_back_at: AtomicUsize::new(0),
             // Without Redis no signal can be missed: flags rest on the probes (two intervals).
             signals_up: AtomicBool::new(alone),
             reaping: AtomicBool::new(false),
@@ -178,5 +179,14 @@ impl EngineHandle {
             .registry
             .get(code)
             .map_or(0, |e| e.shared.short_circuits())
+    }
+
+    /// How many grants `code`'s actor on this node made that found no units (its sold-out
+    /// probes among them).
+    pub fn empty_grants(&self, code: &str) -> u64 {
+        self.node
+            .registry
+            .get(code)
+            .map_or(0, |e| e.shared.empty_grants())
     }
 }

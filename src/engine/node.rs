@@ -62,6 +62,10 @@ pub(super) fn code_hash(code: &str) -> u64 {
     )
 }
 
+/// Actors that must have been alive at once since the last give-back of memory for their
+/// stopping to call for another ([`Node::tidy_registry`]).
+const GIVE_BACK_FROM: usize = 1024;
+
 /// State shared by the handle, the actors and the jobs.
 pub(crate) struct Node {
     pub ledger: SharedLedger,
@@ -90,6 +94,8 @@ pub(crate) struct Node {
     /// stay on one thread.
     pub(super) workers: std::sync::RwLock<Vec<(std::thread::ThreadId, ArbiterHandle)>>,
     pub(super) next_generation: AtomicU64,
+    /// The most actors alive since the node last gave memory back ([`Node::tidy_registry`]).
+    pub(super) given_back_at: AtomicUsize,
     /// The node hears other nodes' signals now (always without Redis, where flags rest on the
     /// probes alone). A sold-out flag answers from memory only then: a missed `RESTOCK` could
     /// otherwise refuse the retry of an order another node sold from the restocked units.
@@ -177,11 +183,24 @@ impl Node {
     /// on a long tail's vouchers grows it to tens of thousands of rows, and their actors stop
     /// a couple of minutes later. Called by the live numbers, once a second; costs a look at
     /// each shard's size unless there is room to give back.
+    ///
+    /// The threads' memory goes back at each shrink, and again each time the actors alive fall
+    /// to a quarter of what they were at the last give-back: the shrinks stop while a thousand
+    /// or so remain (the room a table keeps), and the pages the last ones leave stay with
+    /// their threads until those collect.
     pub(crate) fn tidy_registry(&self) {
-        if crate::memory::mostly_empty(self.registry.capacity(), self.registry.len()) {
+        let len = self.registry.len();
+        let given_at = self
+            .given_back_at
+            .fetch_max(len, Ordering::Relaxed)
+            .max(len);
+        if crate::memory::mostly_empty(self.registry.capacity(), len) {
             self.registry.shrink_to_fit();
-            self.give_back_memory();
+        } else if given_at < GIVE_BACK_FROM || len > given_at / 4 {
+            return;
         }
+        self.given_back_at.store(len, Ordering::Relaxed);
+        self.give_back_memory();
     }
 
     /// Has every thread actors ran on hand the memory its stopped actors left back to the
@@ -200,6 +219,27 @@ impl Node {
         if !changed.contains(code) {
             changed.insert(code.to_string());
         }
+    }
+
+    /// Takes up to `most` of the vouchers marked [`Node::changed`] out of the set, if it holds
+    /// more than `beyond`: the reconciler takes its share (`beyond` 0), the live numbers a page
+    /// of a backlog beyond that share. The set's room goes back once it is mostly empty.
+    pub(super) fn take_changed(&self, most: usize, beyond: usize) -> Vec<String> {
+        let mut changed = self.changed.lock().unwrap_or_else(|e| e.into_inner());
+        if changed.len() <= beyond {
+            return Vec::new();
+        }
+        if changed.len() <= most {
+            return std::mem::take(&mut *changed).into_iter().collect();
+        }
+        let taken: Vec<String> = changed.iter().take(most).cloned().collect();
+        for code in &taken {
+            changed.remove(code);
+        }
+        if crate::memory::mostly_empty(changed.capacity(), changed.len()) {
+            changed.shrink_to_fit();
+        }
+        taken
     }
 
     /// The arbiter `code`'s actor starts on, and whether it is an HTTP worker's: a live

@@ -45,6 +45,9 @@ pub struct VoucherShared {
     outcomes: [AtomicU64; Outcome::COUNT],
     /// Its standing in the pick of the vouchers shown on `/metrics` (`super::spotlight`).
     pub(crate) heat: super::spotlight::Heat,
+    /// Grants of the actor that found no units (a sold-out voucher's probes among them), for
+    /// tests and diagnostics: the node-wide metric counts every voucher's.
+    empty_grants: AtomicU64,
 }
 
 /// Makes a voucher's own limiters from the limits its definition sets (`None`: it sets none).
@@ -284,6 +287,14 @@ impl VoucherShared {
 
     pub fn short_circuits(&self) -> u64 {
         self.short_circuits.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn count_empty_grant(&self) {
+        self.empty_grants.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn empty_grants(&self) -> u64 {
+        self.empty_grants.load(Ordering::Relaxed)
     }
 
     /// Whether `order_id` may be a winner of this voucher: false is certain, true needs the ledger.

@@ -111,6 +111,7 @@ impl<R, W> VoucherCore<R, W> {
                     }
                 } else {
                     self.stats.push(Stat::Lease(LeaseEvent::Empty));
+                    self.shared.count_empty_grant();
                     let now = self.now;
                     self.next_probe = now + self.settings.soldout_probe_ms;
                     if asked.landed != self.landed && self.room() == 0 {
