@@ -1,10 +1,12 @@
 //! Every metric name and label the service exports lives here, with the helpers that record them.
 //! Labels are bounded: outcomes, routes and event kinds, never codes of customers or orders.
-//! Per-voucher gauges carry the voucher code, bounded by the number of live vouchers.
+//! Per-voucher gauges carry the voucher code: only the vouchers the live numbers pick get them
+//! (the hottest here and the watched), and the page ([`render`]) shows only the current pick.
 //!
 //! Every layer records here, so this module imports none of them: what it is handed is plain
 //! numbers, its own label enums, or `domain`'s data.
 
+use std::collections::HashSet;
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -178,6 +180,40 @@ fn spawn_upkeep(handle: PrometheusHandle) {
     if let Err(e) = spawned {
         tracing::warn!(error = %e, "metrics upkeep thread did not start");
     }
+}
+
+/// The `/metrics` page: every series, except the per-voucher ones of vouchers not `shown` now.
+/// A voucher that left the pick keeps its gauges in the recorder until they idle out
+/// ([`GAUGE_IDLE_TIMEOUT`]); under traffic that moves the pick every second (a long tail's
+/// first reserves, each voucher asked once) that was thousands of vouchers' series on the page
+/// (20 new vouchers a second, for ten minutes). The page carries the current pick only: at most
+/// `metrics.top_vouchers` and the watched.
+pub fn render(handle: &PrometheusHandle, shown: &HashSet<String>) -> String {
+    shown_only(&handle.render(), shown)
+}
+
+/// `page` without the lines of a per-voucher series whose voucher is not in `shown`.
+fn shown_only(page: &str, shown: &HashSet<String>) -> String {
+    let mut out = String::with_capacity(page.len());
+    for line in page.split_inclusive('\n') {
+        match voucher_label(line) {
+            Some(code) if !shown.contains(code) => {}
+            _ => out.push_str(line),
+        }
+    }
+    out
+}
+
+/// The `voucher` label's value of a series line (codes hold no quotes: `domain::valid_code`).
+fn voucher_label(line: &str) -> Option<&str> {
+    if line.starts_with('#') {
+        return None;
+    }
+    let start = ["{voucher=\"", ",voucher=\""]
+        .iter()
+        .find_map(|l| line.find(l).map(|at| at + l.len()))?;
+    let len = line[start..].find('"')?;
+    Some(&line[start..start + len])
 }
 
 /// Installs the process-wide Prometheus recorder once and returns its handle.
@@ -584,7 +620,26 @@ pub fn breaker_opened() {
 
 #[cfg(test)]
 mod tests {
-    use super::{LedgerOp, Outcome};
+    use super::{shown_only, LedgerOp, Outcome};
+
+    #[test]
+    fn the_page_keeps_only_the_shown_vouchers_series() {
+        let page = "# TYPE vouchers_units gauge\n\
+            vouchers_units{voucher=\"HOT\",kind=\"free\"} 3\n\
+            vouchers_units{voucher=\"GONE\",kind=\"free\"} 1\n\
+            vouchers_reconcile_balanced{voucher=\"GONE\"} 1\n\
+            vouchers_voucher_reservations{outcome=\"created\",voucher=\"GONE\"} 2\n\
+            vouchers_voucher_view{view=\"not_shown\"} 7\n\
+            vouchers_reservations_total{outcome=\"created\"} 9\n";
+        let shown = ["HOT".to_string()].into_iter().collect();
+        assert_eq!(
+            shown_only(page, &shown),
+            "# TYPE vouchers_units gauge\n\
+            vouchers_units{voucher=\"HOT\",kind=\"free\"} 3\n\
+            vouchers_voucher_view{view=\"not_shown\"} 7\n\
+            vouchers_reservations_total{outcome=\"created\"} 9\n"
+        );
+    }
 
     #[test]
     fn outcomes_are_indexed_in_their_list_order() {

@@ -71,5 +71,8 @@ pub async fn ready(state: web::Data<AppState>) -> Result<HttpResponse, ApiError>
 pub async fn metrics(state: web::Data<AppState>) -> HttpResponse {
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4")
-        .body(state.metrics.render())
+        .body(crate::metrics::render(
+            &state.metrics,
+            &state.engine.shown_on_metrics(),
+        ))
 }

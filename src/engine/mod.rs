@@ -181,6 +181,12 @@ impl EngineHandle {
             .map_or(0, |e| e.shared.short_circuits())
     }
 
+    /// The vouchers with series of their own on this node's `/metrics` now (the last pick of
+    /// the live numbers that was exported).
+    pub fn shown_on_metrics(&self) -> HashSet<String> {
+        self.node.spotlight.shown().into_iter().collect()
+    }
+
     /// How many grants `code`'s actor on this node made that found no units (its sold-out
     /// probes among them).
     pub fn empty_grants(&self, code: &str) -> u64 {

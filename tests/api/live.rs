@@ -139,9 +139,13 @@ async fn only_the_hottest_and_the_watched_get_series_of_their_own() {
         m.contains("vouchers_voucher_view{view=\"not_shown\"}"),
         "{m}"
     );
-    // Unwatched, WATCHV leaves the pick (its series stay until they idle out).
+    // Unwatched, WATCHV leaves the pick, and its series the page (they stay in the recorder
+    // until they idle out).
     assert_eq!(admin("DELETE", "WATCHV").await, 204);
     assert_eq!(app.engine.live_numbers().await.unwrap(), 1);
+    let m = metrics_text(&app.client, &app.base).await;
+    let has = |code: &str| m.contains(&format!("voucher=\"{code}\""));
+    assert!(has("HOTV") && !has("WATCHV"), "{m}");
 }
 
 /// The reconciler recounts what this node changed, and audits the rest of the catalogue a page
