@@ -23,6 +23,10 @@ const RECOUNT_PAGE: usize = 500;
 /// core (500 a second showed as 2 % on top of an idle node's 0.4 %), so 150,000 first
 /// reserves are recounted within ten minutes.
 const BACKLOG_PER_RUN: usize = 250;
+/// After recounting some of a backlog, the live numbers leave it alone this many times as long
+/// as that took (the reconciler's own pacing, `jobs::RECONCILE_IDLE_FACTOR`): a recount's cost
+/// grows with the voucher's rows, and busy vouchers must not take more than 5 % of a core.
+const BACKLOG_IDLE_FACTOR: u32 = 19;
 
 impl EngineHandle {
     /// The subscription to cluster signals came up (`true`) or ended. While it is down a
@@ -163,14 +167,29 @@ impl EngineHandle {
         // it now. A flood's first reserves are recounted within minutes at about 1 % of a
         // core, rather than over half an hour of reconciler runs with their codes held here,
         // or in bursts that would show as a core's seconds.
-        let backlog = self
+        let rest_until = *self
             .node
-            .take_changed(BACKLOG_PER_RUN, MAX_RECOUNTS_PER_RUN);
+            .backlog_rest_until
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let started = std::time::Instant::now();
+        let backlog = match rest_until {
+            Some(until) if started < until => Vec::new(),
+            _ => self
+                .node
+                .take_changed(BACKLOG_PER_RUN, MAX_RECOUNTS_PER_RUN),
+        };
         if !backlog.is_empty() {
             if let Err(e) = recount(&self.node.ledger, &backlog, |c| on_sale.contains(c)).await {
                 tracing::warn!(vouchers = backlog.len(), error = %e, "recount of changed vouchers failed");
                 backlog.iter().for_each(|c| self.node.changed(c));
             }
+            *self
+                .node
+                .backlog_rest_until
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()) =
+                Some(std::time::Instant::now() + started.elapsed() * BACKLOG_IDLE_FACTOR);
         }
         Ok(units.len())
     }

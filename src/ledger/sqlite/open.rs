@@ -77,12 +77,11 @@ impl SqliteLedger {
         )
         .await?;
         migrate(&writer).await?;
-        // Readers close after 20 s unused (sqlx then opens one again, so one is always
-        // ready), and each keeps a page cache of at most READER_CACHE_KIB: filled by whatever
-        // it last read (a flood of first reserves on a long tail, then the reconciler's
-        // recounts, fill them all), it stays filled while the pool hands its connections out
-        // in turn (the live numbers take one every second, so none sits unused for 20 s). A
-        // quiet node reopens its one reader every 20–40 s: a file open and a few pragmas.
+        // Readers would close after 20 s unused (sqlx then opens one again, so one is always
+        // ready), but the pool hands its idle connections out in turn and the jobs take one
+        // several times a second, so while they run no reader sits unused that long. So each
+        // keeps a page cache of at most READER_CACHE_KIB, filled by whatever it last read (a
+        // flood of first reserves on a long tail, then the recounts, fill them all).
         let reader = pool(
             readers.max(1),
             options
@@ -108,8 +107,9 @@ const READER_IDLE: Duration = Duration::from_secs(20);
 
 /// A reader's page cache, in KiB (SQLite's default is 2,000). Its reads are of rows spread
 /// over a catalogue far larger than any cache (a merged read of 500 definitions, a recount of
-/// 500 vouchers): what a cache keeps hot is the trees' inner pages, and a miss is a copy from
-/// the OS's cache of the file. Eight readers at 2 MiB kept 14 MB after a flood of first
+/// 500 vouchers): what a cache keeps hot is the trees' inner pages within one statement (in WAL
+/// mode a read transaction starts with an empty cache whenever the log changed, as it does
+/// all through a sale), and a miss is a copy from the OS's cache of the file. Eight readers at 2 MiB kept 14 MB after a flood of first
 /// reserves on a 1M-voucher catalogue (heaptrack, `pcache1Alloc`); the node held 72 MB before.
 const READER_CACHE_KIB: u32 = 512;
 
