@@ -14,11 +14,6 @@ use crate::shutdown::{Shutdown, Tasks};
 /// How often rate limiters drop the keys that refilled.
 const LIMITS_UPKEEP_MS: u64 = 10_000;
 
-/// The reconciler reads every reservation of every watched voucher, which grows with the sale
-/// (tens of millions of rows after a long one): after a run it waits at least this many times
-/// the run's own duration, so it never takes more than 5 % of a core from the sale.
-const RECONCILE_IDLE_FACTOR: u32 = 19;
-
 /// The running jobs: the heartbeat apart, since it must end before the node retires itself
 /// and must not wait for the others' longer runs (a node silent past its limit is reaped).
 pub struct Jobs {
@@ -71,7 +66,7 @@ pub fn start(engine: &EngineHandle, s: &JobSettings, beat: Option<&NodeSettings>
         &mut t,
         engine,
         s.reconcile_interval_ms,
-        RECONCILE_IDLE_FACTOR,
+        crate::engine::RECOUNT_IDLE_FACTOR,
         "reconciliation",
         |e| async move { e.reconcile().await },
     );

@@ -56,6 +56,7 @@ pub use error::EngineError;
 pub(crate) use error::{error_outcome, outcome_of};
 pub use node::Shards;
 pub(crate) use node::{Gate, Node};
+pub use upkeep::RECOUNT_IDLE_FACTOR;
 
 /// The cloneable front door of the engine; the only thing routes see.
 #[derive(Clone)]

@@ -23,10 +23,11 @@ const RECOUNT_PAGE: usize = 500;
 /// core (500 a second showed as 2 % on top of an idle node's 0.4 %), so 150,000 first
 /// reserves are recounted within ten minutes.
 const BACKLOG_PER_RUN: usize = 250;
-/// After recounting some of a backlog, the live numbers leave it alone this many times as long
-/// as that took (the reconciler's own pacing, `jobs::RECONCILE_IDLE_FACTOR`): a recount's cost
-/// grows with the voucher's rows, and busy vouchers must not take more than 5 % of a core.
-const BACKLOG_IDLE_FACTOR: u32 = 19;
+/// A recount reads every reservation of the vouchers it recounts, which grows with the sale
+/// (tens of millions of rows after a long one): after a reconciler run (`jobs`), and after the
+/// live numbers recounted some of a backlog, the next waits at least this many times the last
+/// one's duration, so recounts never take more than 5 % of a core from the sale.
+pub const RECOUNT_IDLE_FACTOR: u32 = 19;
 
 impl EngineHandle {
     /// The subscription to cluster signals came up (`true`) or ended. While it is down a
@@ -189,7 +190,7 @@ impl EngineHandle {
                 .backlog_rest_until
                 .lock()
                 .unwrap_or_else(|e| e.into_inner()) =
-                Some(std::time::Instant::now() + started.elapsed() * BACKLOG_IDLE_FACTOR);
+                Some(std::time::Instant::now() + started.elapsed() * RECOUNT_IDLE_FACTOR);
         }
         Ok(units.len())
     }
