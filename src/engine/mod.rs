@@ -93,6 +93,7 @@ impl EngineHandle {
             spotlight: Spotlight::new(all.metrics.top_vouchers, all.metrics.watch.clone()),
             changed: std::sync::Mutex::new(indexmap::IndexSet::new()),
             backlog_rest_until: std::sync::Mutex::new(None),
+            backlog_seen: Default::default(),
             audit: std::sync::Mutex::new(String::new()),
             audit_page: all.jobs.reconcile_audit_page.max(1),
             ledger,

@@ -118,6 +118,9 @@ pub(crate) struct Node {
     /// each such recount they rest 19 times as long as it took, as the reconciler does, so the
     /// two together stay within the reconciler's 5 % of a core however many rows a voucher has.
     pub(super) backlog_rest_until: std::sync::Mutex<Option<std::time::Instant>>,
+    /// The live numbers recounted some of a backlog since the set of changed vouchers was last
+    /// empty: once it is, memory goes back ([`Node::backlog_done`]).
+    pub(super) backlog_seen: AtomicBool,
     /// Where the reconciler's audit of the whole catalogue goes on (the last code audited).
     pub(super) audit: std::sync::Mutex<String>,
     /// Vouchers the audit covers per run.
@@ -191,11 +194,11 @@ impl Node {
     /// a couple of minutes later. Called by the live numbers, once a second; costs a look at
     /// each shard's size unless there is room to give back.
     ///
-    /// The threads' memory goes back at each shrink, and again each time the actors alive fall
-    /// to a quarter of what they were at the last give-back: the shrinks stop while a thousand
-    /// or so remain (the room a table keeps), and the pages the last ones leave stay with
-    /// their threads until those collect.
-    pub(crate) fn tidy_registry(&self) {
+    /// Says whether memory should go back now ([`Node::give_back_memory`]): at each shrink,
+    /// and again each time the actors alive fall to a quarter of what they were at the last
+    /// give-back (the shrinks stop while a thousand or so remain, the room a table keeps, and
+    /// the pages the last ones leave stay with their threads until those collect).
+    pub(crate) fn tidy_registry(&self) -> bool {
         let len = self.registry.len();
         let given_at = self
             .given_back_at
@@ -204,20 +207,24 @@ impl Node {
         if crate::memory::mostly_empty(self.registry.capacity(), len) {
             self.registry.shrink_to_fit();
         } else if given_at < GIVE_BACK_FROM || len > given_at / 4 {
-            return;
+            return false;
         }
         self.given_back_at.store(len, Ordering::Relaxed);
-        self.give_back_memory();
+        true
     }
 
-    /// Has every thread actors ran on hand the memory its stopped actors left back to the
-    /// system ([`crate::memory`]).
-    fn give_back_memory(&self) {
-        let workers = self.workers.read().unwrap_or_else(|e| e.into_inner());
-        for arbiter in self.shards.iter().chain(workers.iter().map(|(_, a)| a)) {
-            arbiter.spawn_fn(crate::memory::collect_thread);
+    /// Has every thread actors ran on, and the ledger's, hand the memory the work left back
+    /// to the system ([`crate::memory`]), and the ledger its caches
+    /// ([`crate::ledger::Ledger::give_back_memory`]).
+    pub(super) async fn give_back_memory(&self) {
+        {
+            let workers = self.workers.read().unwrap_or_else(|e| e.into_inner());
+            for arbiter in self.shards.iter().chain(workers.iter().map(|(_, a)| a)) {
+                arbiter.spawn_fn(crate::memory::collect_thread);
+            }
         }
         crate::memory::give_back();
+        self.ledger.give_back_memory().await;
     }
 
     /// This node changed `code`'s books: the reconciler recounts it at its next run.
@@ -234,17 +241,19 @@ impl Node {
     /// mostly empty.
     pub(super) fn take_changed(&self, most: usize, beyond: usize) -> Vec<String> {
         let mut changed = self.changed.lock().unwrap_or_else(|e| e.into_inner());
-        if changed.len() <= beyond {
-            return Vec::new();
-        }
-        if changed.len() <= most {
-            return std::mem::take(&mut *changed).into_iter().collect();
-        }
-        let taken: Vec<String> = changed.drain(..most).collect();
-        if crate::memory::mostly_empty(changed.capacity(), changed.len()) {
-            changed.shrink_to_fit();
-        }
-        taken
+        take_oldest(&mut changed, most, beyond)
+    }
+
+    /// Whether a backlog of changed vouchers was being recounted and the set is empty now
+    /// (once per backlog).
+    pub(super) fn backlog_done(&self) -> bool {
+        self.backlog_seen.load(Ordering::Relaxed)
+            && self
+                .changed
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_empty()
+            && self.backlog_seen.swap(false, Ordering::Relaxed)
     }
 
     /// The arbiter `code`'s actor starts on, and whether it is an HTTP worker's: a live
@@ -330,5 +339,74 @@ impl Shards {
             a.stop();
             let _ = a.join();
         }
+    }
+}
+
+/// [`Node::take_changed`] on the set itself: up to `most` of the codes first marked, if the set
+/// holds more than `beyond`; its room goes back once it is mostly empty.
+fn take_oldest(changed: &mut IndexSet<String>, most: usize, beyond: usize) -> Vec<String> {
+    if changed.len() <= beyond {
+        return Vec::new();
+    }
+    if changed.len() <= most {
+        return std::mem::take(changed).into_iter().collect();
+    }
+    let taken: Vec<String> = changed.drain(..most).collect();
+    if crate::memory::mostly_empty(changed.capacity(), changed.len()) {
+        changed.shrink_to_fit();
+    }
+    taken
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn marked(codes: &[&str]) -> IndexSet<String> {
+        let mut set = IndexSet::new();
+        for c in codes {
+            // As `Node::changed` marks: a code marked again keeps its place.
+            if !set.contains(*c) {
+                set.insert(c.to_string());
+            }
+        }
+        set
+    }
+
+    #[test]
+    fn changed_vouchers_are_taken_oldest_first_and_a_remark_keeps_its_place() {
+        let mut set = marked(&["A", "B", "C", "A", "D", "B", "E"]);
+        assert_eq!(take_oldest(&mut set, 2, 0), ["A", "B"]);
+        // Marked again after the take: it goes to the back of the line.
+        let mut again = std::mem::take(&mut set);
+        again.insert("A".to_string());
+        assert_eq!(take_oldest(&mut again, 2, 0), ["C", "D"]);
+        assert_eq!(take_oldest(&mut again, 5, 0), ["E", "A"]);
+        assert!(again.is_empty());
+    }
+
+    #[test]
+    fn a_backlog_is_taken_only_beyond_the_reconcilers_share() {
+        let codes: Vec<String> = (0..10).map(|i| format!("V{i}")).collect();
+        let mut set = marked(&codes.iter().map(String::as_str).collect::<Vec<_>>());
+        assert!(
+            take_oldest(&mut set, 3, 10).is_empty(),
+            "nothing beyond the share"
+        );
+        assert_eq!(take_oldest(&mut set, 3, 6), ["V0", "V1", "V2"]);
+        assert_eq!(set.len(), 7);
+        // The reconciler (beyond 0) takes the rest, oldest first.
+        assert_eq!(take_oldest(&mut set, 100, 0), codes[3..].to_vec());
+    }
+
+    #[test]
+    fn a_drained_set_gives_its_room_back() {
+        let codes: Vec<String> = (0..20_000).map(|i| format!("V{i}")).collect();
+        let mut set = marked(&codes.iter().map(String::as_str).collect::<Vec<_>>());
+        let room = set.capacity();
+        let taken = take_oldest(&mut set, 19_000, 0);
+        assert_eq!(taken.len(), 19_000);
+        assert_eq!(taken[0], "V0");
+        assert!(set.capacity() < room / 4, "{} of {room}", set.capacity());
     }
 }

@@ -128,7 +128,9 @@ impl EngineHandle {
     pub async fn live_numbers(&self) -> Result<usize, EngineError> {
         // These gauges are set here, so that they never go idle (see `metrics::install`).
         m::actors(self.node.registry.len());
-        self.node.tidy_registry();
+        if self.node.tidy_registry() {
+            self.node.give_back_memory().await;
+        }
         m::redis_configured(self.node.signals.enabled());
         let now = self.now_ms();
         let watched = self.node.ledger.watched_codes().await?;
@@ -181,6 +183,7 @@ impl EngineHandle {
                 .take_changed(BACKLOG_PER_RUN, MAX_RECOUNTS_PER_RUN),
         };
         if !backlog.is_empty() {
+            self.node.backlog_seen.store(true, Ordering::Relaxed);
             if let Err(e) = recount(&self.node.ledger, &backlog, |c| on_sale.contains(c)).await {
                 tracing::warn!(vouchers = backlog.len(), error = %e, "recount of changed vouchers failed");
                 backlog.iter().for_each(|c| self.node.changed(c));
@@ -191,6 +194,10 @@ impl EngineHandle {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner()) =
                 Some(std::time::Instant::now() + started.elapsed() * RECOUNT_IDLE_FACTOR);
+        } else if self.node.backlog_done() {
+            // The flood's last codes are recounted: what the recounts' reads and the set's
+            // room held goes back now, not at the next flood.
+            self.node.give_back_memory().await;
         }
         Ok(units.len())
     }

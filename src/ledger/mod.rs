@@ -397,6 +397,9 @@ pub trait Ledger: Send + Sync + 'static {
     fn failovers(&self) -> u64 {
         0
     }
+    /// Hands back to the system what the ledger keeps only for speed, once the node went quiet
+    /// after a flood ([`crate::memory`]): the embedded ledger's page caches. Nothing by default.
+    async fn give_back_memory(&self) {}
     async fn create_voucher(&self, voucher: &Voucher, now: Millis) -> Result<(), LedgerError>;
     /// Several creates in one transaction (the node merges concurrent creates into one), each
     /// answered as [`Ledger::create_voucher`] would: `AlreadyExists` for a taken code. The outer

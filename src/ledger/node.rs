@@ -315,6 +315,20 @@ impl Ledger for NodeLedger {
         self.run(|l| async move { l.ping().await }).await
     }
 
+    /// On the ledger's runtime (whose threads then hand back their own pages too), outside
+    /// the breaker: housekeeping, not a call that says whether the ledger is up.
+    async fn give_back_memory(&self) {
+        let inner = self.inner.clone();
+        let fut = async move {
+            inner.give_back_memory().await;
+            crate::memory::give_back();
+            Ok(())
+        };
+        if let Err(e) = self.on_ledger_runtime(self.deadline, fut).await {
+            tracing::debug!(error = %e, "ledger memory give-back");
+        }
+    }
+
     async fn create_voucher(&self, voucher: &Voucher, now: Millis) -> Result<(), LedgerError> {
         self.creates.call((voucher.clone(), now)).await
     }
