@@ -215,7 +215,8 @@ impl Node {
 
     /// Has every thread actors ran on, and the ledger's, hand the memory the work left back
     /// to the system ([`crate::memory`]), and the ledger its caches
-    /// ([`crate::ledger::Ledger::give_back_memory`]).
+    /// ([`crate::ledger::Ledger::give_back_memory`]). glibc's trim, process-wide, comes last,
+    /// once: after the ledger freed its caches into glibc's arenas.
     pub(super) async fn give_back_memory(&self) {
         {
             let workers = self.workers.read().unwrap_or_else(|e| e.into_inner());
@@ -223,16 +224,16 @@ impl Node {
                 arbiter.spawn_fn(crate::memory::collect_thread);
             }
         }
-        crate::memory::give_back();
         self.ledger.give_back_memory().await;
+        crate::memory::give_back();
     }
 
     /// This node changed `code`'s books: the reconciler recounts it at its next run.
     pub(crate) fn changed(&self, code: &str) {
-        let mut changed = self.changed.lock().unwrap_or_else(|e| e.into_inner());
-        if !changed.contains(code) {
-            changed.insert(code.to_string());
-        }
+        mark(
+            &mut self.changed.lock().unwrap_or_else(|e| e.into_inner()),
+            code,
+        );
     }
 
     /// Takes up to `most` of the vouchers marked [`Node::changed`] out of the set, if it holds
@@ -342,6 +343,14 @@ impl Shards {
     }
 }
 
+/// [`Node::changed`] on the set itself: a code marked again keeps its place (and no copy of
+/// it is made).
+fn mark(changed: &mut IndexSet<String>, code: &str) {
+    if !changed.contains(code) {
+        changed.insert(code.to_string());
+    }
+}
+
 /// [`Node::take_changed`] on the set itself: up to `most` of the codes first marked, if the set
 /// holds more than `beyond`; its room goes back once it is mostly empty.
 fn take_oldest(changed: &mut IndexSet<String>, most: usize, beyond: usize) -> Vec<String> {
@@ -365,10 +374,7 @@ mod tests {
     fn marked(codes: &[&str]) -> IndexSet<String> {
         let mut set = IndexSet::new();
         for c in codes {
-            // As `Node::changed` marks: a code marked again keeps its place.
-            if !set.contains(*c) {
-                set.insert(c.to_string());
-            }
+            mark(&mut set, c);
         }
         set
     }
@@ -379,7 +385,7 @@ mod tests {
         assert_eq!(take_oldest(&mut set, 2, 0), ["A", "B"]);
         // Marked again after the take: it goes to the back of the line.
         let mut again = std::mem::take(&mut set);
-        again.insert("A".to_string());
+        mark(&mut again, "A");
         assert_eq!(take_oldest(&mut again, 2, 0), ["C", "D"]);
         assert_eq!(take_oldest(&mut again, 5, 0), ["E", "A"]);
         assert!(again.is_empty());
