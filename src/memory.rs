@@ -7,8 +7,10 @@
 //! flood of first reserves on a long tail's vouchers that left the node 158 MB against 71 MB
 //! untouched once every actor had stopped (docs/PERFORMANCE.md, "The long tail"). The engine
 //! calls [`collect_thread`] on the threads its stopped actors ran on and [`give_back`] once;
-//! the embedded ledger calls [`give_back`] from its expiry sweeper with the writer released:
-//! never on the path of a reserve or a commit.
+//! the embedded ledger calls [`give_back`] from its expiry sweeper with the writer released.
+//! The node's give-back (`Node::give_back_memory`) also runs `PRAGMA shrink_memory` on the
+//! writer when it is free at that moment, so a commit that arrives then waits for that one
+//! statement; it follows a flood's idle-out, not each reserve.
 
 // Links mimalloc's library into every binary of the crate (tests too), for `mi_collect`.
 use mimalloc as _;
