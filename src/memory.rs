@@ -6,11 +6,15 @@
 //! actors left; glibc's malloc (SQLite's page caches) keeps freed chunks in its arenas. After a
 //! flood of first reserves on a long tail's vouchers that left the node 158 MB against 71 MB
 //! untouched once every actor had stopped (docs/PERFORMANCE.md, "The long tail"). The engine
-//! calls [`collect_thread`] on the threads its stopped actors ran on and [`give_back`] once;
-//! the embedded ledger calls [`give_back`] from its expiry sweeper with the writer released.
-//! The node's give-back (`Node::give_back_memory`) also runs `PRAGMA shrink_memory` on the
-//! writer when it is free at that moment, so a commit that arrives then waits for that one
-//! statement; it follows a flood's idle-out, not each reserve.
+//! calls [`collect_thread`] on the threads its stopped actors ran on, asks the ledger runtime's
+//! threads to collect once idle ([`ask_idle_threads`]) and calls [`give_back`] once; the
+//! embedded ledger calls [`give_back`] from its expiry sweeper with the writer released. The
+//! node's give-back (`Node::give_back_memory`) also runs `PRAGMA shrink_memory` on the writer
+//! when it is free at that moment, so a commit that arrives then waits for that one statement;
+//! it follows a flood's idle-out, only while the node is quiet, not each reserve.
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 // Links mimalloc's library into every binary of the crate (tests too), for `mi_collect`.
 use mimalloc as _;
@@ -27,6 +31,30 @@ pub(crate) fn collect_thread() {
     // the process's free segments, under mimalloc's own locks); the library is linked in
     // whichever global allocator the binary chose (with another, it has nothing to collect).
     unsafe { mi_collect(true) };
+}
+
+/// Asks every thread that runs [`collect_when_asked`] when it parks (the ledger runtime's
+/// workers) to [`collect_thread`] the next time it goes idle.
+pub(crate) fn ask_idle_threads() {
+    ASKED.fetch_add(1, Ordering::Release);
+}
+
+/// A runtime's `on_thread_park` hook: collects once after each [`ask_idle_threads`]. Costs an
+/// atomic load per park otherwise.
+pub(crate) fn collect_when_asked() {
+    let asked = ASKED.load(Ordering::Acquire);
+    if SEEN.get() != asked {
+        SEEN.set(asked);
+        collect_thread();
+    }
+}
+
+/// How many times idle threads were asked to collect.
+static ASKED: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    /// The last ask this thread collected for.
+    static SEEN: Cell<u64> = const { Cell::new(0) };
 }
 
 /// [`collect_thread`], then glibc's free arena memory (process-wide) back to the system.

@@ -218,6 +218,8 @@ impl Application {
         let ledger_rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(settings.ledger.runtime_threads.max(1))
             .thread_name("ledger")
+            // Each worker hands its unused pages back once idle after a give-back.
+            .on_thread_park(crate::memory::collect_when_asked)
             .enable_all()
             .build()
             .context("start the ledger runtime")?;

@@ -15,12 +15,14 @@
 //! - [`upkeep`]: what the jobs call (expiry, reaping, heartbeat, reconciliation, live numbers,
 //!   drain) and what other nodes' signals ask;
 //! - [`node`]: the node's state and registry; [`error`]: the engine's answers;
+//! - [`backlog`]: the vouchers waiting for a recount and the recounts' shared budget;
 //! - [`quota`]: one voucher's protocol as a sans-IO state machine, [`actor`] its actix adapter;
 //! - [`soldout`]: the per-voucher state the frontend reads without a message; [`sizing`]: lease
 //!   sizing; [`limits`]: rate limits; [`known`]: the voucher codes in memory.
 
 mod actor;
 mod admin;
+mod backlog;
 mod checkout;
 mod error;
 mod known;
@@ -91,9 +93,9 @@ impl EngineHandle {
             switch_version: std::sync::Mutex::new(i64::MIN),
             limits: Arc::new(RateLimits::new(&all.limits, clock.clone())),
             spotlight: Spotlight::new(all.metrics.top_vouchers, all.metrics.watch.clone()),
-            changed: std::sync::Mutex::new(indexmap::IndexSet::new()),
-            backlog_rest_until: std::sync::Mutex::new(None),
-            backlog_seen: Default::default(),
+            changed: Default::default(),
+            pace: Default::default(),
+            give_back_due: AtomicBool::new(false),
             audit: std::sync::Mutex::new(String::new()),
             audit_page: all.jobs.reconcile_audit_page.max(1),
             ledger,

@@ -10,9 +10,9 @@ use std::time::Duration;
 
 use actix::prelude::*;
 use dashmap::DashMap;
-use indexmap::IndexSet;
 
 use super::actor::{Restocked, VoucherActor};
+use super::backlog::{Changed, RecountPace};
 use super::known::KnownCodes;
 use super::limits::{self, RateLimits};
 use super::sizing::SizingParams;
@@ -110,17 +110,14 @@ pub(crate) struct Node {
     pub(super) spotlight: super::spotlight::Spotlight,
     /// Vouchers whose books this node changed outside their actors (confirm, release, expiry,
     /// reaping, edits) or whose actor stopped, since the reconciler's last run: it recounts
-    /// them. Actors mark their own voucher on its [`VoucherShared`].
-    /// In the order they were first marked: each run takes the oldest, so a code marked again
-    /// and again while more than a run's share are waiting is not passed over for ever.
-    pub(super) changed: std::sync::Mutex<IndexSet<String>>,
-    /// When the live numbers may next recount some of a backlog of changed vouchers: after
-    /// each such recount they rest 19 times as long as it took, as the reconciler does, so the
-    /// two together stay within the reconciler's 5 % of a core however many rows a voucher has.
-    pub(super) backlog_rest_until: std::sync::Mutex<Option<std::time::Instant>>,
-    /// The live numbers recounted some of a backlog since the set of changed vouchers was last
-    /// empty: once it is, memory goes back ([`Node::backlog_done`]).
-    pub(super) backlog_seen: AtomicBool,
+    /// them, and the live numbers work off a backlog of them. Actors mark their own voucher on
+    /// its [`VoucherShared`].
+    pub(super) changed: Changed,
+    /// The budget the reconciler's, the sell-outs' and the backlog's recounts share.
+    pub(super) pace: RecountPace,
+    /// Memory should go back at the next quiet run of the live numbers (actors stopped, or a
+    /// backlog was recounted): never in the middle of a burst of reserves.
+    pub(super) give_back_due: AtomicBool,
     /// Where the reconciler's audit of the whole catalogue goes on (the last code audited).
     pub(super) audit: std::sync::Mutex<String>,
     /// Vouchers the audit covers per run.
@@ -230,31 +227,7 @@ impl Node {
 
     /// This node changed `code`'s books: the reconciler recounts it at its next run.
     pub(crate) fn changed(&self, code: &str) {
-        mark(
-            &mut self.changed.lock().unwrap_or_else(|e| e.into_inner()),
-            code,
-        );
-    }
-
-    /// Takes up to `most` of the vouchers marked [`Node::changed`] out of the set, if it holds
-    /// more than `beyond`, the oldest first: the reconciler takes its share (`beyond` 0), the
-    /// live numbers a page of a backlog beyond that share. The set's room goes back once it is
-    /// mostly empty.
-    pub(super) fn take_changed(&self, most: usize, beyond: usize) -> Vec<String> {
-        let mut changed = self.changed.lock().unwrap_or_else(|e| e.into_inner());
-        take_oldest(&mut changed, most, beyond)
-    }
-
-    /// Whether a backlog of changed vouchers was being recounted and the set is empty now
-    /// (once per backlog).
-    pub(super) fn backlog_done(&self) -> bool {
-        self.backlog_seen.load(Ordering::Relaxed)
-            && self
-                .changed
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .is_empty()
-            && self.backlog_seen.swap(false, Ordering::Relaxed)
+        self.changed.mark(code);
     }
 
     /// The arbiter `code`'s actor starts on, and whether it is an HTTP worker's: a live
@@ -340,79 +313,5 @@ impl Shards {
             a.stop();
             let _ = a.join();
         }
-    }
-}
-
-/// [`Node::changed`] on the set itself: a code marked again keeps its place (and no copy of
-/// it is made).
-fn mark(changed: &mut IndexSet<String>, code: &str) {
-    if !changed.contains(code) {
-        changed.insert(code.to_string());
-    }
-}
-
-/// [`Node::take_changed`] on the set itself: up to `most` of the codes first marked, if the set
-/// holds more than `beyond`; its room goes back once it is mostly empty.
-fn take_oldest(changed: &mut IndexSet<String>, most: usize, beyond: usize) -> Vec<String> {
-    if changed.len() <= beyond {
-        return Vec::new();
-    }
-    if changed.len() <= most {
-        return std::mem::take(changed).into_iter().collect();
-    }
-    let taken: Vec<String> = changed.drain(..most).collect();
-    if crate::memory::mostly_empty(changed.capacity(), changed.len()) {
-        changed.shrink_to_fit();
-    }
-    taken
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn marked(codes: &[&str]) -> IndexSet<String> {
-        let mut set = IndexSet::new();
-        for c in codes {
-            mark(&mut set, c);
-        }
-        set
-    }
-
-    #[test]
-    fn changed_vouchers_are_taken_oldest_first_and_a_remark_keeps_its_place() {
-        let mut set = marked(&["A", "B", "C", "A", "D", "B", "E"]);
-        assert_eq!(take_oldest(&mut set, 2, 0), ["A", "B"]);
-        // Marked again after the take: it goes to the back of the line.
-        let mut again = std::mem::take(&mut set);
-        mark(&mut again, "A");
-        assert_eq!(take_oldest(&mut again, 2, 0), ["C", "D"]);
-        assert_eq!(take_oldest(&mut again, 5, 0), ["E", "A"]);
-        assert!(again.is_empty());
-    }
-
-    #[test]
-    fn a_backlog_is_taken_only_beyond_the_reconcilers_share() {
-        let codes: Vec<String> = (0..10).map(|i| format!("V{i}")).collect();
-        let mut set = marked(&codes.iter().map(String::as_str).collect::<Vec<_>>());
-        assert!(
-            take_oldest(&mut set, 3, 10).is_empty(),
-            "nothing beyond the share"
-        );
-        assert_eq!(take_oldest(&mut set, 3, 6), ["V0", "V1", "V2"]);
-        assert_eq!(set.len(), 7);
-        // The reconciler (beyond 0) takes the rest, oldest first.
-        assert_eq!(take_oldest(&mut set, 100, 0), codes[3..].to_vec());
-    }
-
-    #[test]
-    fn a_drained_set_gives_its_room_back() {
-        let codes: Vec<String> = (0..20_000).map(|i| format!("V{i}")).collect();
-        let mut set = marked(&codes.iter().map(String::as_str).collect::<Vec<_>>());
-        let room = set.capacity();
-        let taken = take_oldest(&mut set, 19_000, 0);
-        assert_eq!(taken.len(), 19_000);
-        assert_eq!(taken[0], "V0");
-        assert!(set.capacity() < room / 4, "{} of {room}", set.capacity());
     }
 }

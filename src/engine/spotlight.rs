@@ -79,6 +79,8 @@ pub(crate) struct Picker<'a> {
     _state: MutexGuard<'a, State>,
     /// The `top` hottest so far, coldest first out.
     top: BinaryHeap<Reverse<Ranked>>,
+    /// Reserves answered since the last pick by the vouchers offered so far.
+    answered: u64,
 }
 
 impl Picker<'_> {
@@ -88,7 +90,9 @@ impl Picker<'_> {
     pub(crate) fn offer(&mut self, code: &str, answered: u64, standing: &Heat) {
         let before = standing.answered.swap(answered, Ordering::Relaxed);
         let was = f64::from_bits(standing.heat.load(Ordering::Relaxed));
-        let heat = answered.saturating_sub(before) as f64 + was / 2.0;
+        let since = answered.saturating_sub(before);
+        self.answered = self.answered.saturating_add(since);
+        let heat = since as f64 + was / 2.0;
         standing.heat.store(heat.to_bits(), Ordering::Relaxed);
         let k = self.spotlight.top;
         if k == 0 {
@@ -106,6 +110,12 @@ impl Picker<'_> {
             heat,
             code: code.to_string(),
         }));
+    }
+
+    /// Reserves the vouchers offered so far answered since the last pick (a voucher new to the
+    /// pick: since its actor started): whether the node is quiet.
+    pub(crate) fn answered(&self) -> u64 {
+        self.answered
     }
 
     /// The vouchers to show until the next pick: the hottest offered, then every watched one
@@ -137,6 +147,7 @@ impl Spotlight {
             spotlight: self,
             _state: self.state.lock().unwrap_or_else(|e| e.into_inner()),
             top: BinaryHeap::with_capacity(self.top + 1),
+            answered: 0,
         }
     }
 
@@ -212,5 +223,29 @@ mod tests {
         );
         // A voucher that left the node (its actor stopped) is forgotten.
         assert_eq!(pick(&s, &mut h, &[("A", 5)], &[]), ["A", "CONF"]);
+    }
+
+    #[test]
+    fn a_pick_counts_the_reserves_answered_since_the_last_one() {
+        let s = Spotlight::new(1, Vec::new());
+        let (a, b) = (Heat::default(), Heat::default());
+        let mut p = s.picker();
+        p.offer("A", 7, &a);
+        assert_eq!(
+            p.answered(),
+            7,
+            "a voucher new to the pick counts all it answered"
+        );
+        drop(p);
+        let mut p = s.picker();
+        p.offer("A", 7, &a);
+        assert_eq!(p.answered(), 0, "quiet since");
+        p.offer("B", 3, &b);
+        assert_eq!(p.answered(), 3);
+        drop(p);
+        let mut p = s.picker();
+        p.offer("A", 9, &a);
+        p.offer("B", 3, &b);
+        assert_eq!(p.answered(), 2);
     }
 }

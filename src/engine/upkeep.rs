@@ -5,6 +5,7 @@
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
+use std::time::Instant;
 
 use super::actor::{Drain, Recall, Reload, SoldOutElsewhere};
 use super::{EngineError, EngineHandle};
@@ -24,10 +25,17 @@ const RECOUNT_PAGE: usize = 500;
 /// reserves are recounted within ten minutes.
 const BACKLOG_PER_RUN: usize = 250;
 /// A recount reads every reservation of the vouchers it recounts, which grows with the sale
-/// (tens of millions of rows after a long one): after a reconciler run (`jobs`), and after the
-/// live numbers recounted some of a backlog, the next waits at least this many times the last
-/// one's duration, so recounts never take more than 5 % of a core from the sale.
+/// (tens of millions of rows after a long one): after a reconciler run (`jobs`) the next waits
+/// at least this many times its duration, and every recount (the reconciler's, a sell-out's, a
+/// backlog page) is charged this many times its duration on the budget the backlog waits for
+/// ([`super::backlog::RecountPace`]), so recounts take about 5 % of a core from the sale at
+/// most (sell-outs' recounts, due at once, can exceed it while vouchers keep selling out).
 pub const RECOUNT_IDLE_FACTOR: u32 = 19;
+/// Reserves per run of the live numbers (once a second by default; answered by actors on this
+/// node, summed over its vouchers) at or below which the node counts as quiet, so that memory may go back: a give-back collects on every
+/// arbiter at once (a few milliseconds each) and takes the writer for one statement, which a
+/// trickle of reserves can wait for but a sale's burst should not.
+const QUIET_RESERVES: u64 = 100;
 
 impl EngineHandle {
     /// The subscription to cluster signals came up (`true`) or ended. While it is down a
@@ -129,7 +137,7 @@ impl EngineHandle {
         // These gauges are set here, so that they never go idle (see `metrics::install`).
         m::actors(self.node.registry.len());
         if self.node.tidy_registry() {
-            self.node.give_back_memory().await;
+            self.node.give_back_due.store(true, Ordering::Relaxed);
         }
         m::redis_configured(self.node.signals.enabled());
         let now = self.now_ms();
@@ -138,6 +146,7 @@ impl EngineHandle {
         for e in self.node.registry.iter() {
             picker.offer(e.key(), e.shared.answered(), &e.shared.heat);
         }
+        let quiet = picker.answered() <= QUIET_RESERVES;
         let picked = picker.finish(&watched);
         let units = self
             .node
@@ -154,49 +163,47 @@ impl EngineHandle {
         }
         m::voucher_view(on_sale.len(), self.node.known.len());
         // The books of a voucher that just sold out, recounted now rather than at the
-        // reconciler's next round (one after the other).
+        // reconciler's next round (one after the other); charged to the recounts' budget.
         let sold_out: Vec<String> =
             std::mem::take(&mut *self.node.recount.lock().unwrap_or_else(|e| e.into_inner()))
                 .into_iter()
                 .collect();
         for page in sold_out.chunks(RECOUNT_PAGE) {
+            let started = Instant::now();
             if let Err(e) = recount(&self.node.ledger, page, |c| on_sale.contains(c)).await {
                 // Tried again at the next run.
                 tracing::warn!(vouchers = page.len(), error = %e, "recount after a sell-out failed");
                 page.iter().for_each(|c| self.node.recount_soon(c));
             }
+            self.node.pace.spent(Instant::now(), started.elapsed());
         }
         // A backlog of changed vouchers, beyond what the reconciler's next run takes: some of
-        // it now. A flood's first reserves are recounted within minutes at about 1 % of a
-        // core, rather than over half an hour of reconciler runs with their codes held here,
-        // or in bursts that would show as a core's seconds.
-        let rest_until = *self
-            .node
-            .backlog_rest_until
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        let started = std::time::Instant::now();
-        let backlog = match rest_until {
-            Some(until) if started < until => Vec::new(),
-            _ => self
+        // it now, when the recounts' budget allows. A flood's first reserves are recounted
+        // within minutes at about 1 % of a core, rather than over half an hour of reconciler
+        // runs with their codes held here, or in bursts that would show as a core's seconds.
+        let started = Instant::now();
+        if self.node.pace.ready(started) {
+            let backlog = self
                 .node
-                .take_changed(BACKLOG_PER_RUN, MAX_RECOUNTS_PER_RUN),
-        };
-        if !backlog.is_empty() {
-            self.node.backlog_seen.store(true, Ordering::Relaxed);
-            if let Err(e) = recount(&self.node.ledger, &backlog, |c| on_sale.contains(c)).await {
-                tracing::warn!(vouchers = backlog.len(), error = %e, "recount of changed vouchers failed");
-                backlog.iter().for_each(|c| self.node.changed(c));
+                .changed
+                .take_backlog(BACKLOG_PER_RUN, MAX_RECOUNTS_PER_RUN);
+            if !backlog.is_empty() {
+                if let Err(e) = recount(&self.node.ledger, &backlog, |c| on_sale.contains(c)).await
+                {
+                    tracing::warn!(vouchers = backlog.len(), error = %e, "recount of changed vouchers failed");
+                    backlog.iter().for_each(|c| self.node.changed(c));
+                }
+                self.node.pace.spent(Instant::now(), started.elapsed());
             }
-            *self
-                .node
-                .backlog_rest_until
-                .lock()
-                .unwrap_or_else(|e| e.into_inner()) =
-                Some(std::time::Instant::now() + started.elapsed() * RECOUNT_IDLE_FACTOR);
-        } else if self.node.backlog_done() {
+        }
+        if self.node.changed.backlog_done() {
             // The flood's last codes are recounted: what the recounts' reads and the set's
-            // room held goes back now, not at the next flood.
+            // room held goes back, not at the next flood.
+            self.node.give_back_due.store(true, Ordering::Relaxed);
+        }
+        // Once per run at most, and only while the node is quiet: a give-back collects on
+        // every arbiter at once and waits for the writer's one `PRAGMA shrink_memory`.
+        if quiet && self.node.give_back_due.swap(false, Ordering::Relaxed) {
             self.node.give_back_memory().await;
         }
         Ok(units.len())
@@ -316,20 +323,19 @@ impl EngineHandle {
     pub async fn reconcile(&self) -> Result<Vec<String>, EngineError> {
         let now = self.now_ms();
         let ending_after = self.watched_after(now);
+        let started = Instant::now();
         {
-            let mut changed = self.node.changed.lock().unwrap_or_else(|e| e.into_inner());
+            let mut changed = self.node.changed.lock();
             for e in self.node.registry.iter() {
                 if e.shared.take_changed() {
-                    changed.insert(e.key().clone());
+                    changed.mark(e.key());
                 }
             }
         }
-        // A run recounts at most this many of them; the live numbers work off the rest.
-        let mut codes: HashSet<String> = self
-            .node
-            .take_changed(MAX_RECOUNTS_PER_RUN, 0)
-            .into_iter()
-            .collect();
+        // A run recounts at most this many of them; the live numbers work off the rest. Held
+        // (in flight) until this run's recounts are done.
+        let taken = self.node.changed.take(MAX_RECOUNTS_PER_RUN);
+        let mut codes: HashSet<String> = taken.iter().cloned().collect();
         let after = self
             .node
             .audit
@@ -340,7 +346,15 @@ impl EngineHandle {
             .node
             .ledger
             .voucher_codes(ending_after, &after, self.node.audit_page)
-            .await?;
+            .await;
+        let page = match page {
+            Ok(page) => page,
+            Err(e) => {
+                // The changed vouchers taken wait for the next run.
+                taken.iter().for_each(|c| self.node.changed(c));
+                return Err(e.into());
+            }
+        };
         let next = match page.last() {
             Some(last) if page.len() as i64 >= self.node.audit_page => last.clone(),
             // The end of the catalogue: the next run starts over.
@@ -353,6 +367,7 @@ impl EngineHandle {
         let mut codes: Vec<String> = codes.into_iter().collect();
         codes.sort();
         let mut unbalanced = Vec::new();
+        let mut failed = None;
         for (i, page) in codes.chunks(RECOUNT_PAGE).enumerate() {
             match recount(&self.node.ledger, page, |c| self.node.spotlight.shows(c)).await {
                 Ok(found) => unbalanced.extend(found),
@@ -361,11 +376,17 @@ impl EngineHandle {
                     codes[i * RECOUNT_PAGE..]
                         .iter()
                         .for_each(|c| self.node.changed(c));
-                    return Err(e.into());
+                    failed = Some(e);
+                    break;
                 }
             }
         }
-        Ok(unbalanced)
+        drop(taken);
+        self.node.pace.spent(Instant::now(), started.elapsed());
+        match failed {
+            Some(e) => Err(e.into()),
+            None => Ok(unbalanced),
+        }
     }
 }
 

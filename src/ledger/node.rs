@@ -315,14 +315,14 @@ impl Ledger for NodeLedger {
         self.run(|l| async move { l.ping().await }).await
     }
 
-    /// On the ledger's runtime (whose thread then hands back its own pages too; the caller
-    /// trims glibc's arenas), outside the breaker: housekeeping, not a call that says whether
-    /// the ledger is up.
+    /// On the ledger's runtime (each of whose threads then hands back its own pages too, once
+    /// idle; the caller trims glibc's arenas), outside the breaker: housekeeping, not a call
+    /// that says whether the ledger is up.
     async fn give_back_memory(&self) {
         let inner = self.inner.clone();
         let fut = async move {
             inner.give_back_memory().await;
-            crate::memory::collect_thread();
+            crate::memory::ask_idle_threads();
             Ok(())
         };
         if let Err(e) = self.on_ledger_runtime(self.deadline, fut).await {

@@ -187,6 +187,31 @@ async fn counters_of_many_vouchers_are_each_ones_own(l: &SharedLedger) {
         "every voucher got the same counters: {many:?}"
     );
     assert!(l.counters_many(&[]).await.unwrap().is_empty());
+    // A voucher with no reservation and no lease, its limit far past what 53-bit (JSON double)
+    // numbers hold exactly: the counters come from its row alone, to the unit.
+    let big = 1_000_000_000_000_000_003;
+    l.create_voucher(&voucher("NOROWS-BIG", big, 1), NOW)
+        .await
+        .unwrap();
+    let got = l
+        .counters_many(&["NOROWS-BIG".to_string(), codes[0].clone()])
+        .await
+        .unwrap();
+    let c = got[0].expect("the voucher was created");
+    assert_eq!(
+        (
+            c.total_limit,
+            c.free,
+            c.leased_unused,
+            c.reserved,
+            c.confirmed,
+            c.released
+        ),
+        (big, big, 0, 0, 0, 0),
+        "{c:?}"
+    );
+    assert!(c.balanced, "{c:?}");
+    assert_eq!(got[1], many[0], "{}", codes[0]);
 }
 
 /// The merged calls of cold activation: one read of several vouchers gives those that exist,

@@ -157,10 +157,13 @@ impl Ledger for SqliteLedger {
         Ok(())
     }
 
-    /// `PRAGMA shrink_memory` on the writer and on every reader idle now: each connection's
+    /// `PRAGMA shrink_memory` on the writer and on each reader idle now: each connection's
     /// page cache goes back to SQLite's allocator (glibc's), and from there to the system at the
     /// caller's `malloc_trim`. The next reads fill them again from the OS's cache of the file.
     /// A connection busy now keeps its cache: this is tidying, never a wait on a sale's calls.
+    /// Readers are taken one at a time and handed back at once, so a read that comes meanwhile
+    /// waits for one statement at most (a reader may be shrunk twice, or missed, if reads take
+    /// one meanwhile).
     async fn give_back_memory(&self) {
         const SHRINK: &str = "PRAGMA shrink_memory";
         if let Ok(mut w) = self.writer.try_lock() {
@@ -168,12 +171,11 @@ impl Ledger for SqliteLedger {
                 let _ = sqlx::query(SHRINK).execute(conn).await;
             }
         }
-        let mut idle = Vec::new();
-        while let Some(conn) = self.reader.try_acquire() {
-            idle.push(conn);
-        }
-        for conn in &mut idle {
-            let _ = sqlx::query(SHRINK).execute(&mut **conn).await;
+        for _ in 0..self.reader.num_idle() {
+            let Some(mut conn) = self.reader.try_acquire() else {
+                break;
+            };
+            let _ = sqlx::query(SHRINK).execute(&mut *conn).await;
         }
     }
 

@@ -1,0 +1,296 @@
+//! The vouchers whose books this node changed and that wait for a recount ([`Changed`]), and
+//! the one budget every recount of the node's upkeep shares ([`RecountPace`]).
+//!
+//! The reconciler takes up to its share of the changed vouchers each run; a flood of first
+//! reserves on a long tail leaves far more (a backlog), which the live numbers work off a page
+//! a second within what the budget leaves. Once the backlog is recounted (the reconciler has
+//! caught up and no recount is in flight), [`Changed::backlog_done`] says so once: the node
+//! then gives memory back.
+
+use std::collections::{HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// The changed vouchers, oldest first, with what is being recounted now.
+#[derive(Default)]
+pub(crate) struct Changed {
+    queue: Mutex<Queue>,
+    /// Codes taken and not recounted yet (a [`Taken`] not dropped): the backlog is not done
+    /// while a recount of some of it is still reading.
+    in_flight: AtomicUsize,
+    /// Some of a backlog was taken since [`Changed::backlog_done`] last said so.
+    backlog_seen: AtomicBool,
+    /// A take of everything waiting (a reconciler run that found no more than its share) was
+    /// recounted since the backlog was last seen.
+    caught_up: AtomicBool,
+}
+
+/// The set in first-marked order. A code marked again while it waits keeps its place, so a
+/// voucher changed again and again is not passed over for ever; taking from the front costs
+/// what is taken, not what waits.
+#[derive(Default)]
+pub(crate) struct Queue {
+    order: VecDeque<Arc<str>>,
+    members: HashSet<Arc<str>>,
+}
+
+impl Queue {
+    /// `code` changed: it waits for a recount (once, however often it is marked).
+    pub(crate) fn mark(&mut self, code: &str) {
+        if !self.members.contains(code) {
+            let code: Arc<str> = Arc::from(code);
+            self.members.insert(code.clone());
+            self.order.push_back(code);
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.order.len()
+    }
+
+    /// Up to `most` codes from the front, if more than `beyond` wait; the room goes back once
+    /// the queue is mostly empty.
+    fn take(&mut self, most: usize, beyond: usize) -> Vec<String> {
+        if self.order.len() <= beyond {
+            return Vec::new();
+        }
+        let n = most.min(self.order.len());
+        let taken: Vec<String> = self
+            .order
+            .drain(..n)
+            .map(|code| {
+                self.members.remove(&code);
+                code.to_string()
+            })
+            .collect();
+        if crate::memory::mostly_empty(self.order.capacity(), self.order.len()) {
+            self.order.shrink_to_fit();
+        }
+        if crate::memory::mostly_empty(self.members.capacity(), self.members.len()) {
+            self.members.shrink_to_fit();
+        }
+        taken
+    }
+}
+
+/// Codes taken for a recount; dropping it (the recount done, or failed and the codes marked
+/// again) ends their time in flight.
+pub(crate) struct Taken<'a> {
+    codes: Vec<String>,
+    /// How many codes this take put in flight (kept once the codes are moved out).
+    counted: usize,
+    from: &'a Changed,
+    /// Everything that waited was taken: once recounted, the node has caught up.
+    all: bool,
+}
+
+impl std::ops::Deref for Taken<'_> {
+    type Target = [String];
+    fn deref(&self) -> &[String] {
+        &self.codes
+    }
+}
+
+impl Drop for Taken<'_> {
+    fn drop(&mut self) {
+        if self.all {
+            self.from.caught_up.store(true, Ordering::Release);
+        }
+        self.from
+            .in_flight
+            .fetch_sub(self.counted, Ordering::AcqRel);
+    }
+}
+
+impl Changed {
+    /// Marks codes under one lock (the reconciler's sweep of its actors' flags).
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `code` changed: the reconciler recounts it at its next run.
+    pub(crate) fn mark(&self, code: &str) {
+        self.lock().mark(code);
+    }
+
+    /// The reconciler's share: up to `most`, the oldest first.
+    pub(crate) fn take(&self, most: usize) -> Taken<'_> {
+        let mut queue = self.lock();
+        let all = queue.len() <= most;
+        let codes = queue.take(most, 0);
+        self.in_flight(codes, all)
+    }
+
+    /// A page of a backlog: up to `most` of the oldest codes if more than `share` (what the
+    /// reconciler's next run takes) wait.
+    pub(crate) fn take_backlog(&self, most: usize, share: usize) -> Taken<'_> {
+        let codes = self.lock().take(most, share);
+        if !codes.is_empty() {
+            self.backlog_seen.store(true, Ordering::Release);
+            self.caught_up.store(false, Ordering::Release);
+        }
+        self.in_flight(codes, false)
+    }
+
+    fn in_flight(&self, codes: Vec<String>, all: bool) -> Taken<'_> {
+        self.in_flight.fetch_add(codes.len(), Ordering::AcqRel);
+        Taken {
+            counted: codes.len(),
+            codes,
+            from: self,
+            all,
+        }
+    }
+
+    /// Whether a backlog was being worked off and is recounted now: every page of it read, and
+    /// a reconciler run that took all that waited finished since (under a steady trickle of
+    /// confirms the set is never empty, but it stays within the reconciler's share). Says so
+    /// once per backlog.
+    pub(crate) fn backlog_done(&self) -> bool {
+        self.backlog_seen.load(Ordering::Acquire)
+            && self.caught_up.load(Ordering::Acquire)
+            && self.in_flight.load(Ordering::Acquire) == 0
+            && self.backlog_seen.swap(false, Ordering::AcqRel)
+    }
+}
+
+/// The budget the node's recounts share: each recount (the reconciler's, one after a sell-out,
+/// a backlog page) is charged [`RECOUNT_IDLE_FACTOR`](super::RECOUNT_IDLE_FACTOR) times what
+/// it took, on one timeline, and a backlog page waits until the timeline is paid off. The
+/// reconciler's and the sell-outs' recounts are not delayed (they keep their own pace, and a
+/// sell-out's is due now), so together with the backlog they stay within about 5 % of a core:
+/// a busy reconciler leaves the backlog nothing.
+#[derive(Default)]
+pub(crate) struct RecountPace {
+    /// Until when the recounts so far are paid for.
+    paid_until: Mutex<Option<Instant>>,
+}
+
+impl RecountPace {
+    /// Whether the recounts so far are paid for at `now`.
+    pub(crate) fn ready(&self, now: Instant) -> bool {
+        self.paid_until
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_none_or(|until| now >= until)
+    }
+
+    /// A recount that ended at `now` took `took`.
+    pub(crate) fn spent(&self, now: Instant, took: Duration) {
+        let mut until = self.paid_until.lock().unwrap_or_else(|e| e.into_inner());
+        let from = until.map_or(now, |u| u.max(now));
+        *until = Some(from + took * super::RECOUNT_IDLE_FACTOR);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn marked(codes: &[&str]) -> Changed {
+        let c = Changed::default();
+        for code in codes {
+            c.mark(code);
+        }
+        c
+    }
+
+    fn taken(t: Taken<'_>) -> Vec<String> {
+        t.to_vec()
+    }
+
+    #[test]
+    fn changed_vouchers_are_taken_oldest_first_and_a_remark_keeps_its_place() {
+        let c = marked(&["A", "B", "C", "A", "D", "B", "E"]);
+        assert_eq!(taken(c.take(2)), ["A", "B"]);
+        // Marked again after the take: it goes to the back of the line.
+        c.mark("A");
+        assert_eq!(taken(c.take(2)), ["C", "D"]);
+        assert_eq!(taken(c.take(5)), ["E", "A"]);
+        assert!(taken(c.take(5)).is_empty());
+    }
+
+    #[test]
+    fn a_backlog_is_taken_only_beyond_the_reconcilers_share() {
+        let codes: Vec<String> = (0..10).map(|i| format!("V{i}")).collect();
+        let c = marked(&codes.iter().map(String::as_str).collect::<Vec<_>>());
+        assert!(
+            taken(c.take_backlog(3, 10)).is_empty(),
+            "nothing beyond the share"
+        );
+        assert_eq!(taken(c.take_backlog(3, 6)), ["V0", "V1", "V2"]);
+        assert_eq!(c.lock().len(), 7);
+        // The reconciler takes the rest, oldest first.
+        assert_eq!(taken(c.take(100)), codes[3..].to_vec());
+    }
+
+    #[test]
+    fn a_drained_queue_gives_its_room_back() {
+        let codes: Vec<String> = (0..20_000).map(|i| format!("V{i}")).collect();
+        let c = marked(&codes.iter().map(String::as_str).collect::<Vec<_>>());
+        let room = c.lock().order.capacity();
+        let t = taken(c.take(19_000));
+        assert_eq!(t.len(), 19_000);
+        assert_eq!(t[0], "V0");
+        let q = c.lock();
+        assert!(
+            q.order.capacity() < room / 4,
+            "{} of {room}",
+            q.order.capacity()
+        );
+        assert!(q.members.capacity() < room / 4, "{}", q.members.capacity());
+    }
+
+    #[test]
+    fn a_backlog_is_done_once_its_last_pages_are_read_and_the_reconciler_caught_up() {
+        let codes: Vec<String> = (0..10).map(|i| format!("V{i}")).collect();
+        let c = marked(&codes.iter().map(String::as_str).collect::<Vec<_>>());
+        assert!(!c.backlog_done(), "no backlog was seen");
+        let page = c.take_backlog(6, 3);
+        assert_eq!(page.len(), 6);
+        assert!(!c.backlog_done(), "4 still wait");
+        // The reconciler takes what is left while the page is still being read.
+        let rest = c.take(3 + 1);
+        drop(rest);
+        assert!(
+            !c.backlog_done(),
+            "the backlog's last page is still being read"
+        );
+        drop(page);
+        assert!(c.backlog_done());
+        assert!(!c.backlog_done(), "said once");
+    }
+
+    #[test]
+    fn a_steady_trickle_does_not_keep_a_backlog_from_being_done() {
+        let codes: Vec<String> = (0..10).map(|i| format!("V{i}")).collect();
+        let c = marked(&codes.iter().map(String::as_str).collect::<Vec<_>>());
+        drop(c.take_backlog(8, 2));
+        c.mark("TRICKLE");
+        assert!(!c.backlog_done(), "the reconciler has not caught up");
+        // A run that took less than all that waited has not caught up.
+        c.mark("MORE");
+        drop(c.take(1));
+        assert!(!c.backlog_done());
+        drop(c.take(10));
+        // A confirm marks another voucher at once: still done.
+        c.mark("NEXT");
+        assert!(c.backlog_done());
+    }
+
+    #[test]
+    fn recounts_share_one_budget() {
+        let pace = RecountPace::default();
+        let t0 = Instant::now();
+        assert!(pace.ready(t0));
+        let ms = Duration::from_millis;
+        pace.spent(t0, ms(10));
+        let factor = super::super::RECOUNT_IDLE_FACTOR;
+        assert!(!pace.ready(t0 + ms(10) * factor - ms(1)));
+        // A second recount before the first is paid for adds its own rest after it.
+        pace.spent(t0 + ms(5), ms(10));
+        assert!(!pace.ready(t0 + ms(20) * factor - ms(1)));
+        assert!(pace.ready(t0 + ms(20) * factor));
+    }
+}
