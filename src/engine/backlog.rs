@@ -92,6 +92,14 @@ impl std::ops::Deref for Taken<'_> {
     }
 }
 
+impl Taken<'_> {
+    /// The recount failed and the codes were marked again: they still wait, so this take
+    /// does not count as catching up.
+    pub(crate) fn failed(&mut self) {
+        self.all = false;
+    }
+}
+
 impl Drop for Taken<'_> {
     fn drop(&mut self) {
         if self.all {
@@ -276,6 +284,19 @@ mod tests {
         drop(c.take(10));
         // A confirm marks another voucher at once: still done.
         c.mark("NEXT");
+        assert!(c.backlog_done());
+    }
+
+    #[test]
+    fn a_failed_recount_does_not_catch_up() {
+        let c = marked(&["A", "B", "C", "D"]);
+        drop(c.take_backlog(2, 1));
+        let mut rest = c.take(10);
+        rest.failed();
+        rest.iter().for_each(|code| c.mark(code));
+        drop(rest);
+        assert!(!c.backlog_done(), "C and D wait again");
+        drop(c.take(10));
         assert!(c.backlog_done());
     }
 

@@ -334,7 +334,7 @@ impl EngineHandle {
         }
         // A run recounts at most this many of them; the live numbers work off the rest. Held
         // (in flight) until this run's recounts are done.
-        let taken = self.node.changed.take(MAX_RECOUNTS_PER_RUN);
+        let mut taken = self.node.changed.take(MAX_RECOUNTS_PER_RUN);
         let mut codes: HashSet<String> = taken.iter().cloned().collect();
         let after = self
             .node
@@ -352,6 +352,7 @@ impl EngineHandle {
             Err(e) => {
                 // The changed vouchers taken wait for the next run.
                 taken.iter().for_each(|c| self.node.changed(c));
+                taken.failed();
                 return Err(e.into());
             }
         };
@@ -376,6 +377,7 @@ impl EngineHandle {
                     codes[i * RECOUNT_PAGE..]
                         .iter()
                         .for_each(|c| self.node.changed(c));
+                    taken.failed();
                     failed = Some(e);
                     break;
                 }
