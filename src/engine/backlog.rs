@@ -8,22 +8,15 @@
 //! then gives memory back.
 
 use std::collections::{HashSet, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// The changed vouchers, oldest first, with what is being recounted now.
 #[derive(Default)]
 pub(crate) struct Changed {
+    /// The codes and the state of their recounts, under one lock: a take, its bookkeeping and
+    /// [`Changed::backlog_done`] never interleave, whatever runs the jobs.
     queue: Mutex<Queue>,
-    /// Codes taken and not recounted yet (a [`Taken`] not dropped): the backlog is not done
-    /// while a recount of some of it is still reading.
-    in_flight: AtomicUsize,
-    /// Some of a backlog was taken since [`Changed::backlog_done`] last said so.
-    backlog_seen: AtomicBool,
-    /// A take of everything waiting (a reconciler run that found no more than its share) was
-    /// recounted since the backlog was last seen.
-    caught_up: AtomicBool,
 }
 
 /// The set in first-marked order. A code marked again while it waits keeps its place, so a
@@ -31,8 +24,21 @@ pub(crate) struct Changed {
 /// what is taken, not what waits.
 #[derive(Default)]
 pub(crate) struct Queue {
+    /// The codes, oldest first.
     order: VecDeque<Arc<str>>,
+    /// The same codes, to find one in constant time (each shared with `order`).
     members: HashSet<Arc<str>>,
+    /// Codes taken and not recounted yet (a [`Taken`] not dropped): the backlog is not done
+    /// while a recount of some of it is still reading.
+    in_flight: usize,
+    /// Some of a backlog was taken since [`Changed::backlog_done`] last said so.
+    backlog_seen: bool,
+    /// A take of everything waiting (a reconciler run that found no more than its share) was
+    /// recounted, and no backlog page was taken after it: the node has caught up.
+    caught_up: bool,
+    /// Backlog pages taken so far: a take of everything that started before the last page
+    /// does not count as catching up with it.
+    pages: u64,
 }
 
 impl Queue {
@@ -77,12 +83,15 @@ impl Queue {
 /// Codes taken for a recount; dropping it (the recount done, or failed and the codes marked
 /// again) ends their time in flight.
 pub(crate) struct Taken<'a> {
+    /// The codes to recount.
     codes: Vec<String>,
-    /// How many codes this take put in flight (kept once the codes are moved out).
-    counted: usize,
+    /// Where they were taken from, told when the recount is over.
     from: &'a Changed,
-    /// Everything that waited was taken: once recounted, the node has caught up.
+    /// Everything that waited was taken: once recounted, the node has caught up (unless a
+    /// backlog page was taken meanwhile).
     all: bool,
+    /// [`Queue::pages`] when this was taken.
+    pages: u64,
 }
 
 impl std::ops::Deref for Taken<'_> {
@@ -102,12 +111,11 @@ impl Taken<'_> {
 
 impl Drop for Taken<'_> {
     fn drop(&mut self) {
-        if self.all {
-            self.from.caught_up.store(true, Ordering::Release);
+        let mut queue = self.from.lock();
+        if self.all && queue.pages == self.pages {
+            queue.caught_up = true;
         }
-        self.from
-            .in_flight
-            .fetch_sub(self.counted, Ordering::AcqRel);
+        queue.in_flight -= self.codes.len();
     }
 }
 
@@ -127,24 +135,31 @@ impl Changed {
         let mut queue = self.lock();
         let all = queue.len() <= most;
         let codes = queue.take(most, 0);
-        self.in_flight(codes, all)
+        self.in_flight(queue, codes, all)
     }
 
     /// A page of a backlog: up to `most` of the oldest codes if more than `share` (what the
     /// reconciler's next run takes) wait.
     pub(crate) fn take_backlog(&self, most: usize, share: usize) -> Taken<'_> {
-        let codes = self.lock().take(most, share);
+        let mut queue = self.lock();
+        let codes = queue.take(most, share);
         if !codes.is_empty() {
-            self.backlog_seen.store(true, Ordering::Release);
-            self.caught_up.store(false, Ordering::Release);
+            queue.backlog_seen = true;
+            queue.caught_up = false;
+            queue.pages += 1;
         }
-        self.in_flight(codes, false)
+        self.in_flight(queue, codes, false)
     }
 
-    fn in_flight(&self, codes: Vec<String>, all: bool) -> Taken<'_> {
-        self.in_flight.fetch_add(codes.len(), Ordering::AcqRel);
+    fn in_flight(
+        &self,
+        mut queue: MutexGuard<'_, Queue>,
+        codes: Vec<String>,
+        all: bool,
+    ) -> Taken<'_> {
+        queue.in_flight += codes.len();
         Taken {
-            counted: codes.len(),
+            pages: queue.pages,
             codes,
             from: self,
             all,
@@ -156,10 +171,12 @@ impl Changed {
     /// confirms the set is never empty, but it stays within the reconciler's share). Says so
     /// once per backlog.
     pub(crate) fn backlog_done(&self) -> bool {
-        self.backlog_seen.load(Ordering::Acquire)
-            && self.caught_up.load(Ordering::Acquire)
-            && self.in_flight.load(Ordering::Acquire) == 0
-            && self.backlog_seen.swap(false, Ordering::AcqRel)
+        let mut queue = self.lock();
+        let done = queue.backlog_seen && queue.caught_up && queue.in_flight == 0;
+        if done {
+            queue.backlog_seen = false;
+        }
+        done
     }
 }
 
@@ -169,6 +186,10 @@ impl Changed {
 /// reconciler's and the sell-outs' recounts are not delayed (they keep their own pace, and a
 /// sell-out's is due now), so together with the backlog they stay within about 5 % of a core:
 /// a busy reconciler leaves the backlog nothing.
+/// How far ahead the budget is ever booked: a long wave of sell-outs, or a recount that waited
+/// out the ledger's deadline, holds the backlog back for this long at most.
+const MAX_DEBT: Duration = Duration::from_secs(60);
+
 #[derive(Default)]
 pub(crate) struct RecountPace {
     /// Until when the recounts so far are paid for.
@@ -188,7 +209,7 @@ impl RecountPace {
     pub(crate) fn spent(&self, now: Instant, took: Duration) {
         let mut until = self.paid_until.lock().unwrap_or_else(|e| e.into_inner());
         let from = until.map_or(now, |u| u.max(now));
-        *until = Some(from + took * super::RECOUNT_IDLE_FACTOR);
+        *until = Some((from + took * super::RECOUNT_IDLE_FACTOR).min(now + MAX_DEBT));
     }
 }
 
@@ -288,6 +309,22 @@ mod tests {
     }
 
     #[test]
+    fn a_take_of_everything_older_than_the_last_backlog_page_does_not_catch_up() {
+        let c = marked(&["A", "B"]);
+        let all = c.take(10);
+        // More than the share is marked while that run reads; a page of it is taken.
+        for code in ["C", "D", "E", "F"] {
+            c.mark(code);
+        }
+        let page = c.take_backlog(2, 1);
+        drop(all);
+        drop(page);
+        assert!(!c.backlog_done(), "E and F still wait");
+        drop(c.take(10));
+        assert!(c.backlog_done());
+    }
+
+    #[test]
     fn a_failed_recount_does_not_catch_up() {
         let c = marked(&["A", "B", "C", "D"]);
         drop(c.take_backlog(2, 1));
@@ -313,5 +350,9 @@ mod tests {
         pace.spent(t0 + ms(5), ms(10));
         assert!(!pace.ready(t0 + ms(20) * factor - ms(1)));
         assert!(pace.ready(t0 + ms(20) * factor));
+        // However much is charged, the budget is booked a minute ahead at most.
+        pace.spent(t0, Duration::from_secs(3600));
+        assert!(!pace.ready(t0 + Duration::from_secs(59)));
+        assert!(pace.ready(t0 + MAX_DEBT));
     }
 }

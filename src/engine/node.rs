@@ -4,7 +4,7 @@
 
 use std::collections::HashSet;
 use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -116,8 +116,9 @@ pub(crate) struct Node {
     /// The budget the reconciler's, the sell-outs' and the backlog's recounts share.
     pub(super) pace: RecountPace,
     /// Memory should go back at the next quiet run of the live numbers (actors stopped, or a
-    /// backlog was recounted): never in the middle of a burst of reserves.
-    pub(super) give_back_due: AtomicBool,
+    /// backlog was recounted), not in the middle of a burst of reserves: the runs it has waited
+    /// so far, plus one (0: none is due).
+    pub(super) give_back_due: AtomicU32,
     /// Where the reconciler's audit of the whole catalogue goes on (the last code audited).
     pub(super) audit: std::sync::Mutex<String>,
     /// Vouchers the audit covers per run.
