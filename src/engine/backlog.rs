@@ -225,6 +225,13 @@ mod tests {
         c
     }
 
+    /// `V0`, `V1`, … marked in that order, and their codes.
+    fn numbered(n: usize) -> (Vec<String>, Changed) {
+        let codes: Vec<String> = (0..n).map(|i| format!("V{i}")).collect();
+        let c = marked(&codes.iter().map(String::as_str).collect::<Vec<_>>());
+        (codes, c)
+    }
+
     fn taken(t: Taken<'_>) -> Vec<String> {
         t.to_vec()
     }
@@ -242,8 +249,7 @@ mod tests {
 
     #[test]
     fn a_backlog_is_taken_only_beyond_the_reconcilers_share() {
-        let codes: Vec<String> = (0..10).map(|i| format!("V{i}")).collect();
-        let c = marked(&codes.iter().map(String::as_str).collect::<Vec<_>>());
+        let (codes, c) = numbered(10);
         assert!(
             taken(c.take_backlog(3, 10)).is_empty(),
             "nothing beyond the share"
@@ -256,8 +262,7 @@ mod tests {
 
     #[test]
     fn a_drained_queue_gives_its_room_back() {
-        let codes: Vec<String> = (0..20_000).map(|i| format!("V{i}")).collect();
-        let c = marked(&codes.iter().map(String::as_str).collect::<Vec<_>>());
+        let (_, c) = numbered(20_000);
         let room = c.lock().order.capacity();
         let t = taken(c.take(19_000));
         assert_eq!(t.len(), 19_000);
@@ -273,8 +278,7 @@ mod tests {
 
     #[test]
     fn a_backlog_is_done_once_its_last_pages_are_read_and_the_reconciler_caught_up() {
-        let codes: Vec<String> = (0..10).map(|i| format!("V{i}")).collect();
-        let c = marked(&codes.iter().map(String::as_str).collect::<Vec<_>>());
+        let (_, c) = numbered(10);
         assert!(!c.backlog_done(), "no backlog was seen");
         let page = c.take_backlog(6, 3);
         assert_eq!(page.len(), 6);
@@ -293,8 +297,7 @@ mod tests {
 
     #[test]
     fn a_steady_trickle_does_not_keep_a_backlog_from_being_done() {
-        let codes: Vec<String> = (0..10).map(|i| format!("V{i}")).collect();
-        let c = marked(&codes.iter().map(String::as_str).collect::<Vec<_>>());
+        let (_, c) = numbered(10);
         drop(c.take_backlog(8, 2));
         c.mark("TRICKLE");
         assert!(!c.backlog_done(), "the reconciler has not caught up");
