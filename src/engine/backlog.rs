@@ -1,5 +1,6 @@
-//! The vouchers whose books this node changed and that wait for a recount ([`Changed`]), and
-//! the one budget every recount of the node's upkeep shares ([`RecountPace`]).
+//! The vouchers whose books this node changed and that wait for a recount ([`Changed`]), the
+//! one budget every recount of the node's upkeep shares ([`RecountPace`]), and when the memory
+//! a flood left goes back ([`GiveBackGate`]).
 //!
 //! The reconciler takes up to its share of the changed vouchers each run; a flood of first
 //! reserves on a long tail leaves far more (a backlog), which the live numbers work off a page
@@ -8,6 +9,7 @@
 //! then gives memory back.
 
 use std::collections::{HashSet, VecDeque};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -180,16 +182,16 @@ impl Changed {
     }
 }
 
+/// How far ahead the budget is ever booked: a long wave of sell-outs, or a recount that waited
+/// out the ledger's deadline, holds the backlog back for this long at most.
+const MAX_DEBT: Duration = Duration::from_secs(60);
+
 /// The budget the node's recounts share: each recount (the reconciler's, one after a sell-out,
 /// a backlog page) is charged [`RECOUNT_IDLE_FACTOR`](super::RECOUNT_IDLE_FACTOR) times what
 /// it took, on one timeline, and a backlog page waits until the timeline is paid off. The
 /// reconciler's and the sell-outs' recounts are not delayed (they keep their own pace, and a
 /// sell-out's is due now), so together with the backlog they stay within about 5 % of a core:
 /// a busy reconciler leaves the backlog nothing.
-/// How far ahead the budget is ever booked: a long wave of sell-outs, or a recount that waited
-/// out the ledger's deadline, holds the backlog back for this long at most.
-const MAX_DEBT: Duration = Duration::from_secs(60);
-
 #[derive(Default)]
 pub(crate) struct RecountPace {
     /// Until when the recounts so far are paid for.
@@ -210,6 +212,65 @@ impl RecountPace {
         let mut until = self.paid_until.lock().unwrap_or_else(|e| e.into_inner());
         let from = until.map_or(now, |u| u.max(now));
         *until = Some((from + took * super::RECOUNT_IDLE_FACTOR).min(now + MAX_DEBT));
+    }
+}
+
+/// Requests per run of the live numbers (once a second by default) at or below which the node
+/// counts as quiet, so that memory may go back: the reserves answered on this node for its
+/// vouchers with an actor (from memory included), and the confirms and releases asked of it. A
+/// give-back collects on every arbiter at once (a few milliseconds each) and takes the writer
+/// for one statement, which a trickle of requests can wait for but a sale's burst should not.
+pub(crate) const QUIET_REQUESTS: u64 = 100;
+/// Runs of the live numbers a due give-back waits for a quiet node at most (five minutes at
+/// the default interval): a client asking a hundred times a second, even at a sold-out code,
+/// would otherwise hold it off for ever.
+pub(crate) const GIVE_BACK_MAX_WAIT: u32 = 300;
+
+/// Whether the node gives memory back at this run of the live numbers: once one is due (a
+/// flood's actors stopped, or its backlog was recounted), at the first quiet run, and at most
+/// once per run. Only the live numbers ask, one run after the other.
+#[derive(Default)]
+pub(crate) struct GiveBackGate {
+    /// The runs a due give-back has waited so far, plus one (0: none is due).
+    due: AtomicU32,
+    /// Confirms and releases asked of this node since the last run: each takes the ledger's
+    /// writer like a reserve's commit, but no actor counts it.
+    writes: AtomicU64,
+    /// Give-backs so far (tests and diagnostics).
+    runs: AtomicU64,
+}
+
+impl GiveBackGate {
+    /// Memory should go back at the next quiet run.
+    pub(crate) fn make_due(&self) {
+        self.due.fetch_max(1, Ordering::Relaxed);
+    }
+
+    /// A confirm or a release was asked of this node.
+    pub(crate) fn wrote(&self) {
+        self.writes.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Once per run, with the reserves answered since the last: whether to give back now.
+    pub(crate) fn now(&self, reserves: u64) -> bool {
+        let requests = reserves.saturating_add(self.writes.swap(0, Ordering::Relaxed));
+        let due = self.due.load(Ordering::Relaxed);
+        if due == 0 {
+            return false;
+        }
+        if requests <= QUIET_REQUESTS || due > GIVE_BACK_MAX_WAIT {
+            self.due.store(0, Ordering::Relaxed);
+            self.runs.fetch_add(1, Ordering::Relaxed);
+            true
+        } else {
+            self.due.store(due + 1, Ordering::Relaxed);
+            false
+        }
+    }
+
+    /// Give-backs so far.
+    pub(crate) fn runs(&self) -> u64 {
+        self.runs.load(Ordering::Relaxed)
     }
 }
 
@@ -357,5 +418,43 @@ mod tests {
         pace.spent(t0, Duration::from_secs(3600));
         assert!(!pace.ready(t0 + Duration::from_secs(59)));
         assert!(pace.ready(t0 + MAX_DEBT));
+    }
+
+    #[test]
+    fn a_due_give_back_waits_for_a_quiet_run_once() {
+        let g = GiveBackGate::default();
+        assert!(!g.now(0), "none is due");
+        g.make_due();
+        g.make_due();
+        assert!(!g.now(QUIET_REQUESTS + 1), "busy with reserves");
+        for _ in 0..=QUIET_REQUESTS {
+            g.wrote();
+        }
+        assert!(!g.now(0), "busy with confirms and releases");
+        assert!(g.now(QUIET_REQUESTS), "quiet");
+        assert!(!g.now(0), "once");
+        assert_eq!(g.runs(), 1);
+    }
+
+    #[test]
+    fn writes_before_a_give_back_is_due_do_not_count_later() {
+        let g = GiveBackGate::default();
+        for _ in 0..1_000 {
+            g.wrote();
+        }
+        assert!(!g.now(0));
+        g.make_due();
+        assert!(g.now(0), "the writes were counted in the run before");
+    }
+
+    #[test]
+    fn a_node_that_is_never_quiet_gives_back_after_the_longest_wait() {
+        let g = GiveBackGate::default();
+        g.make_due();
+        for run in 1..=GIVE_BACK_MAX_WAIT {
+            assert!(!g.now(u64::MAX), "run {run}");
+        }
+        assert!(g.now(u64::MAX));
+        assert!(!g.now(u64::MAX), "and is done");
     }
 }

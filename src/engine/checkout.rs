@@ -320,6 +320,7 @@ impl EngineHandle {
     /// Confirm and release first read the reservation: made-up order ids get `404` from that read
     /// and never take the ledger's writer (on SQLite the one connection every commit needs).
     pub async fn confirm(&self, code: &str, order_id: &str) -> Result<Reservation, EngineError> {
+        self.node.give_back.wrote();
         self.reservation(code, order_id).await?;
         let r = self
             .node
@@ -331,6 +332,7 @@ impl EngineHandle {
     }
 
     pub async fn release(&self, code: &str, order_id: &str) -> Result<Reservation, EngineError> {
+        self.node.give_back.wrote();
         self.reservation(code, order_id).await?;
         let (r, restock) = self
             .node

@@ -95,7 +95,7 @@ impl EngineHandle {
             spotlight: Spotlight::new(all.metrics.top_vouchers, all.metrics.watch.clone()),
             changed: Default::default(),
             pace: Default::default(),
-            give_back_due: Default::default(),
+            give_back: Default::default(),
             audit: std::sync::Mutex::new(String::new()),
             audit_page: all.jobs.reconcile_audit_page.max(1),
             ledger,
@@ -166,6 +166,11 @@ impl EngineHandle {
     /// actor here; tests and diagnostics).
     pub fn actor_on_http_worker(&self, code: &str) -> Option<bool> {
         self.node.registry.get(code).map(|e| e.on_worker)
+    }
+
+    /// How many times this node gave memory back (tests and diagnostics).
+    pub fn memory_give_backs(&self) -> u64 {
+        self.node.give_back.runs()
     }
 
     /// How many vouchers have an actor on this node (tests and diagnostics).

@@ -4,7 +4,7 @@
 
 use std::collections::HashSet;
 use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -115,10 +115,9 @@ pub(crate) struct Node {
     pub(super) changed: Changed,
     /// The budget the reconciler's, the sell-outs' and the backlog's recounts share.
     pub(super) pace: RecountPace,
-    /// Memory should go back at the next quiet run of the live numbers (actors stopped, or a
-    /// backlog was recounted), not in the middle of a burst of reserves: the runs it has waited
-    /// so far, plus one (0: none is due).
-    pub(super) give_back_due: AtomicU32,
+    /// Whether memory goes back at the next run of the live numbers (actors stopped, or a
+    /// backlog was recounted, and the node is quiet), not in the middle of a burst.
+    pub(super) give_back: super::backlog::GiveBackGate,
     /// Where the reconciler's audit of the whole catalogue goes on (the last code audited).
     pub(super) audit: std::sync::Mutex<String>,
     /// Vouchers the audit covers per run.

@@ -31,15 +31,6 @@ const BACKLOG_PER_RUN: usize = 250;
 /// ([`super::backlog::RecountPace`]), so recounts take about 5 % of a core from the sale at
 /// most (sell-outs' recounts, due at once, can exceed it while vouchers keep selling out).
 pub const RECOUNT_IDLE_FACTOR: u32 = 19;
-/// Reserves per run of the live numbers (once a second by default) at or below which the node
-/// counts as quiet, so that memory may go back: those answered on this node for its vouchers
-/// with an actor, from memory included. A give-back collects on every arbiter at once (a few
-/// milliseconds each) and takes the writer for one statement, which a trickle of reserves can
-/// wait for but a sale's burst should not. Confirms and releases are not counted.
-const QUIET_RESERVES: u64 = 100;
-/// Runs of the live numbers a due give-back waits for a quiet node at most (five minutes at
-/// the default interval).
-const GIVE_BACK_MAX_WAIT: u32 = 300;
 
 impl EngineHandle {
     /// The subscription to cluster signals came up (`true`) or ended. While it is down a
@@ -141,7 +132,7 @@ impl EngineHandle {
         // These gauges are set here, so that they never go idle (see `metrics::install`).
         m::actors(self.node.registry.len());
         if self.node.tidy_registry() {
-            self.node.give_back_due.fetch_max(1, Ordering::Relaxed);
+            self.node.give_back.make_due();
         }
         m::redis_configured(self.node.signals.enabled());
         let now = self.now_ms();
@@ -150,7 +141,7 @@ impl EngineHandle {
         for e in self.node.registry.iter() {
             picker.offer(e.key(), e.shared.answered(), &e.shared.heat);
         }
-        let quiet = picker.answered() <= QUIET_RESERVES;
+        let reserves = picker.answered();
         let picked = picker.finish(&watched);
         let units = self
             .node
@@ -203,20 +194,12 @@ impl EngineHandle {
         if self.node.changed.backlog_done() {
             // The flood's last codes are recounted: what the recounts' reads and the set's
             // room held goes back, not at the next flood.
-            self.node.give_back_due.fetch_max(1, Ordering::Relaxed);
+            self.node.give_back.make_due();
         }
-        // Once per run at most, and while the node is quiet: a give-back collects on every
-        // arbiter at once and waits for the writer's one `PRAGMA shrink_memory`. A node that
-        // never goes quiet (a client asking a hundred times a second) gets it after
-        // `GIVE_BACK_MAX_WAIT` runs anyway.
-        let due = self.node.give_back_due.load(Ordering::Relaxed);
-        if due > 0 {
-            if quiet || due > GIVE_BACK_MAX_WAIT {
-                self.node.give_back_due.store(0, Ordering::Relaxed);
-                self.node.give_back_memory().await;
-            } else {
-                self.node.give_back_due.store(due + 1, Ordering::Relaxed);
-            }
+        // While the node is quiet: a give-back collects on every arbiter at once and waits for
+        // the writer's one `PRAGMA shrink_memory`.
+        if self.node.give_back.now(reserves) {
+            self.node.give_back_memory().await;
         }
         Ok(units.len())
     }

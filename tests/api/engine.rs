@@ -226,12 +226,19 @@ async fn reserves_on_an_actor_whose_thread_ends_are_served_by_its_successor() {
     );
     // The burst may all be answered before the thread ends; either way the worker's actor goes
     // with it, and the next reserve's actor lives on a shard: the stopped worker left the list.
-    eventually("the worker's actor is gone", Duration::from_secs(10), || {
-        let gone = engine.actor_on_http_worker("GONE") != Some(true);
-        async move { gone }
-    })
+    eventually(
+        "the worker's actor is gone",
+        Duration::from_secs(10),
+        || {
+            let gone = engine.actor_on_http_worker("GONE") != Some(true);
+            async move { gone }
+        },
+    )
     .await;
-    assert!(engine.reserve("GONE", req(601, "gone-601"), None).await.is_ok());
+    assert!(engine
+        .reserve("GONE", req(601, "gone-601"), None)
+        .await
+        .is_ok());
     assert_eq!(engine.actor_on_http_worker("GONE"), Some(false));
     // Every order was answered 201: the rows are exactly those orders.
     let books = crate::audit::books(&url, "GONE").await;
@@ -309,4 +316,78 @@ async fn the_first_calls_of_many_cold_vouchers_each_get_their_own_answer() {
         let held = if code == "OPEN7" { 0 } else { 2 };
         assert_eq!(b.leased_unused, held, "{code}: {b:?}");
     }
+}
+
+/// After a flood's actors stopped, memory goes back at the first quiet run of the live numbers,
+/// not while reserves, confirms or releases keep the node busy (more than a hundred a run).
+#[actix_web::test]
+async fn memory_goes_back_after_an_idle_out_only_once_the_node_is_quiet() {
+    let (engine, clock, _url) = engine().await;
+    let now = clock.now_ms();
+    // More actors than a give-back is worth starting from, each with one reserve.
+    let codes: Vec<String> = (0..1_100).map(|i| format!("TAIL{i}")).collect();
+    for chunk in codes.chunks(100) {
+        let created = join_all(
+            chunk
+                .iter()
+                .map(|c| async { engine.create_voucher(&on_sale(c, 5, 10, now)).await }),
+        )
+        .await;
+        assert!(created.iter().all(Result::is_ok));
+        let answers = join_all(
+            chunk
+                .iter()
+                .map(|c| engine.reserve(c, req(1, &format!("{c}-1")), None)),
+        )
+        .await;
+        assert!(answers.iter().all(Result::is_ok));
+    }
+    assert_eq!(engine.actor_count(), 1_100);
+    engine.live_numbers().await.unwrap();
+    // They idle out.
+    clock.advance_ms(Settings::defaults().engine.actor_idle_stop_ms + 1);
+    let e = engine.clone();
+    eventually("the idle actors stop", Duration::from_secs(30), || {
+        let e = e.clone();
+        async move { e.actor_count() == 0 }
+    })
+    .await;
+    // A hot voucher is selling: a give-back is due but waits.
+    let now = clock.now_ms();
+    engine
+        .create_voucher(&on_sale("HOT", 5, 10_000, now))
+        .await
+        .unwrap();
+    let hot = |from: i64| {
+        join_all(
+            (from..from + 101).map(|i| engine.reserve("HOT", req(i, &format!("hot-{i}")), None)),
+        )
+    };
+    assert!(hot(1).await.iter().all(Result::is_ok));
+    engine.live_numbers().await.unwrap();
+    assert_eq!(
+        engine.memory_give_backs(),
+        0,
+        "not in the middle of a burst of reserves"
+    );
+    // Checkouts confirm and release: still busy.
+    for i in 1..=101 {
+        let order = format!("hot-{i}");
+        if i % 2 == 0 {
+            engine.confirm("HOT", &order).await.unwrap();
+        } else {
+            engine.release("HOT", &order).await.unwrap();
+        }
+    }
+    engine.live_numbers().await.unwrap();
+    assert_eq!(engine.memory_give_backs(), 0, "not in a wave of confirms");
+    // A trickle is quiet.
+    let trickle =
+        join_all((1_000..1_050).map(|i| engine.reserve("HOT", req(i, &format!("hot-{i}")), None)))
+            .await;
+    assert!(trickle.iter().all(Result::is_ok));
+    engine.live_numbers().await.unwrap();
+    assert_eq!(engine.memory_give_backs(), 1, "the first quiet run");
+    engine.live_numbers().await.unwrap();
+    assert_eq!(engine.memory_give_backs(), 1, "once");
 }
