@@ -24,6 +24,7 @@ pub mod model;
 mod node;
 pub mod postgres;
 mod rows;
+pub mod sharded;
 mod sql;
 pub mod sqlite;
 
@@ -854,6 +855,31 @@ pub async fn connect_with_timeout(
         ),
     };
     Ok(ledger)
+}
+
+/// Opens a sharded ledger over the PostgreSQL ledgers `urls` name, in that order (each
+/// migrated; the first becomes the directory), each store as it is, without a node's wrapping.
+pub async fn connect_sharded(
+    urls: &[String],
+    max_connections: u32,
+) -> anyhow::Result<SharedLedger> {
+    use anyhow::Context;
+    let mut stores = Vec::with_capacity(urls.len());
+    for url in urls {
+        if LedgerKind::of(url)? != LedgerKind::Postgres {
+            anyhow::bail!("every shard of the ledger must be a postgres: URL");
+        }
+        stores.push(Arc::new(
+            postgres::PostgresLedger::connect(url, max_connections, 0, 1000)
+                .await
+                .context("open a shard of the ledger")?,
+        ));
+    }
+    let shards: Vec<SharedLedger> = stores.iter().map(|s| s.clone() as SharedLedger).collect();
+    let ledger = sharded::ShardedLedger::open(&stores, shards)
+        .await
+        .context("open the shards' directory")?;
+    Ok(Arc::new(ledger))
 }
 
 /// Applies an operator's patch to a voucher; returns the new voucher and the units the total grew

@@ -57,9 +57,9 @@ async fn leased(l: &SharedLedger, code: &str, node: &str, units: i64) -> ledger:
 }
 
 tokio::task_local! {
-    /// The URL of the ledger under the conformance suite, for the independent auditor (none for
-    /// the in-memory model ledger, which has no rows to read).
-    static AUDIT_URL: Option<String>;
+    /// The URLs of the ledger under the conformance suite (one per shard), for the independent
+    /// auditor (none for the in-memory model ledger, which has no rows to read).
+    static AUDIT_URL: Option<Vec<String>>;
 }
 
 /// The voucher's counters, once the books balance: judged by the independent auditor from the
@@ -68,7 +68,8 @@ tokio::task_local! {
 async fn balanced(l: &SharedLedger, code: &str) -> ledger::Counters {
     let c = l.counters(code).await.unwrap().expect("voucher exists");
     match AUDIT_URL.try_with(Clone::clone).ok().flatten() {
-        Some(url) => {
+        Some(urls) => {
+            let url = the_one_holding(&urls, code).await;
             let b = crate::audit::books(&url, code).await;
             b.assert_balanced(code);
             assert_eq!(
@@ -94,9 +95,31 @@ async fn balanced(l: &SharedLedger, code: &str) -> ledger::Counters {
     c
 }
 
+/// Of a ledger's shards, the one whose rows hold `code`'s voucher: there must be exactly one.
+async fn the_one_holding(urls: &[String], code: &str) -> String {
+    if urls.len() == 1 {
+        return urls[0].clone();
+    }
+    let mut holding = Vec::new();
+    for url in urls {
+        let pool = sqlx::PgPool::connect(url).await.expect("postgres");
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM vouchers WHERE code = $1")
+            .bind(code)
+            .fetch_one(&pool)
+            .await
+            .expect("vouchers");
+        pool.close().await;
+        if n > 0 {
+            holding.push(url.clone());
+        }
+    }
+    assert_eq!(holding.len(), 1, "{code} is on one shard: {holding:?}");
+    holding.remove(0)
+}
+
 /// Runs every check against one ledger whose rows are at `url` (`None`: the model ledger).
 pub async fn conformance_at(l: SharedLedger, url: Option<String>) {
-    AUDIT_URL.scope(url, conformance(l)).await;
+    AUDIT_URL.scope(url.map(|u| vec![u]), conformance(l)).await;
 }
 
 /// Runs every check against one ledger.
@@ -1554,6 +1577,34 @@ async fn postgres_ledger_conforms() {
         .await
         .unwrap();
     assert_eq!(traces, 0, "refused rows left usage rows");
+}
+
+/// The ledger in three shards (three PostgreSQL schemas): every check of the suite, the auditor
+/// reading each voucher's rows on the one shard that holds them.
+#[tokio::test]
+#[cfg_attr(
+    no_test_pg,
+    ignore = "needs TEST_DATABASE_URL (PostgreSQL); .ci/run sets it"
+)]
+async fn sharded_ledger_conforms() {
+    let mut urls = Vec::new();
+    for i in 0..3 {
+        let Some(url) = fresh_pg_schema(&format!("shard{i}")).await else {
+            return;
+        };
+        urls.push(url);
+    }
+    let l = ledger::connect_sharded(&urls, 4).await.unwrap();
+    AUDIT_URL.scope(Some(urls.clone()), conformance(l)).await;
+    // The vouchers were spread: each shard holds some.
+    for url in &urls {
+        let pool = sqlx::PgPool::connect(url).await.unwrap();
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM vouchers")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert!(n > 0, "{url} holds no voucher");
+    }
 }
 
 /// DESIGN §3's last line on PostgreSQL after leases close: the grant check reads what closed

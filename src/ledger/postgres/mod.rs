@@ -25,6 +25,7 @@
 //! keeps the node's pools on the writable one through a failover.
 
 mod commit;
+mod directory;
 mod leases;
 mod open;
 mod primary;

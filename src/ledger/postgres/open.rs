@@ -52,6 +52,10 @@ const MIGRATIONS: &[(i64, &str)] = &[
         11,
         include_str!("../../../migrations/postgres/0011_long_tail.sql"),
     ),
+    (
+        12,
+        include_str!("../../../migrations/postgres/0012_shards.sql"),
+    ),
 ];
 
 /// Definitions applied on every start after the versioned migrations (each is `CREATE OR

@@ -1,0 +1,50 @@
+-- The ledger in shards (docs/DESIGN.md, "Shards"). Every shard has these tables; only the
+-- first shard's (the directory's) are used.
+--
+-- Which shard holds each voucher: chosen when it is created, never by a hash of the code, so
+-- that adding a shard moves no voucher. `epoch` counts the voucher's moves (none yet): a move
+-- can come later without a new format.
+CREATE TABLE IF NOT EXISTS voucher_shards (
+    code  TEXT   PRIMARY KEY,
+    shard INT    NOT NULL CHECK (shard >= 0),
+    epoch BIGINT NOT NULL DEFAULT 1 CHECK (epoch >= 1)
+);
+-- Vouchers placed on each shard: a new voucher goes to the shard with the fewest.
+CREATE TABLE IF NOT EXISTS shard_room (
+    shard    INT    PRIMARY KEY CHECK (shard >= 0),
+    vouchers BIGINT NOT NULL DEFAULT 0
+);
+-- The change feed of every shard, merged: numbered again here without gaps, in the order the
+-- merge copied them; `feed_merge_heads` holds, per shard, the last of its own numbers copied,
+-- written in the same transaction as the copies (each event is copied once).
+CREATE TABLE IF NOT EXISTS feed_merged (
+    seq          BIGINT PRIMARY KEY CHECK (seq > 0),
+    shard        INT    NOT NULL,
+    kind         TEXT   NOT NULL,
+    voucher_code TEXT   NOT NULL,
+    order_id     TEXT   NOT NULL,
+    customer_id  BIGINT NOT NULL,
+    at           BIGINT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS feed_merge_heads (
+    shard INT    PRIMARY KEY,
+    last  BIGINT NOT NULL CHECK (last >= 0)
+);
+-- Which shard this database is, of which directory (the first shard's feed origin): a list of
+-- shards given in another order, or a database of another cluster, is refused at start.
+CREATE TABLE IF NOT EXISTS shard_self (
+    id        INT  PRIMARY KEY CHECK (id = 1),
+    shard     INT  NOT NULL CHECK (shard >= 0),
+    directory TEXT NOT NULL
+);
+-- An order id is used on one voucher only (DESIGN §4), across shards: the first commit that
+-- carries it claims it for its voucher here, before its shard's transaction. `inflight` holds
+-- the calls that carry it to that voucher's shard now (a token each); `held` says a
+-- reservation of it was stored (or may have been: a commit whose answer was lost). A claim
+-- that is neither goes away, so an order refused on one voucher may try another.
+CREATE TABLE IF NOT EXISTS order_claims (
+    order_id TEXT    PRIMARY KEY,
+    code     TEXT    NOT NULL,
+    held     BOOLEAN NOT NULL,
+    inflight TEXT[]  NOT NULL
+);

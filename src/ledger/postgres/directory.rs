@@ -1,0 +1,281 @@
+//! What a sharded ledger ([`crate::ledger::sharded`]) keeps in PostgreSQL beside each shard's
+//! own ledger: every shard's name for itself, and on the first shard (the directory) which
+//! shard holds each voucher and the change feed merged across shards (migration 12).
+
+use std::future::Future;
+
+use super::PostgresLedger;
+use crate::domain::FeedEvent;
+use crate::ledger::rows::{event_from, EventRow};
+use crate::ledger::LedgerError;
+
+/// An arbitrary constant that names the merge of the shards' feeds: one merge at a time.
+const FEED_MERGE_LOCK: i64 = 0x766f_7563_6865_7266;
+
+const PLACED_SQL: &str = "SELECT code, shard FROM voucher_shards WHERE code = ANY($1)";
+const ROOM_SQL: &str =
+    "SELECT shard FROM shard_room WHERE shard < $1 ORDER BY vouchers, shard LIMIT 1 FOR UPDATE";
+const PLACE_SQL: &str = "INSERT INTO voucher_shards (code, shard) VALUES ($1, $2) \
+                         ON CONFLICT (code) DO NOTHING";
+const MERGED_SQL: &str = "SELECT seq, kind, voucher_code, order_id, customer_id, at \
+                          FROM feed_merged WHERE seq > $1 ORDER BY seq LIMIT $2";
+const COPY_SQL: &str = "INSERT INTO feed_merged \
+                        (seq, shard, kind, voucher_code, order_id, customer_id, at) \
+                        SELECT n + $1, $2, k, c, o, u, a \
+                        FROM UNNEST($3::TEXT[], $4::TEXT[], $5::TEXT[], $6::BIGINT[], $7::BIGINT[]) \
+                        WITH ORDINALITY AS e(k, c, o, u, a, n)";
+
+impl PostgresLedger {
+    /// Records that this database is shard `shard` of the cluster whose directory is
+    /// `directory` (the first shard's feed origin), or checks that it already was.
+    pub(crate) async fn claim_shard(&self, shard: i32, directory: &str) -> Result<(), LedgerError> {
+        let (was, of): (i32, String) = sqlx::query_as(
+            "INSERT INTO shard_self (id, shard, directory) VALUES (1, $1, $2) \
+             ON CONFLICT (id) DO UPDATE SET id = 1 RETURNING shard, directory",
+        )
+        .bind(shard)
+        .bind(directory)
+        .fetch_one(&self.pool())
+        .await?;
+        if (was, of.as_str()) != (shard, directory) {
+            return Err(LedgerError::Invalid(
+                "ledger.shards lists a database at another place than it was given first, \
+                 or one of another cluster",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Makes this database the directory of `shards` shards: every voucher already here (a
+    /// single ledger that becomes the first shard) is placed on it, and no voucher is placed on
+    /// a shard the list no longer has.
+    pub(crate) async fn open_directory(&self, shards: i32) -> Result<(), LedgerError> {
+        let mut tx = self.pool().begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(FEED_MERGE_LOCK)
+            .execute(&mut *tx)
+            .await?;
+        let placed: i64 = sqlx::query_scalar(
+            "WITH p AS (INSERT INTO voucher_shards (code, shard) SELECT code, 0 FROM vouchers \
+             ON CONFLICT (code) DO NOTHING RETURNING 1) SELECT count(*) FROM p",
+        )
+        .fetch_one(&mut *tx)
+        .await?;
+        let first: bool = sqlx::query_scalar("SELECT NOT EXISTS (SELECT 1 FROM shard_room)")
+            .fetch_one(&mut *tx)
+            .await?;
+        if first {
+            // The reservations of a single ledger that becomes the first shard hold their ids.
+            sqlx::query(
+                "INSERT INTO order_claims (order_id, code, held, inflight) \
+                 SELECT order_id, voucher_code, true, '{}' FROM reservations \
+                 ON CONFLICT (order_id) DO NOTHING",
+            )
+            .execute(&mut *tx)
+            .await?;
+        }
+        sqlx::query(
+            "INSERT INTO shard_room (shard) SELECT generate_series(0, $1 - 1) \
+             ON CONFLICT (shard) DO NOTHING",
+        )
+        .bind(shards)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query("UPDATE shard_room SET vouchers = vouchers + $1 WHERE shard = 0")
+            .bind(placed)
+            .execute(&mut *tx)
+            .await?;
+        let highest: Option<i32> = sqlx::query_scalar("SELECT max(shard) FROM voucher_shards")
+            .fetch_one(&mut *tx)
+            .await?;
+        if highest.is_some_and(|h| h >= shards) {
+            return Err(LedgerError::Invalid(
+                "the directory places vouchers on a shard ledger.shards does not list",
+            ));
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// The shards of those of `codes` the directory places.
+    pub(crate) async fn placed(&self, codes: &[String]) -> Result<Vec<(String, i32)>, LedgerError> {
+        Ok(sqlx::query_as(PLACED_SQL)
+            .bind(codes)
+            .fetch_all(&self.pool())
+            .await?)
+    }
+
+    /// The shard of `code`: where the directory placed it, or else the one of the first
+    /// `shards` with the fewest vouchers, recorded now.
+    pub(crate) async fn place(&self, code: &str, shards: i32) -> Result<i32, LedgerError> {
+        let codes = [code.to_string()];
+        if let Some((_, s)) = self.placed(&codes).await?.pop() {
+            return Ok(s);
+        }
+        let mut tx = self.pool().begin().await?;
+        let shard: i32 = sqlx::query_scalar(ROOM_SQL)
+            .bind(shards)
+            .fetch_one(&mut *tx)
+            .await?;
+        let done = sqlx::query(PLACE_SQL)
+            .bind(code)
+            .bind(shard)
+            .execute(&mut *tx)
+            .await?;
+        if done.rows_affected() == 0 {
+            // Placed at the same time by another create: its shard.
+            drop(tx);
+            return match self.placed(&codes).await?.pop() {
+                Some((_, s)) => Ok(s),
+                None => Err(LedgerError::Inconsistent("a placement vanished")),
+            };
+        }
+        sqlx::query("UPDATE shard_room SET vouchers = vouchers + 1 WHERE shard = $1")
+            .bind(shard)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(shard)
+    }
+
+    /// Claims each of `orders` (distinct) for the voucher beside it, under `token`, where no
+    /// other voucher has it: returns those claimed or joined for their own voucher.
+    pub(crate) async fn claim_orders(
+        &self,
+        orders: &[&str],
+        codes: &[&str],
+        token: &str,
+    ) -> Result<Vec<String>, LedgerError> {
+        Ok(sqlx::query_scalar(
+            "INSERT INTO order_claims (order_id, code, held, inflight) \
+             SELECT o, c, false, ARRAY[$3] FROM UNNEST($1::TEXT[], $2::TEXT[]) AS x(o, c) \
+             ON CONFLICT (order_id) DO UPDATE SET inflight = order_claims.inflight || $3 \
+             WHERE order_claims.code = EXCLUDED.code \
+             RETURNING order_id",
+        )
+        .bind(orders)
+        .bind(codes)
+        .bind(token)
+        .fetch_all(&self.pool())
+        .await?)
+    }
+
+    /// The call `token` is done with `orders`: those `kept` are held for good, and a claim
+    /// neither held nor carried by another call goes away.
+    pub(crate) async fn settle_claims(
+        &self,
+        orders: &[&str],
+        kept: &[bool],
+        token: &str,
+    ) -> Result<(), LedgerError> {
+        let mut tx = self.pool().begin().await?;
+        // Locked in order-id order, as every call takes them.
+        sqlx::query(
+            "SELECT 1 FROM order_claims WHERE order_id = ANY($1) ORDER BY order_id FOR UPDATE",
+        )
+        .bind(orders)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            "UPDATE order_claims SET held = held OR x.k, inflight = array_remove(inflight, $3) \
+             FROM UNNEST($1::TEXT[], $2::BOOLEAN[]) AS x(o, k) WHERE order_id = x.o",
+        )
+        .bind(orders)
+        .bind(kept)
+        .bind(token)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            "DELETE FROM order_claims WHERE order_id = ANY($1) \
+             AND NOT held AND cardinality(inflight) = 0",
+        )
+        .bind(orders)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Copies what each of `shards` shards' feeds holds beyond what was copied before (at most
+    /// `page` events of each, read by `pull(shard, after)`) into the merged feed, numbered on
+    /// from its last number, in one transaction with the shards' new heads.
+    pub(crate) async fn merge_feeds<F, Fut>(
+        &self,
+        shards: usize,
+        page: i64,
+        pull: F,
+    ) -> Result<(), LedgerError>
+    where
+        F: Fn(usize, i64, i64) -> Fut,
+        Fut: Future<Output = Result<Vec<FeedEvent>, LedgerError>>,
+    {
+        let mut tx = self.pool().begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(FEED_MERGE_LOCK)
+            .execute(&mut *tx)
+            .await?;
+        let heads: Vec<(i32, i64)> = sqlx::query_as("SELECT shard, last FROM feed_merge_heads")
+            .fetch_all(&mut *tx)
+            .await?;
+        let mut last: i64 = sqlx::query_scalar("SELECT COALESCE(max(seq), 0) FROM feed_merged")
+            .fetch_one(&mut *tx)
+            .await?;
+        for shard in 0..shards {
+            let after = heads
+                .iter()
+                .find(|(s, _)| *s as usize == shard)
+                .map_or(0, |(_, l)| *l);
+            let events = pull(shard, after, page).await?;
+            let Some(head) = events.last().map(|e| e.seq) else {
+                continue;
+            };
+            if events
+                .iter()
+                .zip(after + 1..)
+                .any(|(e, expected)| e.seq != expected)
+            {
+                return Err(LedgerError::Inconsistent("a shard's feed has a gap"));
+            }
+            let kinds: Vec<&str> = events.iter().map(|e| e.kind.as_str()).collect();
+            let codes: Vec<&str> = events.iter().map(|e| e.voucher_code.as_str()).collect();
+            let orders: Vec<&str> = events.iter().map(|e| e.order_id.as_str()).collect();
+            let customers: Vec<i64> = events.iter().map(|e| e.customer_id).collect();
+            let ats: Vec<i64> = events.iter().map(|e| e.at).collect();
+            sqlx::query(COPY_SQL)
+                .bind(last)
+                .bind(shard as i32)
+                .bind(&kinds)
+                .bind(&codes)
+                .bind(&orders)
+                .bind(&customers)
+                .bind(&ats)
+                .execute(&mut *tx)
+                .await?;
+            sqlx::query(
+                "INSERT INTO feed_merge_heads (shard, last) VALUES ($1, $2) \
+                 ON CONFLICT (shard) DO UPDATE SET last = EXCLUDED.last",
+            )
+            .bind(shard as i32)
+            .bind(head)
+            .execute(&mut *tx)
+            .await?;
+            last += events.len() as i64;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// The merged feed after `after`, at most `limit` events.
+    pub(crate) async fn merged_events(
+        &self,
+        after: i64,
+        limit: i64,
+    ) -> Result<Vec<FeedEvent>, LedgerError> {
+        let rows: Vec<EventRow> = sqlx::query_as(MERGED_SQL)
+            .bind(after)
+            .bind(limit)
+            .fetch_all(&self.pool())
+            .await?;
+        rows.into_iter().map(event_from).collect()
+    }
+}

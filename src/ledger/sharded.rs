@@ -1,0 +1,943 @@
+//! The ledger in shards: each voucher on one PostgreSQL ledger of several, found through a
+//! directory on the first (docs/DESIGN.md, "Shards").
+//!
+//! [`ShardedLedger`] is a [`Ledger`] over one ledger per shard (each the node's wrapped ledger
+//! of its own, with its own pool, breaker and group committer), so no transaction ever spans
+//! shards. A call about one voucher goes to its shard; a call about many is split by shard
+//! and answered in the caller's order; a call about the node or the whole catalogue goes to
+//! every shard. Lease ids are the shard's own with the shard in their low bits, so that a
+//! renew, a return or a batch finds its shard from the id alone. The change feed is every
+//! shard's, merged on the directory and numbered again without gaps.
+
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::sync::{Arc, RwLock};
+
+use async_trait::async_trait;
+use futures_util::future::{join_all, try_join_all};
+
+use super::postgres::PostgresLedger;
+use super::{
+    Batch, BatchResults, Beat, Counters, Grant, GrantAsk, Incarnation, Lease, Ledger, LedgerError,
+    LiveUnits, OpenAsk, Opened, Restock, RowOutcome, SharedLedger,
+};
+use crate::clock::Millis;
+use crate::domain::{
+    FeedEvent, Ineligible, Reservation, Switches, SwitchesPatch, Voucher, VoucherPatch,
+};
+
+/// Bits of a lease id that name its shard.
+const SHARD_BITS: u32 = 8;
+/// Most shards a ledger may have.
+pub const MAX_SHARDS: usize = 1 << SHARD_BITS;
+/// Events of each shard copied into the merged feed per read of it.
+const MERGE_PAGE: i64 = 1_000;
+
+/// One ledger per shard, and the directory (see the module doc).
+pub struct ShardedLedger {
+    /// The shards, in the order `ledger.shards` lists them (each database knows its place).
+    shards: Vec<SharedLedger>,
+    /// The first shard's store, for the directory and the merged feed.
+    directory: Arc<PostgresLedger>,
+    /// Where the directory placed each voucher asked about so far: a voucher never moves yet
+    /// (epoch 1), so a placement once read holds.
+    placed: RwLock<HashMap<String, usize>>,
+    /// The merged feed's origin: the first shard's, marked.
+    origin: String,
+}
+
+impl ShardedLedger {
+    /// Opens the sharded ledger over `shards` (each the node's ledger of a store in `stores`,
+    /// in the same order): each database is checked to be at its place, and the first made the
+    /// directory.
+    pub async fn open(
+        stores: &[Arc<PostgresLedger>],
+        shards: Vec<SharedLedger>,
+    ) -> Result<Self, LedgerError> {
+        if stores.is_empty() || stores.len() != shards.len() || stores.len() > MAX_SHARDS {
+            return Err(LedgerError::Invalid("ledger.shards lists 1 to 256 shards"));
+        }
+        let directory = stores[0].clone();
+        let first = directory.feed_origin().await?;
+        for (i, store) in stores.iter().enumerate() {
+            store.claim_shard(i as i32, &first).await?;
+        }
+        directory.open_directory(stores.len() as i32).await?;
+        Ok(Self {
+            shards,
+            directory,
+            placed: RwLock::new(HashMap::new()),
+            origin: format!("{first}/merged"),
+        })
+    }
+
+    fn shard_count(&self) -> i32 {
+        self.shards.len() as i32
+    }
+
+    /// The shard of `code`, if the directory placed it.
+    async fn shard_of(&self, code: &str) -> Result<Option<usize>, LedgerError> {
+        Ok(self
+            .shards_of(std::slice::from_ref(&code.to_string()))
+            .await?
+            .pop()
+            .flatten())
+    }
+
+    /// The shard of each of `codes`, in order (`None`: not placed).
+    async fn shards_of(&self, codes: &[String]) -> Result<Vec<Option<usize>>, LedgerError> {
+        let missing: Vec<String> = {
+            let placed = self.placed.read().unwrap_or_else(|e| e.into_inner());
+            codes
+                .iter()
+                .filter(|c| !placed.contains_key(*c))
+                .cloned()
+                .collect()
+        };
+        if !missing.is_empty() {
+            let found = self.directory.placed(&missing).await?;
+            let mut placed = self.placed.write().unwrap_or_else(|e| e.into_inner());
+            for (code, shard) in found {
+                if let Some(s) = self.index(shard) {
+                    placed.insert(code, s);
+                }
+            }
+        }
+        let placed = self.placed.read().unwrap_or_else(|e| e.into_inner());
+        Ok(codes.iter().map(|c| placed.get(c).copied()).collect())
+    }
+
+    /// A shard number from the directory, if this ledger has that shard.
+    fn index(&self, shard: i32) -> Option<usize> {
+        usize::try_from(shard)
+            .ok()
+            .filter(|s| *s < self.shards.len())
+    }
+
+    /// The shard of `code` and its ledger, or `NotFound`.
+    async fn route(&self, code: &str) -> Result<(usize, &SharedLedger), LedgerError> {
+        let s = self.shard_of(code).await?.ok_or(LedgerError::NotFound)?;
+        Ok((s, &self.shards[s]))
+    }
+
+    /// Places `code` (or finds where it was placed).
+    async fn place(&self, code: &str) -> Result<usize, LedgerError> {
+        let shard = self.directory.place(code, self.shard_count()).await?;
+        let s = self
+            .index(shard)
+            .ok_or(LedgerError::Inconsistent("placed on a shard not listed"))?;
+        self.placed
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(code.to_string(), s);
+        Ok(s)
+    }
+
+    /// Splits `items` by the shard of each one's code: per shard, the positions and the items;
+    /// and the positions of those with no shard.
+    async fn split<'a, T>(
+        &self,
+        items: &'a [T],
+        code: impl Fn(&T) -> &str,
+    ) -> Result<(Vec<Vec<(usize, &'a T)>>, Vec<usize>), LedgerError> {
+        let codes: Vec<String> = items.iter().map(|i| code(i).to_string()).collect();
+        let shards = self.shards_of(&codes).await?;
+        let mut by_shard: Vec<Vec<(usize, &T)>> = vec![Vec::new(); self.shards.len()];
+        let mut unplaced = Vec::new();
+        for (pos, (item, shard)) in items.iter().zip(shards).enumerate() {
+            match shard {
+                Some(s) => by_shard[s].push((pos, item)),
+                None => unplaced.push(pos),
+            }
+        }
+        Ok((by_shard, unplaced))
+    }
+
+    /// Claims the order ids of `batches` for their vouchers (DESIGN §4: an order id is used on
+    /// one voucher only, across shards), in slice order: a row whose order id another voucher
+    /// holds goes no further and is answered `ALREADY_USED`.
+    async fn claim(&self, batches: &[&Batch]) -> Result<Claims, LedgerError> {
+        let token = crate::startup::random_hex(8);
+        let mut first: HashMap<&str, &str> = HashMap::new();
+        for b in batches {
+            for r in &b.rows {
+                first
+                    .entry(r.order_id.as_str())
+                    .or_insert(b.voucher_code.as_str());
+            }
+        }
+        // In order-id order, as every call takes them: no two calls wait on each other.
+        let mut pairs: Vec<(&str, &str)> = first.iter().map(|(o, c)| (*o, *c)).collect();
+        pairs.sort_unstable();
+        let (orders, codes): (Vec<&str>, Vec<&str>) = pairs.into_iter().unzip();
+        let granted: HashSet<String> = if orders.is_empty() {
+            HashSet::new()
+        } else {
+            self.directory
+                .claim_orders(&orders, &codes, &token)
+                .await?
+                .into_iter()
+                .collect()
+        };
+        let allowed = batches
+            .iter()
+            .map(|b| {
+                b.rows
+                    .iter()
+                    .map(|r| {
+                        let o = r.order_id.as_str();
+                        granted.contains(o) && first.get(o) == Some(&b.voucher_code.as_str())
+                    })
+                    .collect()
+            })
+            .collect();
+        Ok(Claims {
+            token,
+            claimed: granted,
+            allowed,
+        })
+    }
+
+    /// Settles the claims of a commit call once its batches are answered: an order is held
+    /// where a row of it was stored, or may have been (the answer was lost); the rest go.
+    async fn settle(
+        &self,
+        claims: &Claims,
+        batches: &[&Batch],
+        answers: &[Result<Vec<RowOutcome>, LedgerError>],
+    ) {
+        if claims.claimed.is_empty() {
+            return;
+        }
+        let mut kept: HashMap<&str, bool> =
+            claims.claimed.iter().map(|o| (o.as_str(), false)).collect();
+        for (pos, (b, answer)) in batches.iter().zip(answers).enumerate() {
+            let sent = b
+                .rows
+                .iter()
+                .zip(&claims.allowed[pos])
+                .filter(|(_, ok)| **ok)
+                .map(|(r, _)| r.order_id.as_str());
+            match answer {
+                Ok(outcomes) => {
+                    for (order, outcome) in sent.zip(outcomes) {
+                        if matches!(outcome, RowOutcome::Created(_) | RowOutcome::Replayed(_)) {
+                            kept.insert(order, true);
+                        }
+                    }
+                }
+                // Refused as a whole: nothing of it was stored.
+                Err(LedgerError::Fenced | LedgerError::NotFound) => {}
+                Err(_) => sent.for_each(|order| {
+                    kept.insert(order, true);
+                }),
+            }
+        }
+        let mut kept: Vec<(&str, bool)> = kept.into_iter().collect();
+        kept.sort_unstable();
+        let (orders, kept): (Vec<&str>, Vec<bool>) = kept.into_iter().unzip();
+        if let Err(e) = self
+            .directory
+            .settle_claims(&orders, &kept, &claims.token)
+            .await
+        {
+            // The claims stay carried: those orders are refused on other vouchers, never
+            // taken twice.
+            tracing::warn!(orders = orders.len(), error = %e, "could not settle order claims");
+        }
+    }
+
+    /// Why batch `pos`'s voucher refused every new order at its commit, where rows of it were
+    /// refused for another voucher's claim: from its shard's answers to the rows sent, else
+    /// from the voucher.
+    async fn blocked(
+        &self,
+        claims: &Claims,
+        pos: usize,
+        batch: &Batch,
+        got: &[RowOutcome],
+    ) -> Result<Option<Ineligible>, LedgerError> {
+        if !claims.refused_any(pos) {
+            return Ok(None);
+        }
+        if let Some(reason) = got.iter().find_map(|o| match o {
+            RowOutcome::NotEligible(r) => Some(*r),
+            _ => None,
+        }) {
+            return Ok(Some(reason));
+        }
+        let voucher = self.voucher(&batch.voucher_code).await?;
+        Ok(voucher.and_then(|v| v.check_eligible(batch.now, i64::MAX).err()))
+    }
+
+    /// One round of [`Ledger::commit_batches`]: no two batches carry an order id to different
+    /// vouchers.
+    async fn commit_round(&self, batches: &[Batch]) -> Result<BatchResults, LedgerError> {
+        let (by_shard, _) = self.split(batches, |b| &b.voucher_code).await?;
+        let all: Vec<&Batch> = batches.iter().collect();
+        let claims = self.claim(&all).await?;
+        let mut answers: BatchResults = (0..batches.len())
+            .map(|_| Err(LedgerError::NotFound))
+            .collect();
+        let claims_ref = &claims;
+        let parts = join_all(
+            by_shard
+                .into_iter()
+                .enumerate()
+                .map(|(s, part)| async move {
+                    let mut local = Vec::with_capacity(part.len());
+                    let mut fenced = Vec::new();
+                    let mut kept = Vec::with_capacity(part.len());
+                    let mut empty = Vec::new();
+                    for (pos, b) in part {
+                        let (lease_shard, id) = lease_in(b.lease_id);
+                        if lease_shard != s {
+                            fenced.push(pos);
+                            continue;
+                        }
+                        let mut sent = claims_ref.sent(pos, b);
+                        if sent.rows.is_empty() {
+                            empty.push(pos);
+                            continue;
+                        }
+                        sent.lease_id = id;
+                        local.push(sent);
+                        kept.push(pos);
+                    }
+                    let got = if local.is_empty() {
+                        None
+                    } else {
+                        Some(self.shards[s].commit_batches(&local).await)
+                    };
+                    (kept, fenced, empty, got)
+                }),
+        )
+        .await;
+        let mut failed = None;
+        let mut committed = false;
+        for (kept, fenced, empty, got) in parts {
+            for pos in fenced {
+                answers[pos] = Err(LedgerError::Fenced);
+            }
+            for pos in empty {
+                answers[pos] = Ok(Vec::new());
+            }
+            match got {
+                None => {}
+                Some(Ok(results)) => {
+                    committed = true;
+                    for (pos, r) in kept.into_iter().zip(results) {
+                        answers[pos] = r;
+                    }
+                }
+                Some(Err(e)) => {
+                    let e = Arc::new(e);
+                    for pos in kept {
+                        answers[pos] = Err(LedgerError::CommitFailed(e.clone()));
+                    }
+                    failed.get_or_insert(e);
+                }
+            }
+        }
+        self.settle(&claims, &all, &answers).await;
+        let mut done: BatchResults = Vec::with_capacity(answers.len());
+        for (pos, r) in answers.into_iter().enumerate() {
+            done.push(match r {
+                Ok(rows) => match self.blocked(&claims, pos, &batches[pos], &rows).await {
+                    Ok(blocked) => Ok(claims.answers(pos, rows, blocked)),
+                    Err(e) => Err(e),
+                },
+                Err(e) => Err(e),
+            });
+        }
+        let answers = done;
+        if let (Some(e), false) = (failed, committed) {
+            return Err(Arc::try_unwrap(e).unwrap_or_else(LedgerError::CommitFailed));
+        }
+        Ok(answers)
+    }
+
+    /// `call` on every shard at once; every answer, in shard order, or the first error.
+    async fn each<'a, T, F, Fut>(&'a self, call: F) -> Result<Vec<T>, LedgerError>
+    where
+        F: Fn(&'a SharedLedger) -> Fut,
+        Fut: Future<Output = Result<T, LedgerError>> + 'a,
+    {
+        try_join_all(self.shards.iter().map(call)).await
+    }
+}
+
+/// A shard's lease id as the sharded ledger's.
+fn lease_out(shard: usize, id: i64) -> i64 {
+    (id << SHARD_BITS) | shard as i64
+}
+
+/// The shard of a sharded lease id, and the shard's own id.
+fn lease_in(id: i64) -> (usize, i64) {
+    ((id & (MAX_SHARDS as i64 - 1)) as usize, id >> SHARD_BITS)
+}
+
+fn grant_out(shard: usize, g: Grant) -> Grant {
+    Grant {
+        lease: g.lease.map(|l| Lease {
+            id: lease_out(shard, l.id),
+            ..l
+        }),
+        ..g
+    }
+}
+
+/// The order claims of one commit call.
+struct Claims {
+    /// This call's name on the claims it carries.
+    token: String,
+    /// The order ids claimed or joined for their own voucher.
+    claimed: HashSet<String>,
+    /// Per batch, per row: whether the row goes to its shard.
+    allowed: Vec<Vec<bool>>,
+}
+
+impl Claims {
+    /// Batch `pos` with only the rows that go to its shard.
+    fn sent(&self, pos: usize, b: &Batch) -> Batch {
+        let mut sent = b.clone();
+        sent.rows = b
+            .rows
+            .iter()
+            .zip(&self.allowed[pos])
+            .filter(|(_, ok)| **ok)
+            .map(|(r, _)| r.clone())
+            .collect();
+        sent
+    }
+
+    /// Whether rows of batch `pos` were refused for another voucher's claim.
+    fn refused_any(&self, pos: usize) -> bool {
+        self.allowed[pos].iter().any(|ok| !ok)
+    }
+
+    /// Batch `pos`'s answers in row order: its shard's for the rows sent; for the others
+    /// `NOT_ELIGIBLE` where the voucher refused every new order then (`blocked`, DESIGN §4's
+    /// precedence), else `ALREADY_USED`.
+    fn answers(
+        &self,
+        pos: usize,
+        got: Vec<RowOutcome>,
+        blocked: Option<Ineligible>,
+    ) -> Vec<RowOutcome> {
+        let refused = || blocked.map_or(RowOutcome::AlreadyUsed, RowOutcome::NotEligible);
+        let mut got = got.into_iter();
+        self.allowed[pos]
+            .iter()
+            .map(|ok| match ok {
+                true => got.next().unwrap_or(RowOutcome::AlreadyUsed),
+                false => refused(),
+            })
+            .collect()
+    }
+}
+
+/// Concatenates the shards' lists.
+fn flat<T>(lists: Vec<Vec<T>>) -> Vec<T> {
+    lists.into_iter().flatten().collect()
+}
+
+#[async_trait]
+impl Ledger for ShardedLedger {
+    /// The directory's shard: a node stays ready while one of the others is down, whose
+    /// vouchers alone answer `503`.
+    async fn ping(&self) -> Result<(), LedgerError> {
+        self.shards[0].ping().await
+    }
+
+    fn lost(&self) {
+        self.shards.iter().for_each(|s| s.lost());
+    }
+
+    fn server(&self) -> Option<(String, u64)> {
+        self.shards[0].server().map(|(s, _)| (s, self.failovers()))
+    }
+
+    fn failovers(&self) -> u64 {
+        self.shards.iter().map(|s| s.failovers()).sum()
+    }
+
+    async fn give_back_memory(&self) {
+        join_all(self.shards.iter().map(|s| s.give_back_memory())).await;
+    }
+
+    async fn create_voucher(&self, voucher: &Voucher, now: Millis) -> Result<(), LedgerError> {
+        let s = self.place(&voucher.code).await?;
+        self.shards[s].create_voucher(voucher, now).await
+    }
+
+    async fn voucher(&self, code: &str) -> Result<Option<Voucher>, LedgerError> {
+        match self.shard_of(code).await? {
+            Some(s) => self.shards[s].voucher(code).await,
+            None => Ok(None),
+        }
+    }
+
+    async fn vouchers(&self, codes: &[String]) -> Result<Vec<Voucher>, LedgerError> {
+        let (by_shard, _) = self.split(codes, |c| c).await?;
+        let lists = try_join_all(by_shard.into_iter().enumerate().map(|(s, part)| {
+            let codes: Vec<String> = part.into_iter().map(|(_, c)| c.clone()).collect();
+            async move {
+                if codes.is_empty() {
+                    return Ok(Vec::new());
+                }
+                self.shards[s].vouchers(&codes).await
+            }
+        }))
+        .await?;
+        Ok(flat(lists))
+    }
+
+    async fn voucher_stock(&self, code: &str) -> Result<Option<(Voucher, i64)>, LedgerError> {
+        match self.shard_of(code).await? {
+            Some(s) => self.shards[s].voucher_stock(code).await,
+            None => Ok(None),
+        }
+    }
+
+    async fn update_voucher(
+        &self,
+        code: &str,
+        patch: &VoucherPatch,
+    ) -> Result<(Voucher, Option<Restock>), LedgerError> {
+        self.route(code).await?.1.update_voucher(code, patch).await
+    }
+
+    async fn grant(
+        &self,
+        code: &str,
+        node: &str,
+        want: i64,
+        now: Millis,
+        ttl_ms: i64,
+    ) -> Result<Grant, LedgerError> {
+        let (s, l) = self.route(code).await?;
+        Ok(grant_out(s, l.grant(code, node, want, now, ttl_ms).await?))
+    }
+
+    async fn grant_many(
+        &self,
+        asks: &[GrantAsk],
+    ) -> Result<Vec<Result<Grant, LedgerError>>, LedgerError> {
+        let (by_shard, unplaced) = self.split(asks, |a| &a.code).await?;
+        let mut answers: Vec<Result<Grant, LedgerError>> = (0..asks.len())
+            .map(|_| Err(LedgerError::NotFound))
+            .collect();
+        let parts = try_join_all(
+            by_shard
+                .into_iter()
+                .enumerate()
+                .map(|(s, part)| async move {
+                    let asks: Vec<GrantAsk> = part.iter().map(|(_, a)| (*a).clone()).collect();
+                    if asks.is_empty() {
+                        return Ok((s, part, Vec::new()));
+                    }
+                    Ok::<_, LedgerError>((s, part, self.shards[s].grant_many(&asks).await?))
+                }),
+        )
+        .await?;
+        for (s, part, got) in parts {
+            for ((pos, _), g) in part.into_iter().zip(got) {
+                answers[pos] = g.map(|g| grant_out(s, g));
+            }
+        }
+        debug_assert!(unplaced.iter().all(|p| answers[*p].is_err()));
+        Ok(answers)
+    }
+
+    async fn open(&self, ask: &OpenAsk) -> Result<Opened, LedgerError> {
+        let Some(s) = self.shard_of(&ask.grant.code).await? else {
+            return Ok(Opened {
+                voucher: None,
+                grant: None,
+            });
+        };
+        let opened = self.shards[s].open(ask).await?;
+        Ok(Opened {
+            voucher: opened.voucher,
+            grant: opened.grant.map(|g| g.map(|g| grant_out(s, g))),
+        })
+    }
+
+    async fn renew(
+        &self,
+        lease_ids: &[i64],
+        node: &str,
+        now: Millis,
+        ttl_ms: i64,
+    ) -> Result<Vec<i64>, LedgerError> {
+        let mut by_shard: Vec<Vec<i64>> = vec![Vec::new(); self.shards.len()];
+        for &id in lease_ids {
+            let (s, local) = lease_in(id);
+            if let Some(ids) = by_shard.get_mut(s) {
+                ids.push(local);
+            }
+        }
+        let lists = try_join_all(by_shard.into_iter().enumerate().map(|(s, ids)| async move {
+            if ids.is_empty() {
+                return Ok(Vec::new());
+            }
+            let kept = self.shards[s].renew(&ids, node, now, ttl_ms).await?;
+            Ok::<_, LedgerError>(kept.into_iter().map(|id| lease_out(s, id)).collect())
+        }))
+        .await?;
+        Ok(flat(lists))
+    }
+
+    async fn active_leases(&self, code: &str, node: &str) -> Result<Vec<i64>, LedgerError> {
+        let Some(s) = self.shard_of(code).await? else {
+            return Ok(Vec::new());
+        };
+        let ids = self.shards[s].active_leases(code, node).await?;
+        Ok(ids.into_iter().map(|id| lease_out(s, id)).collect())
+    }
+
+    async fn return_lease(
+        &self,
+        lease_id: i64,
+        now: Millis,
+    ) -> Result<Option<Restock>, LedgerError> {
+        let (s, local) = lease_in(lease_id);
+        match self.shards.get(s) {
+            Some(l) => l.return_lease(local, now).await,
+            None => Ok(None),
+        }
+    }
+
+    async fn return_leases(
+        &self,
+        leases: &[(i64, Millis)],
+    ) -> Result<Vec<Option<Restock>>, LedgerError> {
+        let mut by_shard: Vec<Vec<(usize, (i64, Millis))>> = vec![Vec::new(); self.shards.len()];
+        for (pos, &(id, now)) in leases.iter().enumerate() {
+            let (s, local) = lease_in(id);
+            if let Some(part) = by_shard.get_mut(s) {
+                part.push((pos, (local, now)));
+            }
+        }
+        let mut answers: Vec<Option<Restock>> = vec![None; leases.len()];
+        let parts = try_join_all(
+            by_shard
+                .into_iter()
+                .enumerate()
+                .map(|(s, part)| async move {
+                    let asks: Vec<(i64, Millis)> = part.iter().map(|(_, a)| *a).collect();
+                    if asks.is_empty() {
+                        return Ok((part, Vec::new()));
+                    }
+                    Ok::<_, LedgerError>((part, self.shards[s].return_leases(&asks).await?))
+                }),
+        )
+        .await?;
+        for (part, got) in parts {
+            for ((pos, _), r) in part.into_iter().zip(got) {
+                answers[pos] = r;
+            }
+        }
+        Ok(answers)
+    }
+
+    async fn return_node_leases(
+        &self,
+        node: &str,
+        now: Millis,
+    ) -> Result<Vec<Restock>, LedgerError> {
+        Ok(flat(self.each(|l| l.return_node_leases(node, now)).await?))
+    }
+
+    /// Numbered by the directory's shard; the other shards record the same holder's beat.
+    async fn register_node(
+        &self,
+        name: &str,
+        now: Millis,
+        dead_after_ms: i64,
+    ) -> Result<Incarnation, LedgerError> {
+        let me = self.shards[0]
+            .register_node(name, now, dead_after_ms)
+            .await?;
+        try_join_all(
+            self.shards[1..]
+                .iter()
+                .map(|l| l.heartbeat(&me.holder, now, dead_after_ms)),
+        )
+        .await?;
+        Ok(me)
+    }
+
+    /// Every shard's beat: the directory's clock, and the holders dead on any shard (a holder
+    /// is reaped shard by shard, each judging by its own beats).
+    async fn heartbeat(
+        &self,
+        holder: &str,
+        now: Millis,
+        dead_after_ms: i64,
+    ) -> Result<Beat, LedgerError> {
+        let beats = self
+            .each(|l| l.heartbeat(holder, now, dead_after_ms))
+            .await?;
+        let ledger_ms = beats.first().map_or(now, |b| b.ledger_ms);
+        let mut dead: Vec<String> = beats
+            .into_iter()
+            .flat_map(|b| b.dead)
+            .collect::<HashSet<_>>()
+            .into_iter()
+            .collect();
+        dead.sort();
+        Ok(Beat { ledger_ms, dead })
+    }
+
+    async fn reap_holder(&self, holder: &str, now: Millis) -> Result<Vec<Restock>, LedgerError> {
+        Ok(flat(self.each(|l| l.reap_holder(holder, now)).await?))
+    }
+
+    async fn retire_node(&self, holder: &str) -> Result<(), LedgerError> {
+        self.each(|l| l.retire_node(holder)).await.map(|_| ())
+    }
+
+    async fn commit_batch(&self, batch: &Batch) -> Result<Vec<RowOutcome>, LedgerError> {
+        let (s, l) = self.route(&batch.voucher_code).await?;
+        let (lease_shard, local) = lease_in(batch.lease_id);
+        if lease_shard != s {
+            return Err(LedgerError::Fenced);
+        }
+        let claims = self.claim(&[batch]).await?;
+        let mut sent = claims.sent(0, batch);
+        let got = if sent.rows.is_empty() {
+            Ok(Vec::new())
+        } else {
+            sent.lease_id = local;
+            l.commit_batch(&sent).await
+        };
+        self.settle(&claims, &[batch], std::slice::from_ref(&got))
+            .await;
+        let got = got?;
+        let blocked = self.blocked(&claims, 0, batch, &got).await?;
+        Ok(claims.answers(0, got, blocked))
+    }
+
+    /// Each shard's batches in one transaction of that shard. A shard whose transaction failed
+    /// answers its own batches `CommitFailed`; the outer error only when every shard failed. A
+    /// batch that carries an order id an earlier batch carries to another voucher commits in a
+    /// later round, once that one is settled (as if they committed one after the other).
+    async fn commit_batches(&self, batches: &[Batch]) -> Result<BatchResults, LedgerError> {
+        let mut first: HashMap<&str, &str> = HashMap::new();
+        let (mut now, mut later) = (Vec::new(), Vec::new());
+        for (pos, b) in batches.iter().enumerate() {
+            let code = b.voucher_code.as_str();
+            let clash = b
+                .rows
+                .iter()
+                .any(|r| first.get(r.order_id.as_str()).is_some_and(|c| *c != code));
+            if clash {
+                later.push(pos);
+                continue;
+            }
+            for r in &b.rows {
+                first.entry(r.order_id.as_str()).or_insert(code);
+            }
+            now.push(pos);
+        }
+        if later.is_empty() {
+            return self.commit_round(batches).await;
+        }
+        let round: Vec<Batch> = now.iter().map(|&p| batches[p].clone()).collect();
+        let rest: Vec<Batch> = later.iter().map(|&p| batches[p].clone()).collect();
+        let mut answers: BatchResults = (0..batches.len())
+            .map(|_| Err(LedgerError::Inconsistent("no answer for the batch")))
+            .collect();
+        for (pos, r) in now.into_iter().zip(self.commit_round(&round).await?) {
+            answers[pos] = r;
+        }
+        match self.commit_batches(&rest).await {
+            Ok(results) => later
+                .into_iter()
+                .zip(results)
+                .for_each(|(pos, r)| answers[pos] = r),
+            Err(e) => {
+                let e = Arc::new(e);
+                later
+                    .into_iter()
+                    .for_each(|pos| answers[pos] = Err(LedgerError::CommitFailed(e.clone())));
+            }
+        }
+        Ok(answers)
+    }
+
+    async fn find_orders(&self, order_ids: &[String]) -> Result<Vec<Reservation>, LedgerError> {
+        Ok(flat(self.each(|l| l.find_orders(order_ids)).await?))
+    }
+
+    async fn won_orders(&self, code: &str) -> Result<Vec<(String, i64)>, LedgerError> {
+        match self.shard_of(code).await? {
+            Some(s) => self.shards[s].won_orders(code).await,
+            None => Ok(Vec::new()),
+        }
+    }
+
+    async fn customer_usage(
+        &self,
+        code: &str,
+        customers: &[i64],
+    ) -> Result<Vec<(i64, i64)>, LedgerError> {
+        match self.shard_of(code).await? {
+            Some(s) => self.shards[s].customer_usage(code, customers).await,
+            None => Ok(Vec::new()),
+        }
+    }
+
+    async fn confirm(
+        &self,
+        code: &str,
+        order_id: &str,
+        now: Millis,
+    ) -> Result<Reservation, LedgerError> {
+        self.route(code).await?.1.confirm(code, order_id, now).await
+    }
+
+    async fn release(
+        &self,
+        code: &str,
+        order_id: &str,
+        now: Millis,
+    ) -> Result<(Reservation, Option<Restock>), LedgerError> {
+        self.route(code).await?.1.release(code, order_id, now).await
+    }
+
+    async fn expire_due(&self, now: Millis, limit: i64) -> Result<Vec<Restock>, LedgerError> {
+        Ok(flat(self.each(|l| l.expire_due(now, limit)).await?))
+    }
+
+    async fn reap_expired(&self, now: Millis) -> Result<Vec<Restock>, LedgerError> {
+        Ok(flat(self.each(|l| l.reap_expired(now)).await?))
+    }
+
+    async fn counters_many(&self, codes: &[String]) -> Result<Vec<Option<Counters>>, LedgerError> {
+        let (by_shard, _) = self.split(codes, |c| c).await?;
+        let mut answers: Vec<Option<Counters>> = vec![None; codes.len()];
+        let parts = try_join_all(
+            by_shard
+                .into_iter()
+                .enumerate()
+                .map(|(s, part)| async move {
+                    let codes: Vec<String> = part.iter().map(|(_, c)| (*c).clone()).collect();
+                    if codes.is_empty() {
+                        return Ok((part, Vec::new()));
+                    }
+                    Ok::<_, LedgerError>((part, self.shards[s].counters_many(&codes).await?))
+                }),
+        )
+        .await?;
+        for (part, got) in parts {
+            for ((pos, _), c) in part.into_iter().zip(got) {
+                answers[pos] = c;
+            }
+        }
+        Ok(answers)
+    }
+
+    async fn live_units(
+        &self,
+        now: Millis,
+        ending_after: Millis,
+        codes: &[String],
+    ) -> Result<Vec<LiveUnits>, LedgerError> {
+        let (by_shard, _) = self.split(codes, |c| c).await?;
+        let lists = try_join_all(by_shard.into_iter().enumerate().map(|(s, part)| {
+            let codes: Vec<String> = part.into_iter().map(|(_, c)| c.clone()).collect();
+            async move {
+                if codes.is_empty() {
+                    return Ok(Vec::new());
+                }
+                self.shards[s].live_units(now, ending_after, &codes).await
+            }
+        }))
+        .await?;
+        Ok(flat(lists))
+    }
+
+    async fn starting_between(&self, from: Millis, to: Millis) -> Result<Vec<String>, LedgerError> {
+        let mut codes = flat(self.each(|l| l.starting_between(from, to)).await?);
+        codes.sort();
+        Ok(codes)
+    }
+
+    /// The directory's shard holds the switches.
+    async fn switches(&self) -> Result<Switches, LedgerError> {
+        self.shards[0].switches().await
+    }
+
+    async fn set_switches(
+        &self,
+        patch: &SwitchesPatch,
+        now: Millis,
+    ) -> Result<Switches, LedgerError> {
+        self.shards[0].set_switches(patch, now).await
+    }
+
+    /// Each shard's page from `after`, merged in code order and cut at `limit`: the next page
+    /// starts after the last code of this one, so none is skipped.
+    async fn voucher_codes(
+        &self,
+        ending_after: Millis,
+        after: &str,
+        limit: i64,
+    ) -> Result<Vec<String>, LedgerError> {
+        let mut codes = flat(
+            self.each(|l| l.voucher_codes(ending_after, after, limit))
+                .await?,
+        );
+        codes.sort();
+        codes.truncate(usize::try_from(limit).unwrap_or(0));
+        Ok(codes)
+    }
+
+    async fn codes_created_since(&self, since: Millis) -> Result<Vec<String>, LedgerError> {
+        let mut codes = flat(self.each(|l| l.codes_created_since(since)).await?);
+        codes.sort();
+        Ok(codes)
+    }
+
+    async fn watched_codes(&self) -> Result<Vec<String>, LedgerError> {
+        let mut codes = flat(self.each(|l| l.watched_codes()).await?);
+        codes.sort();
+        Ok(codes)
+    }
+
+    async fn set_watched(&self, code: &str, watched: bool) -> Result<(), LedgerError> {
+        self.route(code).await?.1.set_watched(code, watched).await
+    }
+
+    /// The merged feed, after copying what the shards added since the last merge.
+    async fn events(&self, after: i64, limit: i64) -> Result<Vec<FeedEvent>, LedgerError> {
+        self.directory
+            .merge_feeds(self.shards.len(), MERGE_PAGE, |s, after, page| {
+                self.shards[s].events(after, page)
+            })
+            .await?;
+        self.directory.merged_events(after, limit).await
+    }
+
+    async fn feed_origin(&self) -> Result<String, LedgerError> {
+        Ok(self.origin.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lease_id_names_its_shard_and_the_shards_own_id() {
+        for shard in [0, 1, 7, MAX_SHARDS - 1] {
+            for id in [1, 2, 1 << 40, (i64::MAX >> SHARD_BITS)] {
+                assert_eq!(lease_in(lease_out(shard, id)), (shard, id));
+            }
+        }
+        assert_ne!(lease_out(0, 1), lease_out(1, 1));
+    }
+}
