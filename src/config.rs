@@ -100,6 +100,11 @@ pub struct NodeSettings {
 #[derive(Debug, Clone, Deserialize)]
 pub struct LedgerSettings {
     pub url: String,
+    /// The ledger in shards: PostgreSQL URLs, each voucher on one (docs/DESIGN.md, "Shards").
+    /// Set, it replaces `url`. From the environment, one string of URLs separated by spaces
+    /// (a multi-host URL holds commas).
+    #[serde(default, deserialize_with = "url_list")]
+    pub shards: Vec<String>,
     pub max_connections: u32,
     /// Merged group-commit transactions in flight at once (0: 1 on SQLite, 2 on PostgreSQL).
     pub commit_pipeline: usize,
@@ -148,10 +153,36 @@ impl LedgerKind {
     }
 }
 
+/// A list of URLs, given as a list or as one string of URLs separated by whitespace.
+fn url_list<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Given {
+        List(Vec<String>),
+        Words(String),
+    }
+    Ok(match Given::deserialize(d)? {
+        Given::List(urls) => urls,
+        Given::Words(words) => words.split_whitespace().map(String::from).collect(),
+    })
+}
+
 impl LedgerSettings {
-    /// The store [`LedgerSettings::url`] names.
+    /// The store [`LedgerSettings::url`] names (PostgreSQL for a ledger in shards, each of
+    /// which must be one).
     pub fn kind(&self) -> anyhow::Result<LedgerKind> {
-        LedgerKind::of(&self.url)
+        if self.shards.is_empty() {
+            return LedgerKind::of(&self.url);
+        }
+        for url in &self.shards {
+            if LedgerKind::of(url)? != LedgerKind::Postgres {
+                anyhow::bail!("every URL of ledger.shards must start with postgres:");
+            }
+        }
+        if self.shards.len() > crate::ledger::sharded::MAX_SHARDS {
+            anyhow::bail!("ledger.shards lists more than 256 shards");
+        }
+        Ok(LedgerKind::Postgres)
     }
 
     /// Merged transactions in flight at once, `commit_pipeline`'s 0 resolved: 1 on SQLite,
@@ -287,6 +318,43 @@ mod tests {
         }
         assert!(LedgerKind::of("mysql://h/db").is_err());
         assert!(LedgerKind::Postgres.is_shared() && !LedgerKind::Sqlite.is_shared());
+    }
+
+    #[test]
+    fn shards_are_a_list_or_one_string_of_urls_from_the_environment() {
+        let toml = |extra: &str| {
+            Figment::from(Toml::string(DEFAULT_TOML))
+                .merge(Toml::string(extra))
+                .extract::<Settings>()
+                .unwrap()
+        };
+        assert!(Settings::defaults().ledger.shards.is_empty());
+        let listed = toml("[ledger]\nshards = [\"postgres://a/x\", \"postgres://b/x\"]");
+        assert_eq!(listed.ledger.shards, ["postgres://a/x", "postgres://b/x"]);
+        assert_eq!(listed.ledger.kind().unwrap(), LedgerKind::Postgres);
+        let words = toml(
+            "[ledger]\nshards = \" postgres://a:1,b:2/x?target_session_attrs=read-write  postgres://c/x \"",
+        );
+        assert_eq!(
+            words.ledger.shards,
+            [
+                "postgres://a:1,b:2/x?target_session_attrs=read-write",
+                "postgres://c/x"
+            ]
+        );
+        // As the environment gives it (a prefix of this test's own).
+        let multi = "postgres://u@a:1,b:2/x?target_session_attrs=read-write postgres://c/x";
+        std::env::set_var("VOUCHERS_SHARDS_TEST__LEDGER__SHARDS", multi);
+        let env: Settings = Figment::from(Toml::string(DEFAULT_TOML))
+            .merge(Env::prefixed("VOUCHERS_SHARDS_TEST__").split("__"))
+            .extract()
+            .unwrap();
+        assert_eq!(
+            env.ledger.shards,
+            multi.split(' ').map(String::from).collect::<Vec<_>>()
+        );
+        let sqlite = toml("[ledger]\nshards = \"sqlite://a.db postgres://c/x\"");
+        assert!(sqlite.ledger.kind().is_err(), "every shard is PostgreSQL");
     }
 
     #[test]

@@ -242,7 +242,10 @@ impl Application {
         ledger_rt: &mut Option<tokio::runtime::Runtime>,
     ) -> anyhow::Result<Self> {
         check_liveness_settings(&settings.node)?;
-        let kind = settings.ledger.kind().context("ledger.url")?;
+        let kind = settings
+            .ledger
+            .kind()
+            .context("ledger.url or ledger.shards")?;
         // Before anything touches the ledger: one process per embedded ledger.
         let data_lock = lock_embedded_ledger(kind, &settings.ledger.url)?;
         // First: metrics recorded from here on (jobs, relay, actors) must reach the exporter.

@@ -811,6 +811,9 @@ pub fn connect_on(
     rt: tokio::runtime::Handle,
     settings: &crate::config::LedgerSettings,
 ) -> anyhow::Result<SharedLedger> {
+    if !settings.shards.is_empty() {
+        return connect_shards_on(rt, settings);
+    }
     // Opened from a plain thread that blocks on `rt`, so the pool's connections and background
     // tasks belong to it. Start-up only.
     let (url, max_connections, rt2) = (settings.url.clone(), settings.max_connections, rt.clone());
@@ -863,23 +866,72 @@ pub async fn connect_sharded(
     urls: &[String],
     max_connections: u32,
 ) -> anyhow::Result<SharedLedger> {
+    let stores = open_shards(urls, max_connections, 0, 1000).await?;
+    let shards: Vec<SharedLedger> = stores.iter().map(|s| s.clone() as SharedLedger).collect();
+    sharded_over(&stores, shards).await
+}
+
+/// Each shard's store, migrated, in the order given.
+async fn open_shards(
+    urls: &[String],
+    max_connections: u32,
+    timeout_ms: u64,
+    acquire_timeout_ms: u64,
+) -> anyhow::Result<Vec<Arc<postgres::PostgresLedger>>> {
     use anyhow::Context;
     let mut stores = Vec::with_capacity(urls.len());
-    for url in urls {
+    for (i, url) in urls.iter().enumerate() {
         if LedgerKind::of(url)? != LedgerKind::Postgres {
             anyhow::bail!("every shard of the ledger must be a postgres: URL");
         }
-        stores.push(Arc::new(
-            postgres::PostgresLedger::connect(url, max_connections, 0, 1000)
+        let store =
+            postgres::PostgresLedger::connect(url, max_connections, timeout_ms, acquire_timeout_ms)
                 .await
-                .context("open a shard of the ledger")?,
-        ));
+                .with_context(|| format!("open shard {i} of the ledger"))?;
+        stores.push(Arc::new(store));
     }
-    let shards: Vec<SharedLedger> = stores.iter().map(|s| s.clone() as SharedLedger).collect();
-    let ledger = sharded::ShardedLedger::open(&stores, shards)
+    Ok(stores)
+}
+
+async fn sharded_over(
+    stores: &[Arc<postgres::PostgresLedger>],
+    shards: Vec<SharedLedger>,
+) -> anyhow::Result<SharedLedger> {
+    use anyhow::Context;
+    let ledger = sharded::ShardedLedger::open(stores, shards)
         .await
         .context("open the shards' directory")?;
     Ok(Arc::new(ledger))
+}
+
+/// [`connect_on`] for a ledger in shards: each shard behind a [`NodeLedger`] of its own (its
+/// pool, breaker and group committer), under one [`sharded::ShardedLedger`].
+fn connect_shards_on(
+    rt: tokio::runtime::Handle,
+    settings: &crate::config::LedgerSettings,
+) -> anyhow::Result<SharedLedger> {
+    let settings = settings.clone();
+    let rt2 = rt.clone();
+    std::thread::spawn(move || {
+        rt2.block_on(async {
+            let stores = open_shards(
+                &settings.shards,
+                settings.max_connections,
+                settings.timeout_ms,
+                settings.acquire_timeout_ms,
+            )
+            .await?;
+            let shards: Vec<SharedLedger> = stores
+                .iter()
+                .map(|s| {
+                    Arc::new(NodeLedger::start(s.clone(), rt.clone(), &settings)) as SharedLedger
+                })
+                .collect();
+            sharded_over(&stores, shards).await
+        })
+    })
+    .join()
+    .map_err(|_| anyhow::anyhow!("ledger start-up thread panicked"))?
 }
 
 /// Applies an operator's patch to a voucher; returns the new voucher and the units the total grew

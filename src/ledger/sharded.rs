@@ -357,6 +357,35 @@ impl ShardedLedger {
         Ok(answers)
     }
 
+    /// `call` on every shard at once, for the node's sweeps and beats: the answers of the
+    /// shards that answered (a shard that is down stops only its own vouchers; its sweep runs
+    /// again at the next round), an error only when none did.
+    async fn each_up<'a, T, F, Fut>(&'a self, what: &str, call: F) -> Result<Vec<T>, LedgerError>
+    where
+        F: Fn(&'a SharedLedger) -> Fut,
+        Fut: Future<Output = Result<T, LedgerError>> + 'a,
+    {
+        let mut answered = Vec::with_capacity(self.shards.len());
+        let mut failed = None;
+        for (shard, got) in join_all(self.shards.iter().map(call))
+            .await
+            .into_iter()
+            .enumerate()
+        {
+            match got {
+                Ok(t) => answered.push(t),
+                Err(e) => {
+                    tracing::warn!(shard, error = %e, "{what} failed on a shard");
+                    failed.get_or_insert(e);
+                }
+            }
+        }
+        match failed {
+            Some(e) if answered.is_empty() => Err(e),
+            _ => Ok(answered),
+        }
+    }
+
     /// `call` on every shard at once; every answer, in shard order, or the first error.
     async fn each<'a, T, F, Fut>(&'a self, call: F) -> Result<Vec<T>, LedgerError>
     where
@@ -647,7 +676,12 @@ impl Ledger for ShardedLedger {
         node: &str,
         now: Millis,
     ) -> Result<Vec<Restock>, LedgerError> {
-        Ok(flat(self.each(|l| l.return_node_leases(node, now)).await?))
+        Ok(flat(
+            self.each_up("returning the node's leases", |l| {
+                l.return_node_leases(node, now)
+            })
+            .await?,
+        ))
     }
 
     /// Numbered by the directory's shard; the other shards record the same holder's beat.
@@ -660,43 +694,65 @@ impl Ledger for ShardedLedger {
         let me = self.shards[0]
             .register_node(name, now, dead_after_ms)
             .await?;
-        try_join_all(
+        // A shard that is down records the holder at its first beat there.
+        let beats = join_all(
             self.shards[1..]
                 .iter()
                 .map(|l| l.heartbeat(&me.holder, now, dead_after_ms)),
         )
-        .await?;
+        .await;
+        for (i, beat) in beats.into_iter().enumerate() {
+            if let Err(e) = beat {
+                tracing::warn!(shard = i + 1, error = %e, "could not record the node on a shard");
+            }
+        }
         Ok(me)
     }
 
-    /// Every shard's beat: the directory's clock, and the holders dead on any shard (a holder
-    /// is reaped shard by shard, each judging by its own beats).
+    /// Every shard's beat: the directory's clock, and the holders dead on any shard that
+    /// answered (a holder is reaped shard by shard, each judging by its own beats). The
+    /// directory's shard must answer; another that is down misses this beat alone.
     async fn heartbeat(
         &self,
         holder: &str,
         now: Millis,
         dead_after_ms: i64,
     ) -> Result<Beat, LedgerError> {
-        let beats = self
-            .each(|l| l.heartbeat(holder, now, dead_after_ms))
-            .await?;
-        let ledger_ms = beats.first().map_or(now, |b| b.ledger_ms);
-        let mut dead: Vec<String> = beats
-            .into_iter()
-            .flat_map(|b| b.dead)
-            .collect::<HashSet<_>>()
-            .into_iter()
-            .collect();
+        let (first, others) = tokio::join!(
+            self.shards[0].heartbeat(holder, now, dead_after_ms),
+            join_all(
+                self.shards[1..]
+                    .iter()
+                    .map(|l| l.heartbeat(holder, now, dead_after_ms))
+            )
+        );
+        let first = first?;
+        let mut dead: HashSet<String> = first.dead.into_iter().collect();
+        for (i, beat) in others.into_iter().enumerate() {
+            match beat {
+                Ok(b) => dead.extend(b.dead),
+                Err(e) => tracing::warn!(shard = i + 1, error = %e, "heartbeat failed on a shard"),
+            }
+        }
+        let mut dead: Vec<String> = dead.into_iter().collect();
         dead.sort();
-        Ok(Beat { ledger_ms, dead })
+        Ok(Beat {
+            ledger_ms: first.ledger_ms,
+            dead,
+        })
     }
 
     async fn reap_holder(&self, holder: &str, now: Millis) -> Result<Vec<Restock>, LedgerError> {
-        Ok(flat(self.each(|l| l.reap_holder(holder, now)).await?))
+        Ok(flat(
+            self.each_up("reaping a holder", |l| l.reap_holder(holder, now))
+                .await?,
+        ))
     }
 
     async fn retire_node(&self, holder: &str) -> Result<(), LedgerError> {
-        self.each(|l| l.retire_node(holder)).await.map(|_| ())
+        self.each_up("retiring the node", |l| l.retire_node(holder))
+            .await
+            .map(|_| ())
     }
 
     async fn commit_batch(&self, batch: &Batch) -> Result<Vec<RowOutcome>, LedgerError> {
@@ -769,7 +825,10 @@ impl Ledger for ShardedLedger {
     }
 
     async fn find_orders(&self, order_ids: &[String]) -> Result<Vec<Reservation>, LedgerError> {
-        Ok(flat(self.each(|l| l.find_orders(order_ids)).await?))
+        Ok(flat(
+            self.each_up("finding orders", |l| l.find_orders(order_ids))
+                .await?,
+        ))
     }
 
     async fn won_orders(&self, code: &str) -> Result<Vec<(String, i64)>, LedgerError> {
@@ -809,11 +868,16 @@ impl Ledger for ShardedLedger {
     }
 
     async fn expire_due(&self, now: Millis, limit: i64) -> Result<Vec<Restock>, LedgerError> {
-        Ok(flat(self.each(|l| l.expire_due(now, limit)).await?))
+        Ok(flat(
+            self.each_up("expiry", |l| l.expire_due(now, limit)).await?,
+        ))
     }
 
     async fn reap_expired(&self, now: Millis) -> Result<Vec<Restock>, LedgerError> {
-        Ok(flat(self.each(|l| l.reap_expired(now)).await?))
+        Ok(flat(
+            self.each_up("reaping expired leases", |l| l.reap_expired(now))
+                .await?,
+        ))
     }
 
     async fn counters_many(&self, codes: &[String]) -> Result<Vec<Option<Counters>>, LedgerError> {

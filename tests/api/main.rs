@@ -23,4 +23,5 @@ mod lifecycle;
 mod live;
 mod preheat;
 mod proxy;
+mod sharded;
 mod switches;

@@ -1,0 +1,180 @@
+//! The ledger in shards, through the HTTP contract: vouchers spread over three PostgreSQL
+//! ledgers (three schemas), an order id used on one shard's voucher refused on another's, the
+//! change feed merged without gaps, and a shard that goes down stopping only its own vouchers.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::helpers::{eventually, send, spawn_app_with, TestApp, TOKEN};
+use crate::ledger::fresh_pg_schema;
+use crate::proxy::Proxy;
+
+/// `url`'s `host:port`.
+fn host_port(url: &str) -> String {
+    let rest = url.split("://").nth(1).unwrap_or(url);
+    let rest = rest.rsplit('@').next().unwrap_or(rest);
+    rest.split(['/', '?']).next().unwrap_or(rest).to_string()
+}
+
+/// The shard (index into `urls`) whose rows hold each voucher, read from the databases.
+async fn placement(urls: &[String]) -> BTreeMap<String, usize> {
+    let mut placed = BTreeMap::new();
+    for (i, url) in urls.iter().enumerate() {
+        let pool = sqlx::PgPool::connect(url).await.unwrap();
+        let codes: Vec<String> = sqlx::query_scalar("SELECT code FROM vouchers")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+        pool.close().await;
+        for c in codes {
+            assert!(placed.insert(c.clone(), i).is_none(), "{c} on two shards");
+        }
+    }
+    placed
+}
+
+/// A runtime shut down in the background when dropped (also when the test panics inside
+/// another runtime).
+struct Background(Option<tokio::runtime::Runtime>);
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        if let Some(rt) = self.0.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+async fn events(app: &TestApp, after: i64) -> Value {
+    let url = format!("{}/admin/events?after={after}&limit=1000", app.base);
+    let (status, body) = send(&app.client, "GET", &url, Some(TOKEN), None).await;
+    assert_eq!(status, 200, "{body}");
+    body
+}
+
+#[actix_web::test]
+#[cfg_attr(
+    no_test_pg,
+    ignore = "needs TEST_DATABASE_URL (PostgreSQL); .ci/run sets it"
+)]
+async fn a_sharded_ledger_sells_each_voucher_on_its_shard_and_a_down_shard_stops_only_its_own() {
+    let mut urls = Vec::new();
+    for i in 0..3 {
+        let Some(url) = fresh_pg_schema(&format!("http{i}")).await else {
+            return;
+        };
+        urls.push(url);
+    }
+    // The third shard is reached through a link the test can cut, run on a runtime of its own:
+    // building the app blocks this test's thread while it connects through the proxy.
+    let proxy_rt = Background(Some(
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap(),
+    ));
+    let handle = proxy_rt.0.as_ref().unwrap().handle().clone();
+    let target = host_port(&urls[2]);
+    let proxy = std::thread::spawn(move || handle.block_on(Proxy::start(&target)))
+        .join()
+        .expect("proxy started");
+    let via_proxy = urls[2].replacen(
+        &host_port(&urls[2]),
+        &format!("127.0.0.1:{}", proxy.port),
+        1,
+    );
+    let shards = vec![urls[0].clone(), urls[1].clone(), via_proxy];
+    let app = spawn_app_with(|s| {
+        s.ledger.shards = shards;
+        s.ledger.timeout_ms = 2_000;
+        s.ledger.acquire_timeout_ms = 500;
+    })
+    .await;
+    let codes: Vec<String> = (0..6).map(|i| format!("SH{i}")).collect();
+    for c in &codes {
+        let (status, body) = app
+            .create_voucher_with(crate::helpers::voucher_body(c, 50, 1))
+            .await;
+        assert_eq!(status, 201, "{body}");
+    }
+    // Spread by room: two on each shard.
+    let placed = placement(&urls).await;
+    for shard in 0..3 {
+        assert_eq!(
+            placed.values().filter(|s| **s == shard).count(),
+            2,
+            "{placed:?}"
+        );
+    }
+    let on = |shard: usize| -> Vec<String> {
+        placed
+            .iter()
+            .filter(|(_, s)| **s == shard)
+            .map(|(c, _)| c.clone())
+            .collect()
+    };
+    for (i, c) in codes.iter().enumerate() {
+        let (status, body) = app.reserve(c, 1 + i as i64, format!("{c}-1")).await;
+        assert_eq!(status, 201, "{c}: {body}");
+    }
+    // An order id used on a voucher of one shard is refused on a voucher of another.
+    let (a, b) = (&on(0)[0], &on(1)[0]);
+    let (status, body) = app.reserve(b, 900, format!("{a}-1")).await;
+    assert_eq!(
+        (status, body["error"].as_str()),
+        (409, Some("ALREADY_USED")),
+        "{body}"
+    );
+    // The feed: every reserve once, numbered 1, 2, 3… across the shards.
+    let feed = events(&app, 0).await;
+    let seqs: Vec<i64> = feed["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["seq"].as_i64().unwrap())
+        .collect();
+    assert_eq!(seqs, (1..=6).collect::<Vec<_>>(), "{feed}");
+
+    // The third shard goes down: its vouchers answer 503, the others sell on.
+    proxy.cut();
+    for c in on(2) {
+        let (status, body) = app.reserve(&c, 100, format!("{c}-down")).await;
+        assert_eq!(status, 503, "{c} lives on the shard that is down: {body}");
+    }
+    for (i, c) in on(0).iter().chain(&on(1)).enumerate() {
+        let (status, body) = app.reserve(c, 200 + i as i64, format!("{c}-up")).await;
+        assert_eq!(status, 201, "{c} lives on a shard that is up: {body}");
+    }
+    // Back: its vouchers sell again.
+    proxy.restore();
+    let c = on(2)[0].clone();
+    let (app_ref, c_ref) = (&app, &c);
+    eventually(
+        "the shard's vouchers sell again",
+        Duration::from_secs(15),
+        || async move { app_ref.reserve(c_ref, 300, format!("{c_ref}-back")).await.0 == 201 },
+    )
+    .await;
+    // Every voucher's books balance on its own shard, by the auditor's reading of the rows.
+    for c in &codes {
+        let books = crate::audit::books(&urls[placed[c]], c).await;
+        books.assert_balanced(c);
+    }
+    let after = events(&app, 6).await;
+    let more = after["events"].as_array().unwrap();
+    assert_eq!(
+        more.iter()
+            .map(|e| e["seq"].as_i64().unwrap())
+            .collect::<Vec<_>>(),
+        (7..7 + more.len() as i64).collect::<Vec<_>>(),
+        "{after}"
+    );
+    assert_eq!(
+        more.len(),
+        5,
+        "4 sold while the shard was down, 1 after: {after}"
+    );
+}
