@@ -94,6 +94,8 @@ pub(crate) struct Taken<'a> {
     all: bool,
     /// [`Queue::pages`] when this was taken.
     pages: u64,
+    /// The recount failed: its codes wait again, so the node has not caught up.
+    failed: bool,
 }
 
 impl std::ops::Deref for Taken<'_> {
@@ -108,13 +110,16 @@ impl Taken<'_> {
     /// does not count as catching up.
     pub(crate) fn failed(&mut self) {
         self.all = false;
+        self.failed = true;
     }
 }
 
 impl Drop for Taken<'_> {
     fn drop(&mut self) {
         let mut queue = self.from.lock();
-        if self.all && queue.pages == self.pages {
+        if self.failed {
+            queue.caught_up = false;
+        } else if self.all && queue.pages == self.pages {
             queue.caught_up = true;
         }
         queue.in_flight -= self.codes.len();
@@ -165,6 +170,7 @@ impl Changed {
             codes,
             from: self,
             all,
+            failed: false,
         }
     }
 
@@ -268,6 +274,11 @@ impl GiveBackGate {
         }
     }
 
+    /// Whether a give-back waits for a quiet run.
+    pub(crate) fn is_due(&self) -> bool {
+        self.due.load(Ordering::Relaxed) > 0
+    }
+
     /// Give-backs so far.
     pub(crate) fn runs(&self) -> u64 {
         self.runs.load(Ordering::Relaxed)
@@ -354,6 +365,21 @@ mod tests {
         drop(page);
         assert!(c.backlog_done());
         assert!(!c.backlog_done(), "said once");
+    }
+
+    #[test]
+    fn a_failed_backlog_page_keeps_the_backlog_from_being_done() {
+        let (_, c) = numbered(10);
+        let mut page = c.take_backlog(6, 3);
+        // The reconciler takes what is left and finishes while the page is being read.
+        drop(c.take(3 + 1));
+        // The page's recount fails: its codes wait again.
+        page.iter().for_each(|code| c.mark(code));
+        page.failed();
+        drop(page);
+        assert!(!c.backlog_done(), "six codes still wait");
+        drop(c.take(100));
+        assert!(c.backlog_done());
     }
 
     #[test]

@@ -320,8 +320,9 @@ impl EngineHandle {
     /// Confirm and release first read the reservation: made-up order ids get `404` from that read
     /// and never take the ledger's writer (on SQLite the one connection every commit needs).
     pub async fn confirm(&self, code: &str, order_id: &str) -> Result<Reservation, EngineError> {
-        self.node.give_back.wrote();
         self.reservation(code, order_id).await?;
+        // Past the read: it takes the writer.
+        self.node.give_back.wrote();
         let r = self
             .node
             .ledger
@@ -332,8 +333,9 @@ impl EngineHandle {
     }
 
     pub async fn release(&self, code: &str, order_id: &str) -> Result<Reservation, EngineError> {
-        self.node.give_back.wrote();
         self.reservation(code, order_id).await?;
+        // Past the read: it takes the writer.
+        self.node.give_back.wrote();
         let (r, restock) = self
             .node
             .ledger

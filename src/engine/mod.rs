@@ -168,6 +168,12 @@ impl EngineHandle {
         self.node.registry.get(code).map(|e| e.on_worker)
     }
 
+    /// Whether a give-back of memory waits for a quiet run of the live numbers (tests and
+    /// diagnostics).
+    pub fn memory_give_back_due(&self) -> bool {
+        self.node.give_back.is_due()
+    }
+
     /// How many times this node gave memory back (tests and diagnostics).
     pub fn memory_give_backs(&self) -> u64 {
         self.node.give_back.runs()

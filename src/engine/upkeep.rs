@@ -178,7 +178,7 @@ impl EngineHandle {
         // runs with their codes held here, or in bursts that would show as a core's seconds.
         let started = Instant::now();
         if self.node.pace.ready(started) {
-            let backlog = self
+            let mut backlog = self
                 .node
                 .changed
                 .take_backlog(BACKLOG_PER_RUN, MAX_RECOUNTS_PER_RUN);
@@ -187,6 +187,7 @@ impl EngineHandle {
                 {
                     tracing::warn!(vouchers = backlog.len(), error = %e, "recount of changed vouchers failed");
                     backlog.iter().for_each(|c| self.node.changed(c));
+                    backlog.failed();
                 }
                 self.node.pace.spent(Instant::now(), started.elapsed());
             }
