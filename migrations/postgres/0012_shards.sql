@@ -38,13 +38,24 @@ CREATE TABLE IF NOT EXISTS shard_self (
     directory TEXT NOT NULL
 );
 -- An order id is used on one voucher only (DESIGN §4), across shards: the first commit that
--- carries it claims it for its voucher here, before its shard's transaction. `inflight` holds
--- the calls that carry it to that voucher's shard now (a token each); `held` says a
--- reservation of it was stored (or may have been: a commit whose answer was lost). A claim
--- that is neither goes away, so an order refused on one voucher may try another.
+-- carries it claims it for its voucher here, before its shard's transaction. `pending` counts
+-- the calls that carried it to that voucher's shard and did not come back refused: a call
+-- whose row was stored (or may have been: a lost answer, a crash) never gives its count back,
+-- so such a claim stays for good; one whose rows were all refused gives it back, and a claim
+-- back at zero goes away, so an order refused on one voucher may try another.
 CREATE TABLE IF NOT EXISTS order_claims (
-    order_id TEXT    PRIMARY KEY,
-    code     TEXT    NOT NULL,
-    held     BOOLEAN NOT NULL,
-    inflight TEXT[]  NOT NULL
+    order_id TEXT   PRIMARY KEY,
+    code     TEXT   NOT NULL,
+    pending  BIGINT NOT NULL CHECK (pending >= 0)
 );
+-- Gives back one count of each of `p_orders` (distinct; each carried by the calling commit and
+-- refused), locked in order-id order as every caller takes them; drops those back at zero.
+CREATE OR REPLACE FUNCTION vouchers_release_claims(p_orders TEXT[]) RETURNS VOID
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM 1 FROM order_claims WHERE order_id = ANY(p_orders) ORDER BY order_id FOR UPDATE;
+    UPDATE order_claims SET pending = pending - 1
+        WHERE order_id = ANY(p_orders) AND pending > 0;
+    DELETE FROM order_claims WHERE order_id = ANY(p_orders) AND pending = 0;
+END
+$$;

@@ -157,7 +157,6 @@ impl ShardedLedger {
     /// one voucher only, across shards), in slice order: a row whose order id another voucher
     /// holds goes no further and is answered `ALREADY_USED`.
     async fn claim(&self, batches: &[&Batch]) -> Result<Claims, LedgerError> {
-        let token = crate::startup::random_hex(8);
         let mut first: HashMap<&str, &str> = HashMap::new();
         for b in batches {
             for r in &b.rows {
@@ -174,7 +173,7 @@ impl ShardedLedger {
             HashSet::new()
         } else {
             self.directory
-                .claim_orders(&orders, &codes, &token)
+                .claim_orders(&orders, &codes)
                 .await?
                 .into_iter()
                 .collect()
@@ -192,14 +191,14 @@ impl ShardedLedger {
             })
             .collect();
         Ok(Claims {
-            token,
             claimed: granted,
             allowed,
         })
     }
 
-    /// Settles the claims of a commit call once its batches are answered: an order is held
-    /// where a row of it was stored, or may have been (the answer was lost); the rest go.
+    /// Settles the claims of a commit call once its batches are answered: the call gives its
+    /// count back on each order none of whose rows was stored (refused, or in a batch refused
+    /// as a whole), and keeps it where one was, or may have been (a lost answer).
     async fn settle(
         &self,
         claims: &Claims,
@@ -233,17 +232,18 @@ impl ShardedLedger {
                 }),
             }
         }
-        let mut kept: Vec<(&str, bool)> = kept.into_iter().collect();
-        kept.sort_unstable();
-        let (orders, kept): (Vec<&str>, Vec<bool>) = kept.into_iter().unzip();
-        if let Err(e) = self
-            .directory
-            .settle_claims(&orders, &kept, &claims.token)
-            .await
-        {
-            // The claims stay carried: those orders are refused on other vouchers, never
-            // taken twice.
-            tracing::warn!(orders = orders.len(), error = %e, "could not settle order claims");
+        let mut refused: Vec<&str> = kept
+            .into_iter()
+            .filter(|(_, kept)| !kept)
+            .map(|(o, _)| o)
+            .collect();
+        if refused.is_empty() {
+            return;
+        }
+        refused.sort_unstable();
+        if let Err(e) = self.directory.release_claims(&refused).await {
+            // The counts stay: those orders are refused on other vouchers, never taken twice.
+            tracing::warn!(orders = refused.len(), error = %e, "could not release order claims");
         }
     }
 
@@ -418,9 +418,7 @@ fn grant_out(shard: usize, g: Grant) -> Grant {
 
 /// The order claims of one commit call.
 struct Claims {
-    /// This call's name on the claims it carries.
-    token: String,
-    /// The order ids claimed or joined for their own voucher.
+    /// The order ids claimed or joined for their own voucher (the call counted on each).
     claimed: HashSet<String>,
     /// Per batch, per row: whether the row goes to its shard.
     allowed: Vec<Vec<bool>>,

@@ -1607,6 +1607,141 @@ async fn sharded_ledger_conforms() {
     }
 }
 
+/// DESIGN §4's order rule across shards, by the order claims: raced on two vouchers of two
+/// shards, each order id is stored once; an order refused on one voucher (paused) may still be
+/// used on another, while one stored (and replayed) never can; the claims left are exactly the
+/// stored orders'.
+#[tokio::test]
+#[cfg_attr(
+    no_test_pg,
+    ignore = "needs TEST_DATABASE_URL (PostgreSQL); .ci/run sets it"
+)]
+async fn order_claims_keep_an_order_on_one_voucher_across_shards() {
+    let mut urls = Vec::new();
+    for i in 0..2 {
+        let Some(url) = fresh_pg_schema(&format!("claim{i}")).await else {
+            return;
+        };
+        urls.push(url);
+    }
+    let l = ledger::connect_sharded(&urls, 8).await.unwrap();
+    // Placed by room: X on the first shard, Y on the second.
+    l.create_voucher(&voucher("X", 1_000, 1_000), NOW)
+        .await
+        .unwrap();
+    l.create_voucher(&voucher("Y", 1_000, 1_000), NOW)
+        .await
+        .unwrap();
+    assert_ne!(
+        the_one_holding(&urls, "X").await,
+        the_one_holding(&urls, "Y").await
+    );
+    let (lx, ly) = (
+        leased(&l, "X", "n1", 500).await.id,
+        leased(&l, "Y", "n2", 500).await.id,
+    );
+    // 200 order ids, each sent to both vouchers at once (by two "nodes").
+    let races = (0..200).map(|i| {
+        let (l, order) = (l.clone(), format!("race-{i}"));
+        async move {
+            let on = |code: &'static str, lease: i64| {
+                let (l, order) = (l.clone(), order.clone());
+                async move {
+                    l.commit_batch(&batch(code, lease, rows(&[(&order, 1 + i)])))
+                        .await
+                        .unwrap()
+                        .remove(0)
+                }
+            };
+            tokio::join!(on("X", lx), on("Y", ly))
+        }
+    });
+    let answers = join_all(races).await;
+    for (i, (x, y)) in answers.iter().enumerate() {
+        let created = [x, y]
+            .iter()
+            .filter(|o| matches!(o, RowOutcome::Created(_)))
+            .count();
+        assert_eq!(created, 1, "race-{i}: {x:?} / {y:?}");
+        assert!(
+            [x, y].iter().any(|o| **o == RowOutcome::AlreadyUsed),
+            "race-{i}: the other is refused: {x:?} / {y:?}"
+        );
+    }
+    // Refused on a paused voucher: the order may still go elsewhere.
+    l.update_voucher(
+        "X",
+        &VoucherPatch {
+            status: Some(VoucherStatus::Paused),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let paused = l
+        .commit_batch(&batch("X", lx, rows(&[("roam", 7)])))
+        .await
+        .unwrap();
+    assert!(
+        matches!(paused[0], RowOutcome::NotEligible(_)),
+        "{paused:?}"
+    );
+    let elsewhere = l
+        .commit_batch(&batch("Y", ly, rows(&[("roam", 7)])))
+        .await
+        .unwrap();
+    assert!(
+        matches!(elsewhere[0], RowOutcome::Created(_)),
+        "{elsewhere:?}"
+    );
+    // Stored and replayed on Y: never usable on X.
+    let replay = l
+        .commit_batch(&batch("Y", ly, rows(&[("roam", 7)])))
+        .await
+        .unwrap();
+    assert!(matches!(replay[0], RowOutcome::Replayed(_)), "{replay:?}");
+    l.update_voucher(
+        "X",
+        &VoucherPatch {
+            status: Some(VoucherStatus::Active),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let taken = l
+        .commit_batch(&batch("X", lx, rows(&[("roam", 7)])))
+        .await
+        .unwrap();
+    assert_eq!(taken[0], RowOutcome::AlreadyUsed);
+    // The directory's claims are exactly the stored orders, each for its voucher.
+    let pool = sqlx::PgPool::connect(&urls[0]).await.unwrap();
+    let claims: Vec<(String, String)> =
+        sqlx::query_as("SELECT order_id, code FROM order_claims ORDER BY order_id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    let mut stored = Vec::new();
+    for url in &urls {
+        let p = sqlx::PgPool::connect(url).await.unwrap();
+        let rows: Vec<(String, String)> =
+            sqlx::query_as("SELECT order_id, voucher_code FROM reservations")
+                .fetch_all(&p)
+                .await
+                .unwrap();
+        stored.extend(rows);
+    }
+    stored.sort();
+    assert_eq!(claims, stored);
+    AUDIT_URL
+        .scope(Some(urls.clone()), async {
+            for code in ["X", "Y"] {
+                balanced(&l, code).await;
+            }
+        })
+        .await;
+}
+
 /// DESIGN §3's last line on PostgreSQL after leases close: the grant check reads what closed
 /// leases consumed from the voucher's `closed_consumed` (migration 10), which a trigger keeps at
 /// every close (a return, a reap, an older build's own statement); a grant past the total is

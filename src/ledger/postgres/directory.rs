@@ -67,8 +67,8 @@ impl PostgresLedger {
         if first {
             // The reservations of a single ledger that becomes the first shard hold their ids.
             sqlx::query(
-                "INSERT INTO order_claims (order_id, code, held, inflight) \
-                 SELECT order_id, voucher_code, true, '{}' FROM reservations \
+                "INSERT INTO order_claims (order_id, code, pending) \
+                 SELECT order_id, voucher_code, 1 FROM reservations \
                  ON CONFLICT (order_id) DO NOTHING",
             )
             .execute(&mut *tx)
@@ -138,61 +138,34 @@ impl PostgresLedger {
         Ok(shard)
     }
 
-    /// Claims each of `orders` (distinct) for the voucher beside it, under `token`, where no
-    /// other voucher has it: returns those claimed or joined for their own voucher.
+    /// Claims each of `orders` (distinct) for the voucher beside it, where no other voucher
+    /// has it, and counts the calling commit on it: returns those claimed or joined for their
+    /// own voucher. Called in order-id order, as every caller does.
     pub(crate) async fn claim_orders(
         &self,
         orders: &[&str],
         codes: &[&str],
-        token: &str,
     ) -> Result<Vec<String>, LedgerError> {
         Ok(sqlx::query_scalar(
-            "INSERT INTO order_claims (order_id, code, held, inflight) \
-             SELECT o, c, false, ARRAY[$3] FROM UNNEST($1::TEXT[], $2::TEXT[]) AS x(o, c) \
-             ON CONFLICT (order_id) DO UPDATE SET inflight = order_claims.inflight || $3 \
+            "INSERT INTO order_claims (order_id, code, pending) \
+             SELECT o, c, 1 FROM UNNEST($1::TEXT[], $2::TEXT[]) AS x(o, c) \
+             ON CONFLICT (order_id) DO UPDATE SET pending = order_claims.pending + 1 \
              WHERE order_claims.code = EXCLUDED.code \
              RETURNING order_id",
         )
         .bind(orders)
         .bind(codes)
-        .bind(token)
         .fetch_all(&self.pool())
         .await?)
     }
 
-    /// The call `token` is done with `orders`: those `kept` are held for good, and a claim
-    /// neither held nor carried by another call goes away.
-    pub(crate) async fn settle_claims(
-        &self,
-        orders: &[&str],
-        kept: &[bool],
-        token: &str,
-    ) -> Result<(), LedgerError> {
-        let mut tx = self.pool().begin().await?;
-        // Locked in order-id order, as every call takes them.
-        sqlx::query(
-            "SELECT 1 FROM order_claims WHERE order_id = ANY($1) ORDER BY order_id FOR UPDATE",
-        )
-        .bind(orders)
-        .execute(&mut *tx)
-        .await?;
-        sqlx::query(
-            "UPDATE order_claims SET held = held OR x.k, inflight = array_remove(inflight, $3) \
-             FROM UNNEST($1::TEXT[], $2::BOOLEAN[]) AS x(o, k) WHERE order_id = x.o",
-        )
-        .bind(orders)
-        .bind(kept)
-        .bind(token)
-        .execute(&mut *tx)
-        .await?;
-        sqlx::query(
-            "DELETE FROM order_claims WHERE order_id = ANY($1) \
-             AND NOT held AND cardinality(inflight) = 0",
-        )
-        .bind(orders)
-        .execute(&mut *tx)
-        .await?;
-        tx.commit().await?;
+    /// The calling commit's rows of `orders` were all refused: it gives back its count of
+    /// each, and a claim back at zero goes away.
+    pub(crate) async fn release_claims(&self, orders: &[&str]) -> Result<(), LedgerError> {
+        sqlx::query("SELECT vouchers_release_claims($1)")
+            .bind(orders)
+            .execute(&self.pool())
+            .await?;
         Ok(())
     }
 
