@@ -14,9 +14,10 @@ Scenarios of `run` (traffic to 127.0.0.1 only, each bounded in time):
   kill   three vouchers of 4,000 units, one per shard, sold by wrk on all three nodes; node 3
          is SIGKILLed 2 s in; then the rest is sold on nodes 1 and 2. Prints sold, oversold
          (rows past the total), lost (201s the clients saw beyond the rows) and the books.
-  cost   PostgreSQL CPU per reservation (every backend of the shards' clusters, /proc) with
-         the ledger on 1, 2 and 3 shards: one never-selling-out voucher per shard, wrk on
-         one node, 8 s each.
+  cost   PostgreSQL CPU per reservation (every process of the shards' clusters, /proc, by
+         cluster) with the ledger on one server as ledger.url, then on 1, 2 and 3 shards,
+         then 3 with order ids kept per shard: one never-selling-out voucher per shard, wrk
+         -c64 on one node, 8 s each.
 """
 import json
 import os
@@ -112,15 +113,17 @@ def http(method, base, path, body=None, token=None):
         return e.code, json.loads(e.read() or b"null")
 
 
-def start_nodes(shards, n=3):
+def start_nodes(shards, n=3, single=False, extra=None):
     binary = os.environ.get("VOUCHERS_BIN") or os.path.join(ROOT, "target/release/vouchers")
     bases = []
     for i in range(n):
         port = free_port()
+        ledger = {"VOUCHERS__LEDGER__URL": shards[0]} if single else {
+            "VOUCHERS__LEDGER__SHARDS": " ".join(shards)}
         env = dict(os.environ, VOUCHERS__HTTP__HOST="127.0.0.1", VOUCHERS__HTTP__PORT=str(port),
-                   VOUCHERS__LEDGER__SHARDS=" ".join(shards), VOUCHERS__ADMIN__TOKEN=TOKEN,
+                   **ledger, VOUCHERS__ADMIN__TOKEN=TOKEN,
                    VOUCHERS__REDIS__URL=REDIS, VOUCHERS__NODE__ID=f"shards-{i + 1}",
-                   VOUCHERS__REDIS__EVENTS_STREAM="", RUST_LOG="error")
+                   VOUCHERS__REDIS__EVENTS_STREAM="", RUST_LOG="error", **(extra or {}))
         log = open(f"/tmp/shards-node{i + 1}.log", "w")
         p = subprocess.Popen([binary, "--config", "config/cluster.toml"], cwd=ROOT, env=env,
                              stdout=log, stderr=log)
@@ -260,40 +263,54 @@ def scenario_kill(bases):
 
 def pg_cpu():
     """CPU seconds of every process of the shards' clusters."""
-    total = 0.0
+    return sum(pg_cpu_by_cluster().values())
+
+
+def pg_cpu_by_cluster():
+    """CPU seconds of the processes of each of the shards' clusters, by name."""
+    used = {n: 0.0 for n, _ in CLUSTERS}
     tick = os.sysconf("SC_CLK_TCK")
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             cmd = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
-            if "postgres" not in cmd or not any(f"/{n}" in cmd or f" {n}" in cmd
-                                                 or f"{VERSION}/{n}" in cmd
-                                                 for n, _ in CLUSTERS):
+            name = next((n for n, _ in CLUSTERS if f"{VERSION}/{n}" in cmd), None)
+            if "postgres" not in cmd or name is None:
                 continue
             fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
+            used[name] += (int(fields[11]) + int(fields[12])) / tick
         except (OSError, IndexError, ValueError):
             continue
-    return total
+    return used
 
 
 def scenario_cost():
     print("\n## PostgreSQL CPU per reservation as the shards go 1 -> 2 -> 3 "
           "(one voucher per shard, wrk -c64 on one node, 8 s)")
-    print("| shards | 201/s | p99 ms | PostgreSQL CPU µs per reservation |")
+    print("| shards | 201/s | p99 ms | PostgreSQL CPU µs per reservation (by cluster) |")
     print("|---|---|---|---|")
-    for n in (1, 2, 3):
+    # 0: the same server as one ledger (ledger.url); -3: three shards, order ids per shard.
+    for n in (0, 1, 2, 3, -3):
+        per_shard = {"VOUCHERS__LEDGER__ORDER_IDS_ACROSS_SHARDS": "false"} if n < 0 else {}
+        n = abs(n)
         fresh_databases()
-        bases = start_nodes([url(p) for _, p in CLUSTERS[:n]], n=1)
-        for i in range(n):
-            create(bases[0], f"P{i}", 1_000_000_000)
-        wrk_result(wrk(bases[0], "P", "warm", n, 2, 64))
-        c0 = pg_cpu()
-        r = wrk_result(wrk(bases[0], "P", "cost", n, 8, 64))
-        c1 = pg_cpu()
+        bases = start_nodes([url(p) for _, p in CLUSTERS[:max(n, 1)]], n=1, single=n == 0,
+                            extra=per_shard)
+        count = max(n, 1)
+        # As wrk-reserve.lua names them: P alone, or P0 … P{count-1}.
+        for code in (["P"] if count == 1 else [f"P{i}" for i in range(count)]):
+            create(bases[0], code, 1_000_000_000)
+        wrk_result(wrk(bases[0], "P", "warm", max(n, 1), 2, 64))
+        c0 = pg_cpu_by_cluster()
+        r = wrk_result(wrk(bases[0], "P", "cost", max(n, 1), 8, 64))
+        c1 = pg_cpu_by_cluster()
         ok = r["statuses"].get(201, 0) or 1
-        print(f"| {n} | {r['ok_rps']:,.0f} | {r['p99']:.1f} | {1e6 * (c1 - c0) / ok:.0f} |")
+        label = "1 (ledger.url)" if n == 0 else f"{n}{' (order ids per shard)' if per_shard else ''}"
+        per = {k: 1e6 * (c1[k] - c0[k]) / ok for k in c0}
+        split = ", ".join(f"{k[-1]} {v:.0f}" for k, v in per.items() if v >= 0.5)
+        print(f"| {label} | {r['ok_rps']:,.0f} | {r['p99']:.1f} | {sum(per.values()):.0f} "
+              f"({split}) |")
         stop_nodes()
 
 

@@ -105,6 +105,12 @@ pub struct LedgerSettings {
     /// (a multi-host URL holds commas).
     #[serde(default, deserialize_with = "url_list")]
     pub shards: Vec<String>,
+    /// With shards: an order id used on a voucher of one shard is refused on every other
+    /// voucher (DESIGN §4), at the cost of an order claim on the directory per new order. Off,
+    /// only vouchers of the same shard refuse it: for checkouts that never send one order to
+    /// two vouchers, or check that themselves.
+    #[serde(default = "yes")]
+    pub order_ids_across_shards: bool,
     pub max_connections: u32,
     /// Merged group-commit transactions in flight at once (0: 1 on SQLite, 2 on PostgreSQL).
     pub commit_pipeline: usize,
@@ -151,6 +157,10 @@ impl LedgerKind {
     pub fn is_shared(self) -> bool {
         self == Self::Postgres
     }
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// A list of URLs, given as a list or as one string of URLs separated by whitespace.

@@ -868,7 +868,15 @@ pub async fn connect_sharded(
 ) -> anyhow::Result<SharedLedger> {
     let stores = open_shards(urls, max_connections, 0, 1000).await?;
     let shards: Vec<SharedLedger> = stores.iter().map(|s| s.clone() as SharedLedger).collect();
-    sharded_over(&stores, shards).await
+    let rt = tokio::runtime::Handle::current();
+    sharded_over(
+        &stores,
+        shards,
+        &rt,
+        std::time::Duration::from_secs(5),
+        true,
+    )
+    .await
 }
 
 /// Each shard's store, migrated, in the order given.
@@ -896,9 +904,12 @@ async fn open_shards(
 async fn sharded_over(
     stores: &[Arc<postgres::PostgresLedger>],
     shards: Vec<SharedLedger>,
+    rt: &tokio::runtime::Handle,
+    deadline: std::time::Duration,
+    claim_orders: bool,
 ) -> anyhow::Result<SharedLedger> {
     use anyhow::Context;
-    let ledger = sharded::ShardedLedger::open(stores, shards)
+    let ledger = sharded::ShardedLedger::open(stores, shards, rt, deadline, claim_orders)
         .await
         .context("open the shards' directory")?;
     Ok(Arc::new(ledger))
@@ -927,7 +938,9 @@ fn connect_shards_on(
                     Arc::new(NodeLedger::start(s.clone(), rt.clone(), &settings)) as SharedLedger
                 })
                 .collect();
-            sharded_over(&stores, shards).await
+            let deadline = std::time::Duration::from_millis(settings.timeout_ms.max(1));
+            let claim = settings.order_ids_across_shards;
+            sharded_over(&stores, shards, &rt, deadline, claim).await
         })
     })
     .join()

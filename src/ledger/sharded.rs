@@ -9,13 +9,15 @@
 //! renew, a return or a batch finds its shard from the id alone. The change feed is every
 //! shard's, merged on the directory and numbered again without gaps.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
 use std::sync::{Arc, RwLock};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use futures_util::future::{join_all, try_join_all};
 
+use super::coalesce::{Coalescer, ManyFn};
 use super::postgres::PostgresLedger;
 use super::{
     Batch, BatchResults, Beat, Counters, Grant, GrantAsk, Incarnation, Lease, Ledger, LedgerError,
@@ -44,15 +46,73 @@ pub struct ShardedLedger {
     placed: RwLock<HashMap<String, usize>>,
     /// The merged feed's origin: the first shard's, marked.
     origin: String,
+    /// The commits' order claims, merged into one statement on the directory per round
+    /// ([`claims_merged`]); none with one shard, whose own commit keeps the order rule, or
+    /// where the rule is kept per shard (`ledger.order_ids_across_shards = false`).
+    claims: Option<Coalescer<Vec<(String, String)>, HashSet<String>>>,
+}
+
+/// Claims merged into one call at most.
+const MAX_MERGED_CLAIMS: usize = 1024;
+
+/// The merged claim of many commit calls' `(order id, voucher)` pairs (each call's distinct):
+/// an order carried by several calls goes to the voucher of the first call that carries it,
+/// and counts every call that carries it to that voucher. Each call gets the orders claimed or
+/// joined for its own voucher.
+fn claims_merged(directory: Arc<PostgresLedger>) -> ManyFn<Vec<(String, String)>, HashSet<String>> {
+    Arc::new(move |asks: Vec<Vec<(String, String)>>| {
+        let directory = directory.clone();
+        Box::pin(async move {
+            // Sorted by order id: every statement locks the claims in that order.
+            let mut first: BTreeMap<&str, (&str, i64)> = BTreeMap::new();
+            for ask in &asks {
+                for (order, code) in ask {
+                    match first.get_mut(order.as_str()) {
+                        Some((c, n)) if *c == code.as_str() => *n += 1,
+                        Some(_) => {}
+                        None => {
+                            first.insert(order, (code, 1));
+                        }
+                    }
+                }
+            }
+            let orders: Vec<&str> = first.keys().copied().collect();
+            let codes: Vec<&str> = first.values().map(|(c, _)| *c).collect();
+            let counts: Vec<i64> = first.values().map(|(_, n)| *n).collect();
+            let granted: HashSet<String> = directory
+                .claim_orders(&orders, &codes, &counts)
+                .await?
+                .into_iter()
+                .collect();
+            Ok(asks
+                .iter()
+                .map(|ask| {
+                    Ok(ask
+                        .iter()
+                        .filter(|(o, c)| {
+                            granted.contains(o)
+                                && first.get(o.as_str()).is_some_and(|(w, _)| *w == c.as_str())
+                        })
+                        .map(|(o, _)| o.clone())
+                        .collect())
+                })
+                .collect())
+        })
+    })
 }
 
 impl ShardedLedger {
     /// Opens the sharded ledger over `shards` (each the node's ledger of a store in `stores`,
     /// in the same order): each database is checked to be at its place, and the first made the
     /// directory.
+    /// Claims are merged on `rt`, each round within `deadline`; without `claim_orders`, an
+    /// order id is kept to one voucher within each shard only.
     pub async fn open(
         stores: &[Arc<PostgresLedger>],
         shards: Vec<SharedLedger>,
+        rt: &tokio::runtime::Handle,
+        deadline: Duration,
+        claim_orders: bool,
     ) -> Result<Self, LedgerError> {
         if stores.is_empty() || stores.len() != shards.len() || stores.len() > MAX_SHARDS {
             return Err(LedgerError::Invalid("ledger.shards lists 1 to 256 shards"));
@@ -63,11 +123,20 @@ impl ShardedLedger {
             store.claim_shard(i as i32, &first).await?;
         }
         directory.open_directory(stores.len() as i32).await?;
+        let claims = (claim_orders && stores.len() > 1).then(|| {
+            Coalescer::start(
+                rt,
+                MAX_MERGED_CLAIMS,
+                deadline,
+                claims_merged(directory.clone()),
+            )
+        });
         Ok(Self {
             shards,
             directory,
             placed: RwLock::new(HashMap::new()),
             origin: format!("{first}/merged"),
+            claims,
         })
     }
 
@@ -165,18 +234,17 @@ impl ShardedLedger {
                     .or_insert(b.voucher_code.as_str());
             }
         }
-        // In order-id order, as every call takes them: no two calls wait on each other.
-        let mut pairs: Vec<(&str, &str)> = first.iter().map(|(o, c)| (*o, *c)).collect();
-        pairs.sort_unstable();
-        let (orders, codes): (Vec<&str>, Vec<&str>) = pairs.into_iter().unzip();
-        let granted: HashSet<String> = if orders.is_empty() {
-            HashSet::new()
-        } else {
-            self.directory
-                .claim_orders(&orders, &codes)
-                .await?
-                .into_iter()
-                .collect()
+        let granted: HashSet<String> = match &self.claims {
+            // One shard: its own commit keeps the rule; every row goes to it.
+            None => first.keys().map(|o| o.to_string()).collect(),
+            Some(_) if first.is_empty() => HashSet::new(),
+            Some(claims) => {
+                let ask: Vec<(String, String)> = first
+                    .iter()
+                    .map(|(o, c)| (o.to_string(), c.to_string()))
+                    .collect();
+                claims.call(ask).await?
+            }
         };
         let allowed = batches
             .iter()
@@ -191,7 +259,11 @@ impl ShardedLedger {
             })
             .collect();
         Ok(Claims {
-            claimed: granted,
+            claimed: if self.claims.is_some() {
+                granted
+            } else {
+                HashSet::new()
+            },
             allowed,
         })
     }

@@ -178,3 +178,50 @@ async fn a_sharded_ledger_sells_each_voucher_on_its_shard_and_a_down_shard_stops
         "4 sold while the shard was down, 1 after: {after}"
     );
 }
+
+/// `ledger.order_ids_across_shards = false`: no order claims; an order id is kept to one
+/// voucher within its shard only, so the same order id on vouchers of two shards gets two
+/// `201`s, and on two vouchers of one shard `409 ALREADY_USED`.
+#[actix_web::test]
+#[cfg_attr(
+    no_test_pg,
+    ignore = "needs TEST_DATABASE_URL (PostgreSQL); .ci/run sets it"
+)]
+async fn order_ids_may_be_kept_per_shard_by_choice() {
+    let mut urls = Vec::new();
+    for i in 0..2 {
+        let Some(url) = fresh_pg_schema(&format!("pershard{i}")).await else {
+            return;
+        };
+        urls.push(url);
+    }
+    let shards = urls.clone();
+    let app = spawn_app_with(|s| {
+        s.ledger.shards = shards;
+        s.ledger.order_ids_across_shards = false;
+    })
+    .await;
+    // By room: P0 and P2 on the first shard, P1 on the second.
+    for c in ["P0", "P1", "P2"] {
+        let (status, body) = app
+            .create_voucher_with(crate::helpers::voucher_body(c, 10, 1))
+            .await;
+        assert_eq!(status, 201, "{body}");
+    }
+    let placed = placement(&urls).await;
+    assert_eq!((placed["P0"], placed["P1"], placed["P2"]), (0, 1, 0));
+    assert_eq!(app.reserve("P0", 1, "same").await.0, 201);
+    assert_eq!(app.reserve("P1", 1, "same").await.0, 201, "another shard");
+    let (status, body) = app.reserve("P2", 1, "same").await;
+    assert_eq!(
+        (status, body["error"].as_str()),
+        (409, Some("ALREADY_USED")),
+        "the same shard: {body}"
+    );
+    let pool = sqlx::PgPool::connect(&urls[0]).await.unwrap();
+    let claims: i64 = sqlx::query_scalar("SELECT count(*) FROM order_claims")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(claims, 0, "no claims are made");
+}

@@ -138,23 +138,25 @@ impl PostgresLedger {
         Ok(shard)
     }
 
-    /// Claims each of `orders` (distinct) for the voucher beside it, where no other voucher
-    /// has it, and counts the calling commit on it: returns those claimed or joined for their
-    /// own voucher. Called in order-id order, as every caller does.
+    /// Claims each of `orders` (distinct, in order-id order as every caller gives them) for
+    /// the voucher beside it where no other voucher has it, and counts the commit calls beside
+    /// it on the claim: returns those claimed or joined for their own voucher.
     pub(crate) async fn claim_orders(
         &self,
         orders: &[&str],
         codes: &[&str],
+        calls: &[i64],
     ) -> Result<Vec<String>, LedgerError> {
         Ok(sqlx::query_scalar(
             "INSERT INTO order_claims (order_id, code, pending) \
-             SELECT o, c, 1 FROM UNNEST($1::TEXT[], $2::TEXT[]) AS x(o, c) \
-             ON CONFLICT (order_id) DO UPDATE SET pending = order_claims.pending + 1 \
+             SELECT o, c, n FROM UNNEST($1::TEXT[], $2::TEXT[], $3::BIGINT[]) AS x(o, c, n) \
+             ON CONFLICT (order_id) DO UPDATE SET pending = order_claims.pending + EXCLUDED.pending \
              WHERE order_claims.code = EXCLUDED.code \
              RETURNING order_id",
         )
         .bind(orders)
         .bind(codes)
+        .bind(calls)
         .fetch_all(&self.pool())
         .await?)
     }
