@@ -49,8 +49,11 @@ pub struct ShardedLedger {
     /// The commits' order claims, merged into one statement on the directory per round
     /// ([`claims_merged`]); none with one shard, whose own commit keeps the order rule, or
     /// where the rule is kept per shard (`ledger.order_ids_across_shards = false`).
-    claims: Option<Coalescer<Vec<(String, String)>, HashSet<String>>>,
+    claims: Option<Coalescer<ClaimAsk, HashSet<String>>>,
 }
+
+/// One commit call's claim: its distinct `(order id, voucher)` pairs.
+type ClaimAsk = Vec<(String, String)>;
 
 /// Claims merged into one call at most.
 const MAX_MERGED_CLAIMS: usize = 1024;
