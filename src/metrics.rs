@@ -361,7 +361,7 @@ fn register_catalogue() {
     counter!(USAGE_MISMATCHES).increment(0);
     counter!(BREAKER_OPENED).increment(0);
     counter!(LEDGER_FAILOVERS).increment(0);
-    breaker_state(BreakerState::Closed);
+    breaker_state(None, BreakerState::Closed);
     counter!(EXPIRED).increment(0);
     counter!(KNOWN_CODES_READS).increment(0);
     switches(false, false);
@@ -592,9 +592,13 @@ pub const LEDGER_SERVER: &str = "vouchers_ledger_server";
 pub const LEDGER_FAILOVERS: &str = "vouchers_ledger_failovers_total";
 pub const BREAKER_OPENED: &str = "vouchers_ledger_breaker_opened_total";
 
-/// The ledger circuit breaker's state: 0 closed, 1 half-open (a probe is out), 2 open.
-pub fn breaker_state(state: BreakerState) {
-    gauge!(BREAKER_STATE).set(state.level());
+/// The ledger circuit breaker's state: 0 closed, 1 half-open (a probe is out), 2 open. With
+/// shards, one series per shard (`shard`: its place in `ledger.shards`, at most 256).
+pub fn breaker_state(shard: Option<&str>, state: BreakerState) {
+    match shard {
+        None => gauge!(BREAKER_STATE).set(state.level()),
+        Some(s) => gauge!(BREAKER_STATE, "shard" => s.to_string()).set(state.level()),
+    }
 }
 
 /// The server this node writes to is `labels[current]`.
@@ -614,8 +618,11 @@ pub fn ledger_failover() {
 }
 
 /// The breaker opened after failures in a row (a failed probe reopening it is not counted).
-pub fn breaker_opened() {
-    counter!(BREAKER_OPENED).increment(1);
+pub fn breaker_opened(shard: Option<&str>) {
+    match shard {
+        None => counter!(BREAKER_OPENED).increment(1),
+        Some(s) => counter!(BREAKER_OPENED, "shard" => s.to_string()).increment(1),
+    }
 }
 
 #[cfg(test)]

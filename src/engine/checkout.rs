@@ -240,7 +240,7 @@ impl EngineHandle {
                 m::reservation(outcome_of(&res));
                 return res;
             }
-            if self.ledger_refused() {
+            if self.ledger_refused(code) {
                 m::reservation(Outcome::Unavailable);
                 return Err(EngineError::Unavailable);
             }
@@ -308,13 +308,11 @@ impl EngineHandle {
         }
     }
 
-    /// The node's circuit breaker is open and cooling down (or probing): a new reserve would
-    /// only fail later. Once it has cooled down, reserves go through, and the first batch probes.
-    fn ledger_refused(&self) -> bool {
-        self.node
-            .ledger
-            .breaker()
-            .is_some_and(|b| b.refuses(b.now_ms()))
+    /// The circuit breaker `code`'s calls pass (the node's, or its shard's) is open and cooling
+    /// down (or probing): a new reserve would only fail later. Once it has cooled down,
+    /// reserves go through, and the first batch probes.
+    fn ledger_refused(&self, code: &str) -> bool {
+        self.node.ledger.refuses(code)
     }
 
     /// Confirm and release first read the reservation: made-up order ids get `404` from that read

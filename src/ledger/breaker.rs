@@ -56,6 +56,9 @@ pub struct Breaker {
     moves: Option<Box<dyn Fn() -> u64 + Send + Sync>>,
     /// [`Breaker::moves`] when it last opened.
     moves_at_open: AtomicU64,
+    /// The shard it guards (its place in `ledger.shards`), for its metrics' label; `None` for
+    /// a node's one ledger.
+    shard: Option<String>,
 }
 
 impl Breaker {
@@ -70,7 +73,14 @@ impl Breaker {
             on_outage: None,
             moves: None,
             moves_at_open: AtomicU64::new(0),
+            shard: None,
         }
+    }
+
+    /// The breaker of shard `shard` (its metrics carry the label).
+    pub fn for_shard(mut self, shard: usize) -> Self {
+        self.shard = Some(shard.to_string());
+        self
     }
 
     /// The breaker, cooling down only while `moves` (the store's switches of server) stays
@@ -135,7 +145,10 @@ impl Breaker {
                     Ordering::Acquire,
                 ) {
                     Ok(_) => {
-                        crate::metrics::breaker_state(BreakerState::HalfOpen);
+                        crate::metrics::breaker_state(
+                            self.shard.as_deref(),
+                            BreakerState::HalfOpen,
+                        );
                         Admit::Probe
                     }
                     Err(_) => Admit::Refuse,
@@ -170,7 +183,7 @@ impl Breaker {
             if admitted == Admit::Probe {
                 self.moves_at_open.store(u64::MAX, Ordering::Release);
                 self.state.store(OPEN, Ordering::Release);
-                crate::metrics::breaker_state(BreakerState::Open);
+                crate::metrics::breaker_state(self.shard.as_deref(), BreakerState::Open);
             }
             return res;
         }
@@ -185,7 +198,7 @@ impl Breaker {
             self.in_a_row.store(0, Ordering::Release);
             if admitted == Admit::Probe {
                 self.state.store(CLOSED, Ordering::Release);
-                crate::metrics::breaker_state(BreakerState::Closed);
+                crate::metrics::breaker_state(self.shard.as_deref(), BreakerState::Closed);
                 tracing::info!("ledger answers again: circuit closed");
             }
             return;
@@ -199,9 +212,9 @@ impl Breaker {
             self.moves_at_open.store(self.moves(), Ordering::Release);
             self.opened_at.store(now, Ordering::Release);
             self.state.store(OPEN, Ordering::Release);
-            crate::metrics::breaker_state(BreakerState::Open);
+            crate::metrics::breaker_state(self.shard.as_deref(), BreakerState::Open);
             if admitted != Admit::Probe {
-                crate::metrics::breaker_opened();
+                crate::metrics::breaker_opened(self.shard.as_deref());
                 tracing::warn!(failures = n, "ledger unavailable: circuit open");
             }
         }

@@ -386,6 +386,13 @@ pub trait Ledger: Send + Sync + 'static {
     fn breaker(&self) -> Option<&breaker::Breaker> {
         None
     }
+    /// Whether a call about `code` would be refused at once now: the breaker it passes is open
+    /// and cooling down (or probing). The frontend then answers a reserve `503` without its
+    /// actor; with shards, only the vouchers of the shard whose breaker is open.
+    fn refuses(&self, code: &str) -> bool {
+        let _ = code;
+        self.breaker().is_some_and(|b| b.refuses(b.now_ms()))
+    }
     /// A call could not reach the ledger: a store that lists several servers looks for the
     /// one to use now (a promoted standby).
     fn lost(&self) {}
@@ -934,8 +941,10 @@ fn connect_shards_on(
             .await?;
             let shards: Vec<SharedLedger> = stores
                 .iter()
-                .map(|s| {
-                    Arc::new(NodeLedger::start(s.clone(), rt.clone(), &settings)) as SharedLedger
+                .enumerate()
+                .map(|(i, s)| {
+                    let node = NodeLedger::start_shard(s.clone(), rt.clone(), &settings, Some(i));
+                    Arc::new(node) as SharedLedger
                 })
                 .collect();
             let deadline = std::time::Duration::from_millis(settings.timeout_ms.max(1));

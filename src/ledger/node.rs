@@ -66,16 +66,29 @@ impl NodeLedger {
     /// Wraps `inner` so that every call runs on `rt`, and starts the node's group committer
     /// there.
     pub fn start(inner: SharedLedger, rt: Handle, settings: &LedgerSettings) -> Self {
+        Self::start_shard(inner, rt, settings, None)
+    }
+
+    /// [`NodeLedger::start`] for shard `shard` of a sharded ledger (its breaker's metrics carry
+    /// the shard).
+    pub fn start_shard(
+        inner: SharedLedger,
+        rt: Handle,
+        settings: &LedgerSettings,
+        shard: Option<usize>,
+    ) -> Self {
         let deadline = std::time::Duration::from_millis(settings.timeout_ms.max(1));
         // The merged calls' own deadline runs inside the breaker (a hung ledger counts as a
         // failure there); the coalescers' is a backstop behind it.
         let backstop = deadline + std::time::Duration::from_secs(1);
         let (store, moved) = (inner.clone(), inner.clone());
-        let breaker = Arc::new(
-            Breaker::new(settings.breaker_failures, settings.breaker_open_ms)
-                .on_outage(move || store.lost())
-                .on_move(move || moved.failovers()),
-        );
+        let mut breaker = Breaker::new(settings.breaker_failures, settings.breaker_open_ms)
+            .on_outage(move || store.lost())
+            .on_move(move || moved.failovers());
+        if let Some(s) = shard {
+            breaker = breaker.for_shard(s);
+        }
+        let breaker = Arc::new(breaker);
         let (merged, guard) = (inner.clone(), breaker.clone());
         let committer = Committer::start(
             &rt,

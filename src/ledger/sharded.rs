@@ -552,6 +552,17 @@ impl Ledger for ShardedLedger {
         self.shards[0].ping().await
     }
 
+    /// Its shard's breaker (a code not placed yet: none refuses it here).
+    fn refuses(&self, code: &str) -> bool {
+        let shard = self
+            .placed
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(code)
+            .copied();
+        shard.is_some_and(|s| self.shards[s].refuses(code))
+    }
+
     fn lost(&self) {
         self.shards.iter().for_each(|s| s.lost());
     }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::helpers::{eventually, send, spawn_app_with, TestApp, TOKEN};
+use crate::helpers::{eventually, metric_sum, metrics_text, send, spawn_app_with, TestApp, TOKEN};
 use crate::ledger::fresh_pg_schema;
 use crate::proxy::Proxy;
 
@@ -148,6 +148,24 @@ async fn a_sharded_ledger_sells_each_voucher_on_its_shard_and_a_down_shard_stops
         let (status, body) = app.reserve(c, 200 + i as i64, format!("{c}-up")).await;
         assert_eq!(status, 201, "{c} lives on a shard that is up: {body}");
     }
+    // The third shard's breaker shows it, in a series of its own.
+    let (client, base, down) = (&app.client, &app.base, on(2)[0].clone());
+    let down = &down;
+    eventually(
+        "shard 2's breaker opens",
+        Duration::from_secs(10),
+        || async move {
+            let m = metrics_text(client, base).await;
+            let open = metric_sum(&m, "vouchers_ledger_breaker_state", &["shard=\"2\""]);
+            if open < 1.0 {
+                // More failures in a row open it.
+                let order = format!("{down}-more");
+                let _ = crate::helpers::reserve(client, base, down, 999, &order).await;
+            }
+            open >= 1.0
+        },
+    )
+    .await;
     // Back: its vouchers sell again.
     proxy.restore();
     let c = on(2)[0].clone();
