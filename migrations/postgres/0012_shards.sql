@@ -43,8 +43,10 @@ CREATE TABLE IF NOT EXISTS shard_self (
 -- whose row was stored (or may have been: a lost answer, a crash) never gives its count back,
 -- so such a claim stays for good; one whose rows were all refused gives it back, and a claim
 -- back at zero goes away, so an order refused on one voucher may try another.
+-- Order ids compare bytewise ("C"), as the callers sort them, whatever the database's
+-- collation: every statement locks claims in the same order, so none waits on another.
 CREATE TABLE IF NOT EXISTS order_claims (
-    order_id TEXT   PRIMARY KEY,
+    order_id TEXT COLLATE "C" PRIMARY KEY,
     code     TEXT   NOT NULL,
     pending  BIGINT NOT NULL CHECK (pending >= 0)
 );

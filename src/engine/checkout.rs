@@ -44,7 +44,7 @@ pub(crate) async fn settle_without_units(
 ) -> Result<Vec<Result<Reserved, EngineError>>, LedgerError> {
     let ids: Vec<String> = reqs.iter().map(|r| r.order_id.clone()).collect();
     let found: HashMap<String, Reservation> = ledger
-        .find_orders(&ids)
+        .find_orders_for(code, &ids)
         .await?
         .into_iter()
         .map(|r| (r.order_id.clone(), r))
@@ -352,7 +352,7 @@ impl EngineHandle {
         let found = self
             .node
             .ledger
-            .find_orders(&[order_id.to_string()])
+            .find_orders_for(code, &[order_id.to_string()])
             .await?;
         found
             .into_iter()

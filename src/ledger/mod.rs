@@ -571,6 +571,17 @@ pub trait Ledger: Send + Sync + 'static {
     async fn commit_batches(&self, batches: &[Batch]) -> Result<BatchResults, LedgerError>;
     /// The reservations with these order ids (any voucher), for answering repeats without a lease.
     async fn find_orders(&self, order_ids: &[String]) -> Result<Vec<Reservation>, LedgerError>;
+    /// [`Ledger::find_orders`] asked about `code`: what it answers of `code`'s own reservations
+    /// is complete (with shards, an error rather than a silence while `code`'s shard is down),
+    /// what it answers of other vouchers' may not be.
+    async fn find_orders_for(
+        &self,
+        code: &str,
+        order_ids: &[String],
+    ) -> Result<Vec<Reservation>, LedgerError> {
+        let _ = code;
+        self.find_orders(order_ids).await
+    }
     /// `(order id, customer)` of a voucher's live (reserved or confirmed) reservations: the won
     /// set of §5, and who is at their limit.
     async fn won_orders(&self, code: &str) -> Result<Vec<(String, i64)>, LedgerError>;
@@ -858,11 +869,23 @@ pub async fn connect_with_timeout(
                 .await
                 .context("open sqlite ledger")?,
         ),
-        LedgerKind::Postgres => Arc::new(
-            postgres::PostgresLedger::connect(url, max_connections, timeout_ms, acquire_timeout_ms)
-                .await
-                .context("open postgres ledger")?,
-        ),
+        LedgerKind::Postgres => {
+            let store = postgres::PostgresLedger::connect(
+                url,
+                max_connections,
+                timeout_ms,
+                acquire_timeout_ms,
+            )
+            .await
+            .context("open postgres ledger")?;
+            if store.is_shard().await.context("read the ledger's shard")? {
+                anyhow::bail!(
+                    "this database is a shard of a sharded ledger: list every shard in \
+                     ledger.shards instead of ledger.url"
+                );
+            }
+            Arc::new(store)
+        }
     };
     Ok(ledger)
 }

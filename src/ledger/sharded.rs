@@ -300,8 +300,13 @@ impl ShardedLedger {
                         }
                     }
                 }
-                // Refused as a whole: nothing of it was stored.
-                Err(LedgerError::Fenced | LedgerError::NotFound) => {}
+                // Refused as a whole, or never sent: nothing of it was stored.
+                Err(
+                    LedgerError::Fenced
+                    | LedgerError::NotFound
+                    | LedgerError::CircuitOpen
+                    | LedgerError::QueueFull,
+                ) => {}
                 Err(_) => sent.for_each(|order| {
                     kept.insert(order, true);
                 }),
@@ -317,7 +322,9 @@ impl ShardedLedger {
         }
         refused.sort_unstable();
         if let Err(e) = self.directory.release_claims(&refused).await {
-            // The counts stay: those orders are refused on other vouchers, never taken twice.
+            // The counts stay (a release whose answer was lost may have given them back, so it
+            // is not tried again): those orders are refused on other vouchers, never taken
+            // twice.
             tracing::warn!(orders = refused.len(), error = %e, "could not release order claims");
         }
     }
@@ -418,10 +425,11 @@ impl ShardedLedger {
         let mut done: BatchResults = Vec::with_capacity(answers.len());
         for (pos, r) in answers.into_iter().enumerate() {
             done.push(match r {
-                Ok(rows) => match self.blocked(&claims, pos, &batches[pos], &rows).await {
-                    Ok(blocked) => Ok(claims.answers(pos, rows, blocked)),
-                    Err(e) => Err(e),
-                },
+                Ok(rows) => {
+                    // The shard's answers stand whatever this read finds.
+                    let blocked = self.blocked(&claims, pos, &batches[pos], &rows).await;
+                    Ok(claims.answers(pos, rows, blocked.unwrap_or(None)))
+                }
                 Err(e) => Err(e),
             });
         }
@@ -471,13 +479,21 @@ impl ShardedLedger {
     }
 }
 
-/// A shard's lease id as the sharded ledger's.
+/// A shard's lease id as the sharded ledger's (ids past 2^55 would not fit: none is made
+/// before a shard has granted that many leases; one that would becomes -1, which no shard
+/// knows, so it is fenced rather than routed to another lease).
 fn lease_out(shard: usize, id: i64) -> i64 {
+    if !(0..=(i64::MAX >> SHARD_BITS)).contains(&id) {
+        return -1;
+    }
     (id << SHARD_BITS) | shard as i64
 }
 
-/// The shard of a sharded lease id, and the shard's own id.
+/// The shard of a sharded lease id, and the shard's own id (a negative id: no shard).
 fn lease_in(id: i64) -> (usize, i64) {
+    if id < 0 {
+        return (usize::MAX, id);
+    }
     ((id & (MAX_SHARDS as i64 - 1)) as usize, id >> SHARD_BITS)
 }
 
@@ -856,7 +872,8 @@ impl Ledger for ShardedLedger {
         self.settle(&claims, &[batch], std::slice::from_ref(&got))
             .await;
         let got = got?;
-        let blocked = self.blocked(&claims, 0, batch, &got).await?;
+        // The shard's answers stand whatever this read finds.
+        let blocked = self.blocked(&claims, 0, batch, &got).await.unwrap_or(None);
         Ok(claims.answers(0, got, blocked))
     }
 
@@ -869,10 +886,11 @@ impl Ledger for ShardedLedger {
         let (mut now, mut later) = (Vec::new(), Vec::new());
         for (pos, b) in batches.iter().enumerate() {
             let code = b.voucher_code.as_str();
-            let clash = b
-                .rows
-                .iter()
-                .any(|r| first.get(r.order_id.as_str()).is_some_and(|c| *c != code));
+            // From the first clash on, every batch waits: slice order holds.
+            let clash = !later.is_empty()
+                || b.rows
+                    .iter()
+                    .any(|r| first.get(r.order_id.as_str()).is_some_and(|c| *c != code));
             if clash {
                 later.push(pos);
                 continue;
@@ -913,6 +931,35 @@ impl Ledger for ShardedLedger {
             self.each_up("finding orders", |l| l.find_orders(order_ids))
                 .await?,
         ))
+    }
+
+    /// `code`'s shard strictly, the others as they answer.
+    async fn find_orders_for(
+        &self,
+        code: &str,
+        order_ids: &[String],
+    ) -> Result<Vec<Reservation>, LedgerError> {
+        let Some(own) = self.shard_of(code).await? else {
+            return self.find_orders(order_ids).await;
+        };
+        let (mine, others) = tokio::join!(
+            self.shards[own].find_orders(order_ids),
+            join_all(
+                self.shards
+                    .iter()
+                    .enumerate()
+                    .filter(|(s, _)| *s != own)
+                    .map(|(_, l)| l.find_orders(order_ids))
+            )
+        );
+        let mut found = mine?;
+        for other in others {
+            match other {
+                Ok(rows) => found.extend(rows),
+                Err(e) => tracing::warn!(error = %e, "finding orders failed on a shard"),
+            }
+        }
+        Ok(found)
     }
 
     async fn won_orders(&self, code: &str) -> Result<Vec<(String, i64)>, LedgerError> {
@@ -1087,5 +1134,7 @@ mod tests {
             }
         }
         assert_ne!(lease_out(0, 1), lease_out(1, 1));
+        assert_eq!(lease_out(3, (i64::MAX >> SHARD_BITS) + 1), -1, "too large");
+        assert_eq!(lease_in(-1).0, usize::MAX, "no shard");
     }
 }

@@ -1742,6 +1742,53 @@ async fn order_claims_keep_an_order_on_one_voucher_across_shards() {
         .await;
 }
 
+/// A shard's database is refused as a ledger of its own (its orders would go unclaimed), and a
+/// database that already holds vouchers is refused as a shard after the first.
+#[tokio::test]
+#[cfg_attr(
+    no_test_pg,
+    ignore = "needs TEST_DATABASE_URL (PostgreSQL); .ci/run sets it"
+)]
+async fn shard_databases_are_used_only_as_shards() {
+    let (Some(a), Some(b), Some(c)) = (
+        fresh_pg_schema("only0").await,
+        fresh_pg_schema("only1").await,
+        fresh_pg_schema("only2").await,
+    ) else {
+        return;
+    };
+    let l = ledger::connect_sharded(&[a.clone(), b.clone()], 2)
+        .await
+        .unwrap();
+    drop(l);
+    for url in [&a, &b] {
+        let e = ledger::connect(url, 2).await.err().expect("refused");
+        assert!(format!("{e:#}").contains("ledger.shards"), "{e:#}");
+    }
+    // A single ledger with vouchers may become the first shard, not a later one.
+    let single = ledger::connect(&c, 2).await.unwrap();
+    single
+        .create_voucher(&voucher("OLD", 5, 1), NOW)
+        .await
+        .unwrap();
+    let (Some(d), Some(e)) = (
+        fresh_pg_schema("only3").await,
+        fresh_pg_schema("only4").await,
+    ) else {
+        return;
+    };
+    let err = ledger::connect_sharded(&[d, c.clone()], 2)
+        .await
+        .err()
+        .expect("refused");
+    assert!(format!("{err:#}").contains("start empty"), "{err:#}");
+    let l = ledger::connect_sharded(&[c, e], 2).await.unwrap();
+    assert!(
+        l.voucher("OLD").await.unwrap().is_some(),
+        "kept on the first shard"
+    );
+}
+
 /// DESIGN §3's last line on PostgreSQL after leases close: the grant check reads what closed
 /// leases consumed from the voucher's `closed_consumed` (migration 10), which a trigger keeps at
 /// every close (a return, a reap, an older build's own statement); a grant past the total is

@@ -148,6 +148,29 @@ async fn a_sharded_ledger_sells_each_voucher_on_its_shard_and_a_down_shard_stops
         let (status, body) = app.reserve(c, 200 + i as i64, format!("{c}-up")).await;
         assert_eq!(status, 201, "{c} lives on a shard that is up: {body}");
     }
+    // The change feed goes on with the shards that answer, and a reservation on the shard
+    // that is down is unavailable (503), not unknown (404); one on a shard that is up reads.
+    let during = events(&app, 6).await;
+    assert!(
+        during["events"].as_array().unwrap().len() >= 4,
+        "the up shards' reserves: {during}"
+    );
+    let down_code = on(2)[0].clone();
+    let (status, body) = app
+        .call(
+            "GET",
+            &format!("/vouchers/{down_code}/reservations/{down_code}-1"),
+        )
+        .await;
+    assert_eq!(status, 503, "{body}");
+    let up_code = on(0)[0].clone();
+    let (status, body) = app
+        .call(
+            "GET",
+            &format!("/vouchers/{up_code}/reservations/{up_code}-1"),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
     // The third shard's breaker shows it, in a series of its own.
     let (client, base, down) = (&app.client, &app.base, on(2)[0].clone());
     let down = &down;

@@ -13,7 +13,12 @@ use crate::ledger::LedgerError;
 const FEED_MERGE_LOCK: i64 = 0x766f_7563_6865_7266;
 
 const PLACED_SQL: &str = "SELECT code, shard FROM voucher_shards WHERE code = ANY($1)";
-const ROOM_SQL: &str =
+/// The shard with the fewest vouchers that no other create holds now (`SKIP LOCKED`: under
+/// concurrent creates the rows' order is not checked again after a wait, so waiting would put
+/// a campaign's vouchers all on one shard), else any, waiting for it.
+const ROOM_SQL: &str = "SELECT shard FROM shard_room WHERE shard < $1 \
+                        ORDER BY vouchers, shard LIMIT 1 FOR UPDATE SKIP LOCKED";
+const ANY_ROOM_SQL: &str =
     "SELECT shard FROM shard_room WHERE shard < $1 ORDER BY vouchers, shard LIMIT 1 FOR UPDATE";
 const PLACE_SQL: &str = "INSERT INTO voucher_shards (code, shard) VALUES ($1, $2) \
                          ON CONFLICT (code) DO NOTHING";
@@ -29,13 +34,14 @@ impl PostgresLedger {
     /// Records that this database is shard `shard` of the cluster whose directory is
     /// `directory` (the first shard's feed origin), or checks that it already was.
     pub(crate) async fn claim_shard(&self, shard: i32, directory: &str) -> Result<(), LedgerError> {
-        let (was, of): (i32, String) = sqlx::query_as(
+        let mut tx = self.pool().begin().await?;
+        let (was, of, new): (i32, String, bool) = sqlx::query_as(
             "INSERT INTO shard_self (id, shard, directory) VALUES (1, $1, $2) \
-             ON CONFLICT (id) DO UPDATE SET id = 1 RETURNING shard, directory",
+             ON CONFLICT (id) DO UPDATE SET id = 1 RETURNING shard, directory, xmax = 0",
         )
         .bind(shard)
         .bind(directory)
-        .fetch_one(&self.pool())
+        .fetch_one(&mut *tx)
         .await?;
         if (was, of.as_str()) != (shard, directory) {
             return Err(LedgerError::Invalid(
@@ -43,7 +49,30 @@ impl PostgresLedger {
                  or one of another cluster",
             ));
         }
+        if new && shard > 0 {
+            // Only the first shard may bring vouchers of its own (a single ledger before):
+            // another's would be in no directory, and their orders unclaimed.
+            let holds: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM vouchers)")
+                .fetch_one(&mut *tx)
+                .await?;
+            if holds {
+                return Err(LedgerError::Invalid(
+                    "a shard after the first must start empty: this database holds vouchers",
+                ));
+            }
+        }
+        tx.commit().await?;
         Ok(())
+    }
+
+    /// Whether this database is a shard of a sharded ledger: a node must then not use it as a
+    /// ledger of its own (its orders would not be claimed).
+    pub(crate) async fn is_shard(&self) -> Result<bool, LedgerError> {
+        Ok(
+            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM shard_self)")
+                .fetch_one(&self.pool())
+                .await?,
+        )
     }
 
     /// Makes this database the directory of `shards` shards: every voucher already here (a
@@ -55,16 +84,18 @@ impl PostgresLedger {
             .bind(FEED_MERGE_LOCK)
             .execute(&mut *tx)
             .await?;
-        let placed: i64 = sqlx::query_scalar(
-            "WITH p AS (INSERT INTO voucher_shards (code, shard) SELECT code, 0 FROM vouchers \
-             ON CONFLICT (code) DO NOTHING RETURNING 1) SELECT count(*) FROM p",
-        )
-        .fetch_one(&mut *tx)
-        .await?;
         let first: bool = sqlx::query_scalar("SELECT NOT EXISTS (SELECT 1 FROM shard_room)")
             .fetch_one(&mut *tx)
             .await?;
+        let mut placed: i64 = 0;
         if first {
+            // A single ledger that becomes the first shard: its vouchers stay on it.
+            placed = sqlx::query_scalar(
+                "WITH p AS (INSERT INTO voucher_shards (code, shard) SELECT code, 0 \
+                 FROM vouchers ON CONFLICT (code) DO NOTHING RETURNING 1) SELECT count(*) FROM p",
+            )
+            .fetch_one(&mut *tx)
+            .await?;
             // The reservations of a single ledger that becomes the first shard hold their ids.
             sqlx::query(
                 "INSERT INTO order_claims (order_id, code, pending) \
@@ -85,9 +116,10 @@ impl PostgresLedger {
             .bind(placed)
             .execute(&mut *tx)
             .await?;
-        let highest: Option<i32> = sqlx::query_scalar("SELECT max(shard) FROM voucher_shards")
-            .fetch_one(&mut *tx)
-            .await?;
+        let highest: Option<i32> =
+            sqlx::query_scalar("SELECT max(shard) FROM shard_room WHERE vouchers > 0")
+                .fetch_one(&mut *tx)
+                .await?;
         if highest.is_some_and(|h| h >= shards) {
             return Err(LedgerError::Invalid(
                 "the directory places vouchers on a shard ledger.shards does not list",
@@ -113,10 +145,19 @@ impl PostgresLedger {
             return Ok(s);
         }
         let mut tx = self.pool().begin().await?;
-        let shard: i32 = sqlx::query_scalar(ROOM_SQL)
+        let free: Option<i32> = sqlx::query_scalar(ROOM_SQL)
             .bind(shards)
-            .fetch_one(&mut *tx)
+            .fetch_optional(&mut *tx)
             .await?;
+        let shard: i32 = match free {
+            Some(s) => s,
+            None => {
+                sqlx::query_scalar(ANY_ROOM_SQL)
+                    .bind(shards)
+                    .fetch_one(&mut *tx)
+                    .await?
+            }
+        };
         let done = sqlx::query(PLACE_SQL)
             .bind(code)
             .bind(shard)
@@ -200,7 +241,15 @@ impl PostgresLedger {
                 .iter()
                 .find(|(s, _)| *s as usize == shard)
                 .map_or(0, |(_, l)| *l);
-            let events = pull(shard, after, page).await?;
+            // A shard that does not answer is copied at a later merge: the others' events
+            // still come through, each shard's in its own order.
+            let events = match pull(shard, after, page).await {
+                Ok(events) => events,
+                Err(e) => {
+                    tracing::warn!(shard, error = %e, "could not read a shard's feed");
+                    continue;
+                }
+            };
             let Some(head) = events.last().map(|e| e.seq) else {
                 continue;
             };
