@@ -4,11 +4,15 @@
 -- Which shard holds each voucher: chosen when it is created, never by a hash of the code, so
 -- that adding a shard moves no voucher. `epoch` counts the voucher's moves (none yet): a move
 -- can come later without a new format.
+-- `placed_at` (the placing node's clock) lets a node read the codes placed since its last read
+-- from the directory alone, whatever shard is down.
 CREATE TABLE IF NOT EXISTS voucher_shards (
-    code  TEXT   PRIMARY KEY,
-    shard INT    NOT NULL CHECK (shard >= 0),
-    epoch BIGINT NOT NULL DEFAULT 1 CHECK (epoch >= 1)
+    code      TEXT   PRIMARY KEY,
+    shard     INT    NOT NULL CHECK (shard >= 0),
+    epoch     BIGINT NOT NULL DEFAULT 1 CHECK (epoch >= 1),
+    placed_at BIGINT NOT NULL
 );
+CREATE INDEX IF NOT EXISTS voucher_shards_by_placed ON voucher_shards (placed_at);
 -- Vouchers placed on each shard: a new voucher goes to the shard with the fewest.
 CREATE TABLE IF NOT EXISTS shard_room (
     shard    INT    PRIMARY KEY CHECK (shard >= 0),

@@ -192,9 +192,9 @@ impl ShardedLedger {
         Ok((s, &self.shards[s]))
     }
 
-    /// Places `code` (or finds where it was placed).
-    async fn place(&self, code: &str) -> Result<usize, LedgerError> {
-        let shard = self.directory.place(code, self.shard_count()).await?;
+    /// Places `code` (or finds where it was placed), at `now`.
+    async fn place(&self, code: &str, now: Millis) -> Result<usize, LedgerError> {
+        let shard = self.directory.place(code, self.shard_count(), now).await?;
         let s = self
             .index(shard)
             .ok_or(LedgerError::Inconsistent("placed on a shard not listed"))?;
@@ -596,7 +596,7 @@ impl Ledger for ShardedLedger {
     }
 
     async fn create_voucher(&self, voucher: &Voucher, now: Millis) -> Result<(), LedgerError> {
-        let s = self.place(&voucher.code).await?;
+        let s = self.place(&voucher.code, now).await?;
         self.shards[s].create_voucher(voucher, now).await
     }
 
@@ -1075,13 +1075,17 @@ impl Ledger for ShardedLedger {
     }
 
     /// Each shard's page from `after`, merged in code order and cut at `limit`: the next page
-    /// starts after the last code of this one, so none is skipped.
+    /// starts after the last code of this one, so none is skipped. The whole catalogue (no
+    /// window) comes from the directory alone, whatever shard is down.
     async fn voucher_codes(
         &self,
         ending_after: Millis,
         after: &str,
         limit: i64,
     ) -> Result<Vec<String>, LedgerError> {
+        if ending_after == Millis::MIN {
+            return self.directory.placed_codes(after, limit).await;
+        }
         let mut codes = flat(
             self.each(|l| l.voucher_codes(ending_after, after, limit))
                 .await?,
@@ -1091,8 +1095,10 @@ impl Ledger for ShardedLedger {
         Ok(codes)
     }
 
+    /// From the directory alone, whatever shard is down: the codes placed since (a code whose
+    /// create then failed is known, and found to have no voucher when asked for).
     async fn codes_created_since(&self, since: Millis) -> Result<Vec<String>, LedgerError> {
-        let mut codes = flat(self.each(|l| l.codes_created_since(since)).await?);
+        let mut codes = self.directory.placed_since(since).await?;
         codes.sort();
         Ok(codes)
     }

@@ -171,6 +171,12 @@ async fn a_sharded_ledger_sells_each_voucher_on_its_shard_and_a_down_shard_stops
         )
         .await;
     assert_eq!(status, 200, "{body}");
+    // A voucher created meanwhile goes to a shard that is up and sells.
+    let (status, body) = app
+        .create_voucher_with(crate::helpers::voucher_body("SHNEW", 5, 1))
+        .await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(app.reserve("SHNEW", 1, "SHNEW-1").await.0, 201);
     // The third shard's breaker shows it, in a series of its own.
     let (client, base, down) = (&app.client, &app.base, on(2)[0].clone());
     let down = &down;
@@ -204,6 +210,11 @@ async fn a_sharded_ledger_sells_each_voucher_on_its_shard_and_a_down_shard_stops
         let books = crate::audit::books(&urls[placed[c]], c).await;
         books.assert_balanced(c);
     }
+    assert_ne!(
+        placement(&urls).await["SHNEW"],
+        2,
+        "placed on a shard that was up"
+    );
     let after = events(&app, 6).await;
     let more = after["events"].as_array().unwrap();
     assert_eq!(
@@ -215,8 +226,8 @@ async fn a_sharded_ledger_sells_each_voucher_on_its_shard_and_a_down_shard_stops
     );
     assert_eq!(
         more.len(),
-        5,
-        "4 sold while the shard was down, 1 after: {after}"
+        6,
+        "4 and SHNEW's sold while the shard was down, 1 after: {after}"
     );
 }
 

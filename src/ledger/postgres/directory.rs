@@ -20,8 +20,8 @@ const ROOM_SQL: &str = "SELECT shard FROM shard_room WHERE shard < $1 \
                         ORDER BY vouchers, shard LIMIT 1 FOR UPDATE SKIP LOCKED";
 const ANY_ROOM_SQL: &str =
     "SELECT shard FROM shard_room WHERE shard < $1 ORDER BY vouchers, shard LIMIT 1 FOR UPDATE";
-const PLACE_SQL: &str = "INSERT INTO voucher_shards (code, shard) VALUES ($1, $2) \
-                         ON CONFLICT (code) DO NOTHING";
+const PLACE_SQL: &str = "INSERT INTO voucher_shards (code, shard, placed_at) \
+                         VALUES ($1, $2, $3) ON CONFLICT (code) DO NOTHING";
 const MERGED_SQL: &str = "SELECT seq, kind, voucher_code, order_id, customer_id, at \
                           FROM feed_merged WHERE seq > $1 ORDER BY seq LIMIT $2";
 const COPY_SQL: &str = "INSERT INTO feed_merged \
@@ -91,8 +91,9 @@ impl PostgresLedger {
         if first {
             // A single ledger that becomes the first shard: its vouchers stay on it.
             placed = sqlx::query_scalar(
-                "WITH p AS (INSERT INTO voucher_shards (code, shard) SELECT code, 0 \
-                 FROM vouchers ON CONFLICT (code) DO NOTHING RETURNING 1) SELECT count(*) FROM p",
+                "WITH p AS (INSERT INTO voucher_shards (code, shard, placed_at) \
+                 SELECT code, 0, created_at FROM vouchers ON CONFLICT (code) DO NOTHING \
+                 RETURNING 1) SELECT count(*) FROM p",
             )
             .fetch_one(&mut *tx)
             .await?;
@@ -139,7 +140,12 @@ impl PostgresLedger {
 
     /// The shard of `code`: where the directory placed it, or else the one of the first
     /// `shards` with the fewest vouchers, recorded now.
-    pub(crate) async fn place(&self, code: &str, shards: i32) -> Result<i32, LedgerError> {
+    pub(crate) async fn place(
+        &self,
+        code: &str,
+        shards: i32,
+        now: i64,
+    ) -> Result<i32, LedgerError> {
         let codes = [code.to_string()];
         if let Some((_, s)) = self.placed(&codes).await?.pop() {
             return Ok(s);
@@ -161,6 +167,7 @@ impl PostgresLedger {
         let done = sqlx::query(PLACE_SQL)
             .bind(code)
             .bind(shard)
+            .bind(now)
             .execute(&mut *tx)
             .await?;
         if done.rows_affected() == 0 {
@@ -210,6 +217,31 @@ impl PostgresLedger {
             .execute(&self.pool())
             .await?;
         Ok(())
+    }
+
+    /// A page of the codes placed, in code order after `after`, at most `limit`.
+    pub(crate) async fn placed_codes(
+        &self,
+        after: &str,
+        limit: i64,
+    ) -> Result<Vec<String>, LedgerError> {
+        Ok(sqlx::query_scalar(
+            "SELECT code FROM voucher_shards WHERE code > $1 ORDER BY code LIMIT $2",
+        )
+        .bind(after)
+        .bind(limit)
+        .fetch_all(&self.pool())
+        .await?)
+    }
+
+    /// The codes placed at or after `since` (the placing node's clock).
+    pub(crate) async fn placed_since(&self, since: i64) -> Result<Vec<String>, LedgerError> {
+        Ok(
+            sqlx::query_scalar("SELECT code FROM voucher_shards WHERE placed_at >= $1")
+                .bind(since)
+                .fetch_all(&self.pool())
+                .await?,
+        )
     }
 
     /// Copies what each of `shards` shards' feeds holds beyond what was copied before (at most
