@@ -440,6 +440,38 @@ impl ShardedLedger {
         Ok(answers)
     }
 
+    /// Calls `call(shard, items)` on every shard that has items in `by_shard` (each with its
+    /// position in the caller's list), at once, and puts each answer at its item's position in
+    /// `answers`; the first error fails it all.
+    async fn gather<T: Clone, A, F, Fut>(
+        &self,
+        by_shard: Vec<Vec<(usize, T)>>,
+        answers: &mut [A],
+        call: F,
+    ) -> Result<(), LedgerError>
+    where
+        F: Fn(usize, Vec<T>) -> Fut,
+        Fut: Future<Output = Result<Vec<A>, LedgerError>>,
+    {
+        let parts = try_join_all(by_shard.into_iter().enumerate().map(|(s, part)| {
+            let (positions, items): (Vec<usize>, Vec<T>) = part.into_iter().unzip();
+            let asked = (!items.is_empty()).then(|| call(s, items));
+            async move {
+                match asked {
+                    Some(asked) => Ok::<_, LedgerError>((positions, asked.await?)),
+                    None => Ok((positions, Vec::new())),
+                }
+            }
+        }))
+        .await?;
+        for (positions, got) in parts {
+            for (pos, a) in positions.into_iter().zip(got) {
+                answers[pos] = a;
+            }
+        }
+        Ok(())
+    }
+
     /// `call` on every shard at once, for the node's sweeps and beats: the answers of the
     /// shards that answered (a shard that is down stops only its own vouchers; its sweep runs
     /// again at the next round), an error only when none did.
@@ -657,24 +689,22 @@ impl Ledger for ShardedLedger {
         let mut answers: Vec<Result<Grant, LedgerError>> = (0..asks.len())
             .map(|_| Err(LedgerError::NotFound))
             .collect();
-        let parts = try_join_all(
-            by_shard
-                .into_iter()
-                .enumerate()
-                .map(|(s, part)| async move {
-                    let asks: Vec<GrantAsk> = part.iter().map(|(_, a)| (*a).clone()).collect();
-                    if asks.is_empty() {
-                        return Ok((s, part, Vec::new()));
-                    }
-                    Ok::<_, LedgerError>((s, part, self.shards[s].grant_many(&asks).await?))
-                }),
+        let by_shard = by_shard
+            .into_iter()
+            .map(|part| part.into_iter().map(|(p, a)| (p, a.clone())).collect())
+            .collect();
+        self.gather(
+            by_shard,
+            &mut answers,
+            |s, asks: Vec<GrantAsk>| async move {
+                let got = self.shards[s].grant_many(&asks).await?;
+                Ok(got
+                    .into_iter()
+                    .map(|g| g.map(|g| grant_out(s, g)))
+                    .collect())
+            },
         )
         .await?;
-        for (s, part, got) in parts {
-            for ((pos, _), g) in part.into_iter().zip(got) {
-                answers[pos] = g.map(|g| grant_out(s, g));
-            }
-        }
         debug_assert!(unplaced.iter().all(|p| answers[*p].is_err()));
         Ok(answers)
     }
@@ -750,24 +780,12 @@ impl Ledger for ShardedLedger {
             }
         }
         let mut answers: Vec<Option<Restock>> = vec![None; leases.len()];
-        let parts = try_join_all(
-            by_shard
-                .into_iter()
-                .enumerate()
-                .map(|(s, part)| async move {
-                    let asks: Vec<(i64, Millis)> = part.iter().map(|(_, a)| *a).collect();
-                    if asks.is_empty() {
-                        return Ok((part, Vec::new()));
-                    }
-                    Ok::<_, LedgerError>((part, self.shards[s].return_leases(&asks).await?))
-                }),
+        self.gather(
+            by_shard,
+            &mut answers,
+            |s, asks: Vec<(i64, Millis)>| async move { self.shards[s].return_leases(&asks).await },
         )
         .await?;
-        for (part, got) in parts {
-            for ((pos, _), r) in part.into_iter().zip(got) {
-                answers[pos] = r;
-            }
-        }
         Ok(answers)
     }
 
@@ -1014,24 +1032,14 @@ impl Ledger for ShardedLedger {
     async fn counters_many(&self, codes: &[String]) -> Result<Vec<Option<Counters>>, LedgerError> {
         let (by_shard, _) = self.split(codes, |c| c).await?;
         let mut answers: Vec<Option<Counters>> = vec![None; codes.len()];
-        let parts = try_join_all(
-            by_shard
-                .into_iter()
-                .enumerate()
-                .map(|(s, part)| async move {
-                    let codes: Vec<String> = part.iter().map(|(_, c)| (*c).clone()).collect();
-                    if codes.is_empty() {
-                        return Ok((part, Vec::new()));
-                    }
-                    Ok::<_, LedgerError>((part, self.shards[s].counters_many(&codes).await?))
-                }),
-        )
+        let by_shard = by_shard
+            .into_iter()
+            .map(|part| part.into_iter().map(|(p, c)| (p, c.clone())).collect())
+            .collect();
+        self.gather(by_shard, &mut answers, |s, codes: Vec<String>| async move {
+            self.shards[s].counters_many(&codes).await
+        })
         .await?;
-        for (part, got) in parts {
-            for ((pos, _), c) in part.into_iter().zip(got) {
-                answers[pos] = c;
-            }
-        }
         Ok(answers)
     }
 
