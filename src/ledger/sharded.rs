@@ -472,6 +472,26 @@ impl ShardedLedger {
         Ok(())
     }
 
+    /// Calls `call(shard, codes)` on every shard that holds some of `codes` (those the
+    /// directory places), at once; their answers in one list, or the first error.
+    async fn by_code_shard<T, F, Fut>(
+        &self,
+        codes: &[String],
+        call: F,
+    ) -> Result<Vec<T>, LedgerError>
+    where
+        F: Fn(usize, Vec<String>) -> Fut,
+        Fut: Future<Output = Result<Vec<T>, LedgerError>>,
+    {
+        let (by_shard, _) = self.split(codes, |c| c).await?;
+        let asked = by_shard
+            .into_iter()
+            .enumerate()
+            .filter(|(_, part)| !part.is_empty())
+            .map(|(s, part)| call(s, part.into_iter().map(|(_, c)| c.clone()).collect()));
+        Ok(flat(try_join_all(asked).await?))
+    }
+
     /// `call` on every shard at once, for the node's sweeps and beats: the answers of the
     /// shards that answered (a shard that is down stops only its own vouchers; its sweep runs
     /// again at the next round), an error only when none did.
@@ -640,18 +660,10 @@ impl Ledger for ShardedLedger {
     }
 
     async fn vouchers(&self, codes: &[String]) -> Result<Vec<Voucher>, LedgerError> {
-        let (by_shard, _) = self.split(codes, |c| c).await?;
-        let lists = try_join_all(by_shard.into_iter().enumerate().map(|(s, part)| {
-            let codes: Vec<String> = part.into_iter().map(|(_, c)| c.clone()).collect();
-            async move {
-                if codes.is_empty() {
-                    return Ok(Vec::new());
-                }
-                self.shards[s].vouchers(&codes).await
-            }
-        }))
-        .await?;
-        Ok(flat(lists))
+        self.by_code_shard(codes, |s, codes| async move {
+            self.shards[s].vouchers(&codes).await
+        })
+        .await
     }
 
     async fn voucher_stock(&self, code: &str) -> Result<Option<(Voucher, i64)>, LedgerError> {
@@ -1049,18 +1061,10 @@ impl Ledger for ShardedLedger {
         ending_after: Millis,
         codes: &[String],
     ) -> Result<Vec<LiveUnits>, LedgerError> {
-        let (by_shard, _) = self.split(codes, |c| c).await?;
-        let lists = try_join_all(by_shard.into_iter().enumerate().map(|(s, part)| {
-            let codes: Vec<String> = part.into_iter().map(|(_, c)| c.clone()).collect();
-            async move {
-                if codes.is_empty() {
-                    return Ok(Vec::new());
-                }
-                self.shards[s].live_units(now, ending_after, &codes).await
-            }
-        }))
-        .await?;
-        Ok(flat(lists))
+        self.by_code_shard(codes, |s, codes| async move {
+            self.shards[s].live_units(now, ending_after, &codes).await
+        })
+        .await
     }
 
     async fn starting_between(&self, from: Millis, to: Millis) -> Result<Vec<String>, LedgerError> {
