@@ -824,13 +824,15 @@ pub(crate) fn release_unchanged(
 /// Opens the ledger the settings name on `rt` (a runtime that does nothing else, so database
 /// I/O is never delayed by busy HTTP workers) and returns a handle usable from any runtime. Its
 /// calls go through the node's [`NodeLedger`], whose group committer merges the batches of every
-/// voucher of the node into shared transactions.
+/// voucher of the node into shared transactions. `dead_after_ms` is the nodes' (a sharded
+/// ledger that begins order claims waits that long for nodes without them to stop).
 pub fn connect_on(
     rt: tokio::runtime::Handle,
     settings: &crate::config::LedgerSettings,
+    dead_after_ms: i64,
 ) -> anyhow::Result<SharedLedger> {
     if !settings.shards.is_empty() {
-        return connect_shards_on(rt, settings);
+        return connect_shards_on(rt, settings, dead_after_ms);
     }
     // Opened from a plain thread that blocks on `rt`, so the pool's connections and background
     // tasks belong to it. Start-up only.
@@ -891,20 +893,27 @@ pub async fn connect_with_timeout(
 }
 
 /// Opens a sharded ledger over the PostgreSQL ledgers `urls` name, in that order (each
-/// migrated; the first becomes the directory), each store as it is, without a node's wrapping.
+/// migrated; the first becomes the directory), each store as it is, without a node's wrapping;
+/// `across_shards` as `ledger.order_ids_across_shards` (no wait for other nodes where claims
+/// begin).
 pub async fn connect_sharded(
     urls: &[String],
     max_connections: u32,
+    across_shards: bool,
 ) -> anyhow::Result<SharedLedger> {
     let stores = open_shards(urls, max_connections, 0, 1000).await?;
     let shards: Vec<SharedLedger> = stores.iter().map(|s| s.clone() as SharedLedger).collect();
     let rt = tokio::runtime::Handle::current();
+    let claim = sharded::ClaimSettings {
+        across_shards,
+        settle: std::time::Duration::ZERO,
+    };
     sharded_over(
         &stores,
         shards,
         &rt,
         std::time::Duration::from_secs(5),
-        true,
+        claim,
     )
     .await
 }
@@ -936,10 +945,10 @@ async fn sharded_over(
     shards: Vec<SharedLedger>,
     rt: &tokio::runtime::Handle,
     deadline: std::time::Duration,
-    claim_orders: bool,
+    claim: sharded::ClaimSettings,
 ) -> anyhow::Result<SharedLedger> {
     use anyhow::Context;
-    let ledger = sharded::ShardedLedger::open(stores, shards, rt, deadline, claim_orders)
+    let ledger = sharded::ShardedLedger::open(stores, shards, rt, deadline, claim)
         .await
         .context("open the shards' directory")?;
     Ok(Arc::new(ledger))
@@ -950,6 +959,7 @@ async fn sharded_over(
 fn connect_shards_on(
     rt: tokio::runtime::Handle,
     settings: &crate::config::LedgerSettings,
+    dead_after_ms: i64,
 ) -> anyhow::Result<SharedLedger> {
     let settings = settings.clone();
     let rt2 = rt.clone();
@@ -971,7 +981,12 @@ fn connect_shards_on(
                 })
                 .collect();
             let deadline = std::time::Duration::from_millis(settings.timeout_ms.max(1));
-            let claim = settings.order_ids_across_shards;
+            let claim = sharded::ClaimSettings {
+                across_shards: settings.order_ids_across_shards,
+                settle: std::time::Duration::from_millis(
+                    (dead_after_ms.max(0) as u64).saturating_add(settings.timeout_ms.max(1000)),
+                ),
+            };
             sharded_over(&stores, shards, &rt, deadline, claim).await
         })
     })

@@ -11,6 +11,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -18,6 +19,7 @@ use async_trait::async_trait;
 use futures_util::future::{join_all, try_join_all};
 
 use super::coalesce::{Coalescer, ManyFn};
+use super::postgres::directory::{ClaimStart, MISPLACED, NOT_EMPTY};
 use super::postgres::PostgresLedger;
 use super::{
     Batch, BatchResults, Beat, Counters, Grant, GrantAsk, Incarnation, Lease, Ledger, LedgerError,
@@ -32,6 +34,8 @@ use crate::domain::{
 const SHARD_BITS: u32 = 8;
 /// Most shards a ledger may have.
 pub const MAX_SHARDS: usize = 1 << SHARD_BITS;
+/// Why a shard's answer is no answer: it does not cover every batch or row sent.
+const SHORT_ANSWER: &str = "a shard answered fewer rows than were sent";
 /// Events of each shard copied into the merged feed per read of it.
 const MERGE_PAGE: i64 = 1_000;
 
@@ -50,6 +54,21 @@ pub struct ShardedLedger {
     /// ([`claims_merged`]); none with one shard, whose own commit keeps the order rule, or
     /// where the rule is kept per shard (`ledger.order_ids_across_shards = false`).
     claims: Option<Coalescer<ClaimAsk, HashSet<String>>>,
+    /// This node stores orders without claims, and the directory has since begun them (a shard
+    /// was added, or the setting turned on, by a node started later): it commits nothing more
+    /// (`503`) until it is restarted, so that no order it stores escapes the claims.
+    outrun: AtomicBool,
+}
+
+/// How a node keeps the order rule across shards.
+#[derive(Debug, Clone, Copy)]
+pub struct ClaimSettings {
+    /// `ledger.order_ids_across_shards`.
+    pub across_shards: bool,
+    /// How long nodes that store orders without claims take, at most, to see that claims have
+    /// begun and stop (a beat's dead-after plus a commit's deadline): where they may, the copy
+    /// of the shards' orders into the claims waits that long.
+    pub settle: Duration,
 }
 
 /// One commit call's claim: its distinct `(order id, voucher)` pairs.
@@ -59,43 +78,57 @@ type ClaimAsk = Vec<(String, String)>;
 const MAX_MERGED_CLAIMS: usize = 1024;
 
 /// The merged claim of many commit calls' `(order id, voucher)` pairs (each call's distinct):
-/// an order carried by several calls goes to the voucher of the first call that carries it,
-/// and counts every call that carries it to that voucher. Each call gets the orders claimed or
-/// joined for its own voucher.
+/// an order carried to several vouchers goes to the first of them, in the calls' order, that
+/// the directory lets have it (one statement per choice: a later one asks only for the orders
+/// the earlier ones refused, so a retry of an order stored on W still joins W's claim when an
+/// earlier call of the round carried it to V). Each voucher's claim counts every call that
+/// carries the order to it; each call gets the orders claimed or joined for its own voucher.
 fn claims_merged(directory: Arc<PostgresLedger>) -> ManyFn<Vec<(String, String)>, HashSet<String>> {
     Arc::new(move |asks: Vec<Vec<(String, String)>>| {
         let directory = directory.clone();
         Box::pin(async move {
-            // Sorted by order id: every statement locks the claims in that order.
-            let mut first: BTreeMap<&str, (&str, i64)> = BTreeMap::new();
+            // Per order (sorted by id: every statement locks the claims in that order), its
+            // vouchers in the order the calls carry them, each with its count of calls.
+            let mut wanted: BTreeMap<&str, Vec<(&str, i64)>> = BTreeMap::new();
             for ask in &asks {
                 for (order, code) in ask {
-                    match first.get_mut(order.as_str()) {
-                        Some((c, n)) if *c == code.as_str() => *n += 1,
-                        Some(_) => {}
-                        None => {
-                            first.insert(order, (code, 1));
-                        }
+                    let choices = wanted.entry(order.as_str()).or_default();
+                    match choices.iter_mut().find(|(c, _)| *c == code.as_str()) {
+                        Some((_, n)) => *n += 1,
+                        None => choices.push((code.as_str(), 1)),
                     }
                 }
             }
-            let orders: Vec<&str> = first.keys().copied().collect();
-            let codes: Vec<&str> = first.values().map(|(c, _)| *c).collect();
-            let counts: Vec<i64> = first.values().map(|(_, n)| *n).collect();
-            let granted: HashSet<String> = directory
-                .claim_orders(&orders, &codes, &counts)
-                .await?
-                .into_iter()
-                .collect();
+            let mut won: HashMap<&str, &str> = HashMap::with_capacity(wanted.len());
+            for choice in 0.. {
+                let asked: Vec<(&str, &str, i64)> = wanted
+                    .iter()
+                    .filter(|(o, _)| !won.contains_key(*o))
+                    .filter_map(|(o, choices)| choices.get(choice).map(|(c, n)| (*o, *c, *n)))
+                    .collect();
+                if asked.is_empty() {
+                    break;
+                }
+                let orders: Vec<&str> = asked.iter().map(|a| a.0).collect();
+                let codes: Vec<&str> = asked.iter().map(|a| a.1).collect();
+                let counts: Vec<i64> = asked.iter().map(|a| a.2).collect();
+                let granted: HashSet<String> = directory
+                    .claim_orders(&orders, &codes, &counts)
+                    .await?
+                    .into_iter()
+                    .collect();
+                for (o, c, _) in asked {
+                    if granted.contains(o) {
+                        won.insert(o, c);
+                    }
+                }
+            }
             Ok(asks
                 .iter()
                 .map(|ask| {
                     Ok(ask
                         .iter()
-                        .filter(|(o, c)| {
-                            granted.contains(o)
-                                && first.get(o.as_str()).is_some_and(|(w, _)| *w == c.as_str())
-                        })
+                        .filter(|(o, c)| won.get(o.as_str()) == Some(&c.as_str()))
                         .map(|(o, _)| o.clone())
                         .collect())
                 })
@@ -104,18 +137,33 @@ fn claims_merged(directory: Arc<PostgresLedger>) -> ManyFn<Vec<(String, String)>
     })
 }
 
+/// Whether a commit refused with `e` stored nothing: refused as a whole before its shard's
+/// transaction was sent (a committer's breaker refusal comes back wrapped).
+fn stored_nothing(e: &LedgerError) -> bool {
+    match e {
+        LedgerError::Fenced
+        | LedgerError::NotFound
+        | LedgerError::CircuitOpen
+        | LedgerError::QueueFull => true,
+        LedgerError::CommitFailed(inner) => {
+            matches!(**inner, LedgerError::CircuitOpen | LedgerError::QueueFull)
+                || matches!(&**inner, LedgerError::CommitFailed(_) if stored_nothing(inner))
+        }
+        _ => false,
+    }
+}
+
 impl ShardedLedger {
     /// Opens the sharded ledger over `shards` (each the node's ledger of a store in `stores`,
-    /// in the same order): each database is checked to be at its place, and the first made the
-    /// directory.
-    /// Claims are merged on `rt`, each round within `deadline`; without `claim_orders`, an
-    /// order id is kept to one voucher within each shard only.
+    /// in the same order): each database is checked to be at its place (all before any is
+    /// marked), and the first made the directory. Claims are merged on `rt`, each round within
+    /// `deadline`; where claims begin now, every shard's stored orders are claimed first.
     pub async fn open(
         stores: &[Arc<PostgresLedger>],
         shards: Vec<SharedLedger>,
         rt: &tokio::runtime::Handle,
         deadline: Duration,
-        claim_orders: bool,
+        claim: ClaimSettings,
     ) -> Result<Self, LedgerError> {
         if stores.is_empty() || stores.len() != shards.len() || stores.len() > MAX_SHARDS {
             return Err(LedgerError::Invalid("ledger.shards lists 1 to 256 shards"));
@@ -123,10 +171,44 @@ impl ShardedLedger {
         let directory = stores[0].clone();
         let first = directory.feed_origin().await?;
         for (i, store) in stores.iter().enumerate() {
+            match store.shard_place().await? {
+                (Some((s, of)), _) if (s, of.as_str()) != (i as i32, first.as_str()) => {
+                    return Err(LedgerError::Invalid(MISPLACED));
+                }
+                // Only the first shard may bring vouchers of its own (a single ledger before):
+                // another's would be in no directory.
+                (None, true) if i > 0 => return Err(LedgerError::Invalid(NOT_EMPTY)),
+                _ => {}
+            }
+        }
+        for (i, store) in stores.iter().enumerate() {
             store.claim_shard(i as i32, &first).await?;
         }
-        directory.open_directory(stores.len() as i32).await?;
-        let claims = (claim_orders && stores.len() > 1).then(|| {
+        let start = directory
+            .open_directory(stores.len() as i32, claim.across_shards)
+            .await?;
+        if let ClaimStart::Fill { after_off } = start {
+            if after_off {
+                // Nodes still storing without claims stop at their next beat.
+                tracing::warn!(
+                    wait_ms = claim.settle.as_millis() as u64,
+                    "order claims begin: waiting for nodes without them to stop"
+                );
+                tokio::time::sleep(claim.settle).await;
+            }
+            for (shard, store) in stores.iter().enumerate() {
+                let clashes = directory.fill_claims(store).await?;
+                if clashes > 0 {
+                    tracing::error!(
+                        shard,
+                        orders = clashes,
+                        "orders stored on two vouchers while no claims were made"
+                    );
+                }
+            }
+            directory.claims_filled().await?;
+        }
+        let claims = (start != ClaimStart::Off).then(|| {
             Coalescer::start(
                 rt,
                 MAX_MERGED_CLAIMS,
@@ -140,6 +222,7 @@ impl ShardedLedger {
             placed: RwLock::new(HashMap::new()),
             origin: format!("{first}/merged"),
             claims,
+            outrun: AtomicBool::new(false),
         })
     }
 
@@ -225,6 +308,31 @@ impl ShardedLedger {
         Ok((by_shard, unplaced))
     }
 
+    /// Refuses a commit once claims began without this node (see `outrun`).
+    fn not_outrun(&self) -> Result<(), LedgerError> {
+        match self.outrun.load(Ordering::Acquire) {
+            true => Err(LedgerError::CircuitOpen),
+            false => Ok(()),
+        }
+    }
+
+    /// A node without claims, at each beat: once the directory has begun claims (a node
+    /// started later with more shards, or with the setting on), this one stops committing.
+    async fn check_claim_mode(&self) {
+        match self.directory.claim_mode().await {
+            Ok(Some(mode)) if mode != "off" => {
+                if !self.outrun.swap(true, Ordering::AcqRel) {
+                    tracing::error!(
+                        "the directory claims order ids across shards now: this node stores \
+                         them without claims, so it commits nothing more; restart it"
+                    );
+                }
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "could not read the directory's claim mode"),
+        }
+    }
+
     /// Claims the order ids of `batches` for their vouchers (DESIGN §4: an order id is used on
     /// one voucher only, across shards), in slice order: a row whose order id another voucher
     /// holds goes no further and is answered `ALREADY_USED`.
@@ -246,7 +354,11 @@ impl ShardedLedger {
                     .iter()
                     .map(|(o, c)| (o.to_string(), c.to_string()))
                     .collect();
-                claims.call(ask).await?
+                // The directory's breaker: while it is open, every commit is refused at once.
+                match self.shards[0].breaker() {
+                    Some(b) => b.call(claims.call(ask)).await?,
+                    None => claims.call(ask).await?,
+                }
             }
         };
         let allowed = batches
@@ -301,12 +413,7 @@ impl ShardedLedger {
                     }
                 }
                 // Refused as a whole, or never sent: nothing of it was stored.
-                Err(
-                    LedgerError::Fenced
-                    | LedgerError::NotFound
-                    | LedgerError::CircuitOpen
-                    | LedgerError::QueueFull,
-                ) => {}
+                Err(e) if stored_nothing(e) => {}
                 Err(_) => sent.for_each(|order| {
                     kept.insert(order, true);
                 }),
@@ -355,6 +462,7 @@ impl ShardedLedger {
     /// One round of [`Ledger::commit_batches`]: no two batches carry an order id to different
     /// vouchers.
     async fn commit_round(&self, batches: &[Batch]) -> Result<BatchResults, LedgerError> {
+        self.not_outrun()?;
         let (by_shard, _) = self.split(batches, |b| &b.voucher_code).await?;
         let all: Vec<&Batch> = batches.iter().collect();
         let claims = self.claim(&all).await?;
@@ -406,13 +514,14 @@ impl ShardedLedger {
             }
             match got {
                 None => {}
-                Some(Ok(results)) => {
+                Some(Ok(results)) if results.len() == kept.len() => {
                     committed = true;
                     for (pos, r) in kept.into_iter().zip(results) {
-                        answers[pos] = r;
+                        answers[pos] = claims.checked(pos, r);
                     }
                 }
-                Some(Err(e)) => {
+                Some(got) => {
+                    let e = got.err().unwrap_or(LedgerError::Inconsistent(SHORT_ANSWER));
                     let e = Arc::new(e);
                     for pos in kept {
                         answers[pos] = Err(LedgerError::CommitFailed(e.clone()));
@@ -581,6 +690,20 @@ impl Claims {
         sent
     }
 
+    /// A shard's answer to batch `pos`: an answer that does not cover every row sent is no
+    /// answer (its rows may have been stored: their claims stay).
+    fn checked(
+        &self,
+        pos: usize,
+        got: Result<Vec<RowOutcome>, LedgerError>,
+    ) -> Result<Vec<RowOutcome>, LedgerError> {
+        let sent = self.allowed[pos].iter().filter(|ok| **ok).count();
+        match got {
+            Ok(rows) if rows.len() != sent => Err(LedgerError::Inconsistent(SHORT_ANSWER)),
+            got => got,
+        }
+    }
+
     /// Whether rows of batch `pos` were refused for another voucher's claim.
     fn refused_any(&self, pos: usize) -> bool {
         self.allowed[pos].iter().any(|ok| !ok)
@@ -600,6 +723,7 @@ impl Claims {
         self.allowed[pos]
             .iter()
             .map(|ok| match ok {
+                // `checked` made sure the answer covers every row sent.
                 true => got.next().unwrap_or(RowOutcome::AlreadyUsed),
                 false => refused(),
             })
@@ -620,8 +744,14 @@ impl Ledger for ShardedLedger {
         self.shards[0].ping().await
     }
 
-    /// Its shard's breaker (a code not placed yet: none refuses it here).
+    /// Its shard's breaker (a code not placed yet: none refuses it here), and with claims the
+    /// directory's, which every commit passes; every code once claims began without this node.
     fn refuses(&self, code: &str) -> bool {
+        if self.outrun.load(Ordering::Acquire)
+            || (self.claims.is_some() && self.shards[0].refuses(code))
+        {
+            return true;
+        }
         let shard = self
             .placed
             .read()
@@ -857,6 +987,9 @@ impl Ledger for ShardedLedger {
             )
         );
         let first = first?;
+        if self.claims.is_none() {
+            self.check_claim_mode().await;
+        }
         let mut dead: HashSet<String> = first.dead.into_iter().collect();
         for (i, beat) in others.into_iter().enumerate() {
             match beat {
@@ -886,6 +1019,7 @@ impl Ledger for ShardedLedger {
     }
 
     async fn commit_batch(&self, batch: &Batch) -> Result<Vec<RowOutcome>, LedgerError> {
+        self.not_outrun()?;
         let (s, l) = self.route(&batch.voucher_code).await?;
         let (lease_shard, local) = lease_in(batch.lease_id);
         if lease_shard != s {
@@ -897,7 +1031,7 @@ impl Ledger for ShardedLedger {
             Ok(Vec::new())
         } else {
             sent.lease_id = local;
-            l.commit_batch(&sent).await
+            claims.checked(0, l.commit_batch(&sent).await)
         };
         self.settle(&claims, &[batch], std::slice::from_ref(&got))
             .await;
@@ -1154,5 +1288,70 @@ mod tests {
         assert_ne!(lease_out(0, 1), lease_out(1, 1));
         assert_eq!(lease_out(3, (i64::MAX >> SHARD_BITS) + 1), -1, "too large");
         assert_eq!(lease_in(-1).0, usize::MAX, "no shard");
+    }
+
+    #[test]
+    fn a_refusal_before_the_transaction_stored_nothing_however_wrapped() {
+        let wrapped = |e| LedgerError::CommitFailed(Arc::new(e));
+        assert!(stored_nothing(&LedgerError::CircuitOpen));
+        assert!(stored_nothing(&wrapped(LedgerError::CircuitOpen)));
+        assert!(stored_nothing(&wrapped(wrapped(LedgerError::QueueFull))));
+        assert!(!stored_nothing(&wrapped(LedgerError::Deadline)));
+        assert!(!stored_nothing(&wrapped(wrapped(LedgerError::Deadline))));
+        assert!(!stored_nothing(&LedgerError::Inconsistent(SHORT_ANSWER)));
+    }
+
+    async fn admin_pool(url: &str) -> sqlx::PgPool {
+        sqlx::PgPool::connect(url).await.unwrap()
+    }
+
+    fn pairs(spec: &[(&str, &str)]) -> Vec<(String, String)> {
+        spec.iter()
+            .map(|(o, c)| (o.to_string(), c.to_string()))
+            .collect()
+    }
+
+    /// One merged round where an earlier call carries an order to V and a later one retries it
+    /// on W, which holds it: the retry joins W's claim (it is not refused for V's ask), and an
+    /// order new to both goes to the first call's voucher, counted once per call.
+    #[tokio::test]
+    #[cfg_attr(
+        no_test_pg,
+        ignore = "needs TEST_DATABASE_URL (PostgreSQL); .ci/run sets it"
+    )]
+    async fn a_merged_round_gives_a_held_order_to_its_holder() {
+        let base = std::env::var("TEST_DATABASE_URL").expect("TEST_DATABASE_URL");
+        let schema = format!("t_round_{}", crate::startup::random_hex(6));
+        let admin = sqlx::PgPool::connect(&base).await.unwrap();
+        sqlx::query(&format!("CREATE SCHEMA {schema}"))
+            .execute(&admin)
+            .await
+            .unwrap();
+        let sep = if base.contains('?') { '&' } else { '?' };
+        let url = format!("{base}{sep}options=-c%20search_path%3D{schema}");
+        let store = Arc::new(PostgresLedger::connect(&url, 2, 0, 1000).await.unwrap());
+        let round = claims_merged(store.clone());
+        let held = round(vec![pairs(&[("o", "W")])]).await.unwrap();
+        assert_eq!(held[0].as_ref().unwrap(), &HashSet::from(["o".to_string()]));
+        let got = round(vec![
+            pairs(&[("o", "V"), ("n", "V")]),
+            pairs(&[("o", "W"), ("n", "W")]),
+            pairs(&[("n", "V")]),
+        ])
+        .await
+        .unwrap();
+        let got: Vec<HashSet<String>> = got.into_iter().map(|g| g.unwrap()).collect();
+        assert_eq!(got[0], HashSet::from(["n".to_string()]));
+        assert_eq!(got[1], HashSet::from(["o".to_string()]), "the retry joins");
+        assert_eq!(got[2], HashSet::from(["n".to_string()]));
+        let claims: Vec<(String, String, i64)> =
+            sqlx::query_as("SELECT order_id, code, pending FROM order_claims ORDER BY order_id")
+                .fetch_all(&admin_pool(&url).await)
+                .await
+                .unwrap();
+        assert_eq!(
+            claims,
+            [("n".into(), "V".into(), 2), ("o".into(), "W".into(), 2)]
+        );
     }
 }

@@ -1594,7 +1594,7 @@ async fn sharded_ledger_conforms() {
         };
         urls.push(url);
     }
-    let l = ledger::connect_sharded(&urls, 4).await.unwrap();
+    let l = ledger::connect_sharded(&urls, 4, true).await.unwrap();
     AUDIT_URL.scope(Some(urls.clone()), conformance(l)).await;
     // The vouchers were spread: each shard holds some.
     for url in &urls {
@@ -1624,7 +1624,7 @@ async fn order_claims_keep_an_order_on_one_voucher_across_shards() {
         };
         urls.push(url);
     }
-    let l = ledger::connect_sharded(&urls, 8).await.unwrap();
+    let l = ledger::connect_sharded(&urls, 8, true).await.unwrap();
     // Placed by room: X on the first shard, Y on the second.
     l.create_voucher(&voucher("X", 1_000, 1_000), NOW)
         .await
@@ -1757,7 +1757,7 @@ async fn shard_databases_are_used_only_as_shards() {
     ) else {
         return;
     };
-    let l = ledger::connect_sharded(&[a.clone(), b.clone()], 2)
+    let l = ledger::connect_sharded(&[a.clone(), b.clone()], 2, true)
         .await
         .unwrap();
     drop(l);
@@ -1777,16 +1777,112 @@ async fn shard_databases_are_used_only_as_shards() {
     ) else {
         return;
     };
-    let err = ledger::connect_sharded(&[d, c.clone()], 2)
+    let err = ledger::connect_sharded(&[d.clone(), c.clone()], 2, true)
         .await
         .err()
         .expect("refused");
     assert!(format!("{err:#}").contains("start empty"), "{err:#}");
-    let l = ledger::connect_sharded(&[c, e], 2).await.unwrap();
+    // The refused list marked none of its databases: the empty one is still free to use.
+    ledger::connect(&d, 2).await.expect("left unmarked");
+    // Listed in another order than they were first given: refused.
+    let err = ledger::connect_sharded(&[b, a], 2, true)
+        .await
+        .err()
+        .expect("refused");
+    assert!(format!("{err:#}").contains("another place"), "{err:#}");
+    let l = ledger::connect_sharded(&[c, e], 2, true).await.unwrap();
     assert!(
         l.voucher("OLD").await.unwrap().is_some(),
         "kept on the first shard"
     );
+}
+
+/// Orders stored while no claims were made (one shard) are claimed when claims begin (a second
+/// shard is added), so none can be stored again on a voucher of the new shard; a node still
+/// running without claims stops committing at its next beat; and once the directory claims, a
+/// node that would store without claims is refused.
+#[tokio::test]
+#[cfg_attr(
+    no_test_pg,
+    ignore = "needs TEST_DATABASE_URL (PostgreSQL); .ci/run sets it"
+)]
+async fn orders_stored_before_claims_begin_stay_on_their_voucher() {
+    let (Some(a), Some(b)) = (
+        fresh_pg_schema("grow0").await,
+        fresh_pg_schema("grow1").await,
+    ) else {
+        return;
+    };
+    let one = ledger::connect_sharded(std::slice::from_ref(&a), 2, true)
+        .await
+        .unwrap();
+    one.create_voucher(&voucher("OLD", 100, 1), NOW)
+        .await
+        .unwrap();
+    let lease = leased(&one, "OLD", "n1", 10).await.id;
+    let early = one
+        .commit_batch(&batch("OLD", lease, rows(&[("early", 1)])))
+        .await
+        .unwrap();
+    assert!(matches!(early[0], RowOutcome::Created(_)), "{early:?}");
+    let pool = sqlx::PgPool::connect(&a).await.unwrap();
+    let claims = || async {
+        sqlx::query_as::<_, (String, String)>("SELECT order_id, code FROM order_claims")
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+    };
+    assert!(claims().await.is_empty(), "one shard makes no claim");
+    let node = one.register_node("n1", NOW, 60_000).await.unwrap();
+
+    let urls = [a.clone(), b.clone()];
+    let two = ledger::connect_sharded(&urls, 2, true).await.unwrap();
+    assert_eq!(claims().await, [("early".to_string(), "OLD".to_string())]);
+    two.create_voucher(&voucher("NEW", 100, 1), NOW)
+        .await
+        .unwrap();
+    assert_eq!(the_one_holding(&urls, "NEW").await, b, "placed by room");
+    let lease_new = leased(&two, "NEW", "n2", 10).await.id;
+    let again = two
+        .commit_batch(&batch("NEW", lease_new, rows(&[("early", 2)])))
+        .await
+        .unwrap();
+    assert_eq!(again[0], RowOutcome::AlreadyUsed);
+    let replay = two
+        .commit_batch(&batch("OLD", lease, rows(&[("early", 1)])))
+        .await
+        .unwrap();
+    assert!(matches!(replay[0], RowOutcome::Replayed(_)), "{replay:?}");
+
+    // The one-shard node stored without claims: at its next beat it stops committing.
+    assert!(!one.refuses("OLD"));
+    one.heartbeat(&node.holder, NOW, 60_000).await.unwrap();
+    assert!(one.refuses("OLD"));
+    let late = one
+        .commit_batch(&batch("OLD", lease, rows(&[("late", 3)])))
+        .await;
+    assert!(matches!(late, Err(LedgerError::CircuitOpen)), "{late:?}");
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM reservations WHERE order_id = 'late'")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(n, 0);
+
+    // Claims stay: a node that would store without them is refused.
+    let err = ledger::connect_sharded(&urls, 2, false)
+        .await
+        .err()
+        .expect("refused");
+    assert!(
+        format!("{err:#}").contains("order_ids_across_shards"),
+        "{err:#}"
+    );
+    // Back to one shard (the second holds a voucher: refused), claims go on.
+    let err = ledger::connect_sharded(&urls[..1], 2, true)
+        .await
+        .err()
+        .expect("refused");
+    assert!(format!("{err:#}").contains("does not list"), "{err:#}");
 }
 
 /// DESIGN §3's last line on PostgreSQL after leases close: the grant check reads what closed

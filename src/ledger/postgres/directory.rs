@@ -12,6 +12,28 @@ use crate::ledger::LedgerError;
 /// An arbitrary constant that names the merge of the shards' feeds: one merge at a time.
 const FEED_MERGE_LOCK: i64 = 0x766f_7563_6865_7266;
 
+/// Why a list of shards is refused: a database at another place than it was first given.
+pub(crate) const MISPLACED: &str = "ledger.shards lists a database at another place than it \
+                                    was given first, or one of another cluster";
+/// Why a later shard is refused: it brings vouchers no directory places.
+pub(crate) const NOT_EMPTY: &str =
+    "a shard after the first must start empty: this database holds vouchers";
+/// Orders of a shard's reservations copied into the claims per statement.
+const FILL_PAGE: i64 = 10_000;
+
+/// How the directory keeps the order rule as a node opens it (migration 13).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ClaimStart {
+    /// No claims: each shard keeps the rule for its own vouchers.
+    Off,
+    /// Every stored order is claimed.
+    On,
+    /// Claims have begun: the shards' orders are to be copied into the claims before this
+    /// node serves; `after_off` when nodes may still be storing without claims (the mode was
+    /// `off`), so the copy waits for them to stop.
+    Fill { after_off: bool },
+}
+
 const PLACED_SQL: &str = "SELECT code, shard FROM voucher_shards WHERE code = ANY($1)";
 /// The shard with the fewest vouchers that no other create holds now (`SKIP LOCKED`: under
 /// concurrent creates the rows' order is not checked again after a wait, so waiting would put
@@ -31,37 +53,34 @@ const COPY_SQL: &str = "INSERT INTO feed_merged \
                         WITH ORDINALITY AS e(k, c, o, u, a, n)";
 
 impl PostgresLedger {
+    /// What this database says of its place: the shard it is and of which directory, if it
+    /// was given one; and whether it holds vouchers. Read before any database is written, so
+    /// that a list in the wrong order marks none of them.
+    pub(crate) async fn shard_place(&self) -> Result<(Option<(i32, String)>, bool), LedgerError> {
+        let place: Option<(i32, String)> =
+            sqlx::query_as("SELECT shard, directory FROM shard_self WHERE id = 1")
+                .fetch_optional(&self.pool())
+                .await?;
+        let holds: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM vouchers)")
+            .fetch_one(&self.pool())
+            .await?;
+        Ok((place, holds))
+    }
+
     /// Records that this database is shard `shard` of the cluster whose directory is
     /// `directory` (the first shard's feed origin), or checks that it already was.
     pub(crate) async fn claim_shard(&self, shard: i32, directory: &str) -> Result<(), LedgerError> {
-        let mut tx = self.pool().begin().await?;
-        let (was, of, new): (i32, String, bool) = sqlx::query_as(
+        let (was, of): (i32, String) = sqlx::query_as(
             "INSERT INTO shard_self (id, shard, directory) VALUES (1, $1, $2) \
-             ON CONFLICT (id) DO UPDATE SET id = 1 RETURNING shard, directory, xmax = 0",
+             ON CONFLICT (id) DO UPDATE SET id = 1 RETURNING shard, directory",
         )
         .bind(shard)
         .bind(directory)
-        .fetch_one(&mut *tx)
+        .fetch_one(&self.pool())
         .await?;
         if (was, of.as_str()) != (shard, directory) {
-            return Err(LedgerError::Invalid(
-                "ledger.shards lists a database at another place than it was given first, \
-                 or one of another cluster",
-            ));
+            return Err(LedgerError::Invalid(MISPLACED));
         }
-        if new && shard > 0 {
-            // Only the first shard may bring vouchers of its own (a single ledger before):
-            // another's would be in no directory, and their orders unclaimed.
-            let holds: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM vouchers)")
-                .fetch_one(&mut *tx)
-                .await?;
-            if holds {
-                return Err(LedgerError::Invalid(
-                    "a shard after the first must start empty: this database holds vouchers",
-                ));
-            }
-        }
-        tx.commit().await?;
         Ok(())
     }
 
@@ -77,8 +96,14 @@ impl PostgresLedger {
 
     /// Makes this database the directory of `shards` shards: every voucher already here (a
     /// single ledger that becomes the first shard) is placed on it, and no voucher is placed on
-    /// a shard the list no longer has.
-    pub(crate) async fn open_directory(&self, shards: i32) -> Result<(), LedgerError> {
+    /// a shard the list no longer has. Records how the order rule is kept: with claims where
+    /// `claim_orders` asks for them and there are several shards, or the directory already
+    /// claims (a node that would not claim is then refused).
+    pub(crate) async fn open_directory(
+        &self,
+        shards: i32,
+        claim_orders: bool,
+    ) -> Result<ClaimStart, LedgerError> {
         let mut tx = self.pool().begin().await?;
         sqlx::query("SELECT pg_advisory_xact_lock($1)")
             .bind(FEED_MERGE_LOCK)
@@ -96,14 +121,6 @@ impl PostgresLedger {
                  RETURNING 1) SELECT count(*) FROM p",
             )
             .fetch_one(&mut *tx)
-            .await?;
-            // The reservations of a single ledger that becomes the first shard hold their ids.
-            sqlx::query(
-                "INSERT INTO order_claims (order_id, code, pending) \
-                 SELECT order_id, voucher_code, 1 FROM reservations \
-                 ON CONFLICT (order_id) DO NOTHING",
-            )
-            .execute(&mut *tx)
             .await?;
         }
         sqlx::query(
@@ -126,7 +143,100 @@ impl PostgresLedger {
                 "the directory places vouchers on a shard ledger.shards does not list",
             ));
         }
+        let was: Option<String> = sqlx::query_scalar("SELECT mode FROM order_claim_mode")
+            .fetch_optional(&mut *tx)
+            .await?;
+        let claiming = matches!(was.as_deref(), Some("filling" | "on"));
+        if claiming && !claim_orders {
+            return Err(LedgerError::Invalid(
+                "the directory claims order ids across shards: \
+                 ledger.order_ids_across_shards must stay true",
+            ));
+        }
+        let start = if claim_orders && (shards > 1 || claiming) {
+            if was.as_deref() == Some("on") {
+                ClaimStart::On
+            } else {
+                ClaimStart::Fill {
+                    after_off: was.as_deref() == Some("off"),
+                }
+            }
+        } else {
+            ClaimStart::Off
+        };
+        let mode = match start {
+            ClaimStart::Off => "off",
+            ClaimStart::On => "on",
+            ClaimStart::Fill { .. } => "filling",
+        };
+        sqlx::query(
+            "INSERT INTO order_claim_mode (id, mode) VALUES (1, $1) \
+             ON CONFLICT (id) DO UPDATE SET mode = EXCLUDED.mode",
+        )
+        .bind(mode)
+        .execute(&mut *tx)
+        .await?;
         tx.commit().await?;
+        Ok(start)
+    }
+
+    /// The directory's claim mode (`off`, `filling`, `on`; none before a sharded node opened
+    /// it).
+    pub(crate) async fn claim_mode(&self) -> Result<Option<String>, LedgerError> {
+        Ok(sqlx::query_scalar("SELECT mode FROM order_claim_mode")
+            .fetch_optional(&self.pool())
+            .await?)
+    }
+
+    /// Claims, for good, the order of every reservation `shard` stored (without a claim, or
+    /// with one) for its voucher, a page at a time: a count that no call gives back, so a claim
+    /// joined by a call in flight stays when that call is refused. Copying again only adds
+    /// counts. Returns how many
+    /// orders another voucher had claimed already: stored twice while no claims were made,
+    /// which the copy cannot undo (each stays where it is; both are logged by the caller).
+    pub(crate) async fn fill_claims(&self, shard: &PostgresLedger) -> Result<u64, LedgerError> {
+        let mut after = String::new();
+        let mut clashes = 0u64;
+        loop {
+            let page: Vec<(String, String)> = sqlx::query_as(
+                "SELECT order_id, voucher_code FROM reservations WHERE order_id > $1 \
+                 ORDER BY order_id LIMIT $2",
+            )
+            .bind(&after)
+            .bind(FILL_PAGE)
+            .fetch_all(&shard.pool())
+            .await?;
+            let Some((last, _)) = page.last() else {
+                return Ok(clashes);
+            };
+            after = last.clone();
+            let mut pairs: Vec<(&str, &str)> =
+                page.iter().map(|(o, c)| (o.as_str(), c.as_str())).collect();
+            // Locked in the claims' own order, as every claim takes them.
+            pairs.sort_unstable();
+            let (orders, codes): (Vec<&str>, Vec<&str>) = pairs.into_iter().unzip();
+            let other: i64 = sqlx::query_scalar(
+                "WITH x AS (SELECT * FROM UNNEST($1::TEXT[], $2::TEXT[]) AS x(o, c)), \
+                 ins AS (INSERT INTO order_claims (order_id, code, pending) \
+                 SELECT o, c, 1 FROM x ON CONFLICT (order_id) DO UPDATE \
+                 SET pending = order_claims.pending + 1 \
+                 WHERE order_claims.code = EXCLUDED.code) \
+                 SELECT count(*) FROM x JOIN order_claims k ON k.order_id = x.o \
+                 WHERE k.code <> x.c",
+            )
+            .bind(&orders)
+            .bind(&codes)
+            .fetch_one(&self.pool())
+            .await?;
+            clashes += other as u64;
+        }
+    }
+
+    /// Every shard's orders are claimed: the mode becomes `on` (unless another node did it).
+    pub(crate) async fn claims_filled(&self) -> Result<(), LedgerError> {
+        sqlx::query("UPDATE order_claim_mode SET mode = 'on' WHERE mode = 'filling'")
+            .execute(&self.pool())
+            .await?;
         Ok(())
     }
 

@@ -25,7 +25,7 @@
 //! keeps the node's pools on the writable one through a failover.
 
 mod commit;
-mod directory;
+pub(crate) mod directory;
 mod leases;
 mod open;
 mod primary;

@@ -56,6 +56,10 @@ const MIGRATIONS: &[(i64, &str)] = &[
         12,
         include_str!("../../../migrations/postgres/0012_shards.sql"),
     ),
+    (
+        13,
+        include_str!("../../../migrations/postgres/0013_claim_mode.sql"),
+    ),
 ];
 
 /// Definitions applied on every start after the versioned migrations (each is `CREATE OR
