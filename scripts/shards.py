@@ -201,6 +201,9 @@ def scenario_down(bases):
     sh("pg_ctlcluster", "--skip-systemctl-redirect", VERSION, "shard_c", "stop", "-m",
        "immediate")
     during = phase("2")
+    # C's refusals once its breaker is open (the phase above includes the first second, when
+    # calls still wait out the pool before the breaker opens).
+    settled = wrk_result(wrk(n1, "C", "c3", 3, 4))
     sh("pg_ctlcluster", "--skip-systemctl-redirect", VERSION, "shard_c", "start")
     until("shard_c back", 30, lambda: ready(5443))
     t0, n = time.time(), 0
@@ -220,7 +223,9 @@ def scenario_down(bases):
         share = d["ok_rps"] / b["ok_rps"] if b["ok_rps"] else 0
         print(f"| {g} (shard {'abc'['ABC'.index(g)]}) | {b['ok_rps']:,.0f}, {b['p99']:.1f} ms | "
               f"{d['ok_rps']:,.0f}, {d['p99']:.1f} ms, {d['statuses']} | {100 * share:.0f} % |")
-    print(f"\nshard_c ready again -> C0's first 201: {back_ms:.0f} ms")
+    print(f"\nC after the first 8 s, still down: {settled['rps']:,.0f}/s, p99 "
+          f"{settled['p99']:.1f} ms, {settled['statuses']}")
+    print(f"shard_c ready again -> C0's first 201: {back_ms:.0f} ms")
 
 
 def sold_rows(code, port):

@@ -251,8 +251,7 @@ impl Application {
         // First: metrics recorded from here on (jobs, relay, actors) must reach the exporter.
         let metrics = crate::metrics::install();
         let ledger =
-            ledger::connect_on(ledger_handle, &settings.ledger, settings.node.dead_after_ms)
-                .context("connect ledger")?;
+            ledger::connect_on(ledger_handle, &settings.ledger).context("connect ledger")?;
         if ledger.server().is_none() {
             crate::metrics::ledger_server(&["embedded"], 0);
         }

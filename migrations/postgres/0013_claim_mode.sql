@@ -9,3 +9,43 @@ CREATE TABLE IF NOT EXISTS order_claim_mode (
     id   INT  PRIMARY KEY CHECK (id = 1),
     mode TEXT NOT NULL CHECK (mode IN ('off', 'filling', 'on'))
 );
+
+-- Per shard: order claims have begun (the row is there). The node that copies this shard's
+-- orders into the claims inserts it first, under an exclusive advisory lock; a node that stores
+-- without claims commits through vouchers_commit_batches_unclaimed, which takes that lock
+-- shared and is refused once the row is there. So no order stored without a claim lands on a
+-- shard after the copy of its orders began: a fence, not a wait.
+CREATE TABLE IF NOT EXISTS claims_begun (
+    id INT PRIMARY KEY CHECK (id = 1)
+);
+
+CREATE OR REPLACE FUNCTION vouchers_commit_batches_unclaimed(
+    p_lease    BIGINT[],
+    p_code     TEXT[],
+    p_now      BIGINT[],
+    p_expires  BIGINT[],
+    p_batch    INT[],
+    p_order    TEXT[],
+    p_customer BIGINT[]
+) RETURNS TABLE (
+    out_idx      INT,
+    out_verdict  TEXT,
+    out_discount BIGINT,
+    out_voucher  TEXT,
+    out_customer BIGINT,
+    out_status   TEXT,
+    out_expires  BIGINT
+)
+LANGUAGE plpgsql AS $$
+BEGIN
+    -- The lock first, then the read in a statement of its own: its snapshot is taken after
+    -- the lock, so it sees a copier's row committed while this call waited.
+    PERFORM pg_advisory_xact_lock_shared(8534436735584641637);
+    IF EXISTS (SELECT 1 FROM claims_begun) THEN
+        RAISE EXCEPTION 'order claims have begun on this shard: restart this node'
+            USING ERRCODE = 'VC001';
+    END IF;
+    RETURN QUERY SELECT * FROM vouchers_commit_batches_v2(
+        p_lease, p_code, p_now, p_expires, p_batch, p_order, p_customer);
+END
+$$;

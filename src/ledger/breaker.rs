@@ -16,6 +16,7 @@
 //! without waiting.
 
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::time::Instant;
 
@@ -59,7 +60,14 @@ pub struct Breaker {
     /// The shard it guards (its place in `ledger.shards`), for its metrics' label; `None` for
     /// a node's one ledger.
     shard: Option<String>,
+    /// Asked before a probe goes: whether the server refuses connections outright (a stopped
+    /// server). Such a probe fails at once instead of waiting out the pool's acquire timeout,
+    /// with every reserve merged into it.
+    refused: Option<RefusedCheck>,
 }
+
+/// See [`Breaker::refused`].
+type RefusedCheck = Box<dyn Fn() -> Pin<Box<dyn Future<Output = bool> + Send>> + Send + Sync>;
 
 impl Breaker {
     pub fn new(failures: u32, open_ms: u64) -> Self {
@@ -74,6 +82,7 @@ impl Breaker {
             moves: None,
             moves_at_open: AtomicU64::new(0),
             shard: None,
+            refused: None,
         }
     }
 
@@ -83,10 +92,28 @@ impl Breaker {
         self
     }
 
+    /// The breaker of the order claims on the directory (its metrics' `shard` label says
+    /// `claims`).
+    pub fn for_claims(mut self) -> Self {
+        self.shard = Some("claims".into());
+        self
+    }
+
     /// The breaker, cooling down only while `moves` (the store's switches of server) stays
     /// what it was when it opened.
     pub fn on_move(mut self, moves: impl Fn() -> u64 + Send + Sync + 'static) -> Self {
         self.moves = Some(Box::new(moves));
+        self
+    }
+
+    /// The breaker, asking `refused` before each probe whether the server refuses connections
+    /// now (see [`Breaker::refused`]).
+    pub fn on_probe<F, Fut>(mut self, refused: F) -> Self
+    where
+        F: Fn() -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = bool> + Send + 'static,
+    {
+        self.refused = Some(Box::new(move || Box::pin(refused())));
         self
     }
 
@@ -175,6 +202,15 @@ impl Breaker {
             done: false,
         };
         let moves = self.moves();
+        if admitted == Admit::Probe {
+            if let Some(refused) = &self.refused {
+                if refused().await {
+                    pending.done = true;
+                    self.record(admitted, false, self.now_ms());
+                    return Err(LedgerError::CircuitOpen);
+                }
+            }
+        }
         let res = call.await;
         pending.done = true;
         if is_outage(&res) && self.moves() != moves {
@@ -252,10 +288,12 @@ pub(super) fn is_outage<T>(res: &Result<T, LedgerError>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Arc;
 
     #[test]
     fn a_move_of_the_store_to_another_server_ends_the_cool_down() {
-        let moved = std::sync::Arc::new(AtomicU64::new(0));
+        let moved = Arc::new(AtomicU64::new(0));
         let seen = moved.clone();
         let b = Breaker::new(1, 10_000).on_move(move || seen.load(Ordering::Acquire));
         b.record(Admit::Pass, false, 0);
@@ -272,7 +310,7 @@ mod tests {
 
     #[test]
     fn calls_that_failed_on_the_server_left_behind_do_not_count() {
-        let moved = std::sync::Arc::new(AtomicU64::new(0));
+        let moved = Arc::new(AtomicU64::new(0));
         let seen = moved.clone();
         let b = Breaker::new(2, 10_000).on_move(move || seen.load(Ordering::Acquire));
         let stale = || async {
@@ -340,6 +378,41 @@ mod tests {
             Admit::Probe,
             "the next probe may go"
         );
+    }
+
+    /// A probe whose server refuses connections fails before its call is made (the call would
+    /// have waited out the pool); calls while closed are not checked; a probe to a server
+    /// that accepts goes out and closes the breaker.
+    #[tokio::test]
+    async fn a_probe_to_a_server_that_refuses_connections_fails_at_once() {
+        let refusing = Arc::new(AtomicBool::new(true));
+        let (asked, seen) = (Arc::new(AtomicU32::new(0)), refusing.clone());
+        let counted = asked.clone();
+        let b = Breaker::new(1, 0).on_probe(move || {
+            counted.fetch_add(1, Ordering::AcqRel);
+            let refused = seen.load(Ordering::Acquire);
+            async move { refused }
+        });
+        let fine = b.call(async { Ok::<_, LedgerError>(1) }).await;
+        assert!(fine.is_ok());
+        assert_eq!(asked.load(Ordering::Acquire), 0, "closed: no check");
+        b.record(Admit::Pass, false, 0);
+        assert_eq!(b.state(), BreakerState::Open);
+        let made = AtomicBool::new(false);
+        let probe = b
+            .call(async {
+                made.store(true, Ordering::Release);
+                Ok::<_, LedgerError>(2)
+            })
+            .await;
+        assert!(matches!(probe, Err(LedgerError::CircuitOpen)), "{probe:?}");
+        assert!(!made.load(Ordering::Acquire), "the call was not made");
+        assert_eq!(b.state(), BreakerState::Open, "opened again");
+        refusing.store(false, Ordering::Release);
+        let probe = b.call(async { Ok::<_, LedgerError>(3) }).await;
+        assert_eq!(probe.ok(), Some(3));
+        assert_eq!(b.state(), BreakerState::Closed);
+        assert_eq!(asked.load(Ordering::Acquire), 2);
     }
 
     #[tokio::test]

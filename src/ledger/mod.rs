@@ -382,6 +382,11 @@ pub(crate) fn restock_of_each(
 pub trait Ledger: Send + Sync + 'static {
     /// A cheap round trip, for readiness.
     async fn ping(&self) -> Result<(), LedgerError>;
+    /// Whether the server in use refuses connections outright now (a stopped server), found
+    /// cheaply without the pool; asked by a breaker before its probe. `false` when unsure.
+    async fn refuses_connections(&self) -> bool {
+        false
+    }
     /// The node's circuit breaker, where calls pass one (the node's wrapped ledger).
     fn breaker(&self) -> Option<&breaker::Breaker> {
         None
@@ -824,15 +829,13 @@ pub(crate) fn release_unchanged(
 /// Opens the ledger the settings name on `rt` (a runtime that does nothing else, so database
 /// I/O is never delayed by busy HTTP workers) and returns a handle usable from any runtime. Its
 /// calls go through the node's [`NodeLedger`], whose group committer merges the batches of every
-/// voucher of the node into shared transactions. `dead_after_ms` is the nodes' (a sharded
-/// ledger that begins order claims waits that long for nodes without them to stop).
+/// voucher of the node into shared transactions.
 pub fn connect_on(
     rt: tokio::runtime::Handle,
     settings: &crate::config::LedgerSettings,
-    dead_after_ms: i64,
 ) -> anyhow::Result<SharedLedger> {
     if !settings.shards.is_empty() {
-        return connect_shards_on(rt, settings, dead_after_ms);
+        return connect_shards_on(rt, settings);
     }
     // Opened from a plain thread that blocks on `rt`, so the pool's connections and background
     // tasks belong to it. Start-up only.
@@ -906,7 +909,8 @@ pub async fn connect_sharded(
     let rt = tokio::runtime::Handle::current();
     let claim = sharded::ClaimSettings {
         across_shards,
-        settle: std::time::Duration::ZERO,
+        breaker_failures: 0,
+        breaker_open_ms: 0,
     };
     sharded_over(
         &stores,
@@ -959,7 +963,6 @@ async fn sharded_over(
 fn connect_shards_on(
     rt: tokio::runtime::Handle,
     settings: &crate::config::LedgerSettings,
-    dead_after_ms: i64,
 ) -> anyhow::Result<SharedLedger> {
     let settings = settings.clone();
     let rt2 = rt.clone();
@@ -983,9 +986,8 @@ fn connect_shards_on(
             let deadline = std::time::Duration::from_millis(settings.timeout_ms.max(1));
             let claim = sharded::ClaimSettings {
                 across_shards: settings.order_ids_across_shards,
-                settle: std::time::Duration::from_millis(
-                    (dead_after_ms.max(0) as u64).saturating_add(settings.timeout_ms.max(1000)),
-                ),
+                breaker_failures: settings.breaker_failures,
+                breaker_open_ms: settings.breaker_open_ms,
             };
             sharded_over(&stores, shards, &rt, deadline, claim).await
         })

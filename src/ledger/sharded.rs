@@ -18,7 +18,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures_util::future::{join_all, try_join_all};
 
+use super::breaker::Breaker;
 use super::coalesce::{Coalescer, ManyFn};
+use super::postgres::commit::claims_began;
 use super::postgres::directory::{ClaimStart, MISPLACED, NOT_EMPTY};
 use super::postgres::PostgresLedger;
 use super::{
@@ -34,6 +36,8 @@ use crate::domain::{
 const SHARD_BITS: u32 = 8;
 /// Most shards a ledger may have.
 pub const MAX_SHARDS: usize = 1 << SHARD_BITS;
+/// Why a node that stores without claims is not ready once claims began.
+const OUTRUN: &str = "order claims began after this node started without them: restart it";
 /// Why a shard's answer is no answer: it does not cover every batch or row sent.
 const SHORT_ANSWER: &str = "a shard answered fewer rows than were sent";
 /// Events of each shard copied into the merged feed per read of it.
@@ -54,6 +58,9 @@ pub struct ShardedLedger {
     /// ([`claims_merged`]); none with one shard, whose own commit keeps the order rule, or
     /// where the rule is kept per shard (`ledger.order_ids_across_shards = false`).
     claims: Option<Coalescer<ClaimAsk, HashSet<String>>>,
+    /// The claims' own breaker (every commit passes the directory while claims are made): its
+    /// failures say nothing of shard 0's vouchers, and shard 0's slow commits nothing of it.
+    claims_breaker: Arc<Breaker>,
     /// This node stores orders without claims, and the directory has since begun them (a shard
     /// was added, or the setting turned on, by a node started later): it commits nothing more
     /// (`503`) until it is restarted, so that no order it stores escapes the claims.
@@ -65,10 +72,10 @@ pub struct ShardedLedger {
 pub struct ClaimSettings {
     /// `ledger.order_ids_across_shards`.
     pub across_shards: bool,
-    /// How long nodes that store orders without claims take, at most, to see that claims have
-    /// begun and stop (a beat's dead-after plus a commit's deadline): where they may, the copy
-    /// of the shards' orders into the claims waits that long.
-    pub settle: Duration,
+    /// The claims' breaker: unreachable calls in a row that open it (0: never), and how long
+    /// it stays open (`ledger.breaker_failures`, `ledger.breaker_open_ms`).
+    pub breaker_failures: u32,
+    pub breaker_open_ms: u64,
 }
 
 /// One commit call's claim: its distinct `(order id, voucher)` pairs.
@@ -78,14 +85,18 @@ type ClaimAsk = Vec<(String, String)>;
 const MAX_MERGED_CLAIMS: usize = 1024;
 
 /// The merged claim of many commit calls' `(order id, voucher)` pairs (each call's distinct):
-/// an order carried to several vouchers goes to the first of them, in the calls' order, that
-/// the directory lets have it (one statement per choice: a later one asks only for the orders
-/// the earlier ones refused, so a retry of an order stored on W still joins W's claim when an
-/// earlier call of the round carried it to V). Each voucher's claim counts every call that
+/// an order carried to several vouchers goes to the first of them, in the calls' order, unless
+/// the directory already gives it to another of them (a retry of an order stored on W joins
+/// W's claim even when an earlier call of the round carried it to V). Three statements at most,
+/// each through the directory's breaker: the first choices; where some were refused, who holds
+/// those orders; the holders' claims joined. Each voucher's claim counts every call that
 /// carries the order to it; each call gets the orders claimed or joined for its own voucher.
-fn claims_merged(directory: Arc<PostgresLedger>) -> ManyFn<Vec<(String, String)>, HashSet<String>> {
+fn claims_merged(
+    directory: Arc<PostgresLedger>,
+    breaker: Arc<Breaker>,
+) -> ManyFn<Vec<(String, String)>, HashSet<String>> {
     Arc::new(move |asks: Vec<Vec<(String, String)>>| {
-        let directory = directory.clone();
+        let (directory, breaker) = (directory.clone(), breaker.clone());
         Box::pin(async move {
             // Per order (sorted by id: every statement locks the claims in that order), its
             // vouchers in the order the calls carry them, each with its count of calls.
@@ -99,26 +110,34 @@ fn claims_merged(directory: Arc<PostgresLedger>) -> ManyFn<Vec<(String, String)>
                     }
                 }
             }
+            let firsts: Vec<(&str, &str, i64)> = wanted
+                .iter()
+                .map(|(o, choices)| (*o, choices[0].0, choices[0].1))
+                .collect();
             let mut won: HashMap<&str, &str> = HashMap::with_capacity(wanted.len());
-            for choice in 0.. {
-                let asked: Vec<(&str, &str, i64)> = wanted
-                    .iter()
-                    .filter(|(o, _)| !won.contains_key(*o))
-                    .filter_map(|(o, choices)| choices.get(choice).map(|(c, n)| (*o, *c, *n)))
-                    .collect();
-                if asked.is_empty() {
-                    break;
+            for o in claim_statement(&directory, &breaker, &firsts).await? {
+                if let Some((o, choices)) = wanted.get_key_value(o.as_str()) {
+                    won.insert(*o, choices[0].0);
                 }
-                let orders: Vec<&str> = asked.iter().map(|a| a.0).collect();
-                let codes: Vec<&str> = asked.iter().map(|a| a.1).collect();
-                let counts: Vec<i64> = asked.iter().map(|a| a.2).collect();
-                let granted: HashSet<String> = directory
-                    .claim_orders(&orders, &codes, &counts)
-                    .await?
-                    .into_iter()
+            }
+            let refused: Vec<&str> = wanted
+                .iter()
+                .filter(|(o, choices)| choices.len() > 1 && !won.contains_key(*o))
+                .map(|(o, _)| *o)
+                .collect();
+            if !refused.is_empty() {
+                let holders = breaker.call(directory.claim_holders(&refused)).await?;
+                let mut joins: Vec<(&str, &str, i64)> = holders
+                    .iter()
+                    .filter_map(|(o, holder)| {
+                        let (o, choices) = wanted.get_key_value(o.as_str())?;
+                        let (c, n) = choices[1..].iter().find(|(c, _)| c == holder)?;
+                        Some((*o, *c, *n))
+                    })
                     .collect();
-                for (o, c, _) in asked {
-                    if granted.contains(o) {
+                joins.sort_unstable();
+                for o in claim_statement(&directory, &breaker, &joins).await? {
+                    if let Some(&(o, c, _)) = joins.iter().find(|j| j.0 == o.as_str()) {
                         won.insert(o, c);
                     }
                 }
@@ -135,6 +154,24 @@ fn claims_merged(directory: Arc<PostgresLedger>) -> ManyFn<Vec<(String, String)>
                 .collect())
         })
     })
+}
+
+/// One claim statement for `asked` (order, voucher, calls), in order-id order, through the
+/// directory's breaker: the orders claimed or joined.
+async fn claim_statement(
+    directory: &PostgresLedger,
+    breaker: &Breaker,
+    asked: &[(&str, &str, i64)],
+) -> Result<Vec<String>, LedgerError> {
+    if asked.is_empty() {
+        return Ok(Vec::new());
+    }
+    let orders: Vec<&str> = asked.iter().map(|a| a.0).collect();
+    let codes: Vec<&str> = asked.iter().map(|a| a.1).collect();
+    let counts: Vec<i64> = asked.iter().map(|a| a.2).collect();
+    breaker
+        .call(directory.claim_orders(&orders, &codes, &counts))
+        .await
 }
 
 /// Whether a commit refused with `e` stored nothing: refused as a whole before its shard's
@@ -187,33 +224,45 @@ impl ShardedLedger {
         let start = directory
             .open_directory(stores.len() as i32, claim.across_shards)
             .await?;
-        if let ClaimStart::Fill { after_off } = start {
-            if after_off {
-                // Nodes still storing without claims stop at their next beat.
-                tracing::warn!(
-                    wait_ms = claim.settle.as_millis() as u64,
-                    "order claims begin: waiting for nodes without them to stop"
-                );
-                tokio::time::sleep(claim.settle).await;
-            }
-            for (shard, store) in stores.iter().enumerate() {
-                let clashes = directory.fill_claims(store).await?;
-                if clashes > 0 {
-                    tracing::error!(
-                        shard,
-                        orders = clashes,
-                        "orders stored on two vouchers while no claims were made"
-                    );
+        match start {
+            ClaimStart::Fill => {
+                // Every shard fenced first (no commit without a claim lands there from then
+                // on), then every shard's orders copied: none stored without a claim is missed.
+                tracing::warn!("order claims begin: fencing every shard and copying its orders");
+                try_join_all(stores.iter().map(|s| s.begin_claims())).await?;
+                for (shard, store) in stores.iter().enumerate() {
+                    let clashes = directory.fill_claims(store).await?;
+                    if !clashes.is_empty() {
+                        tracing::error!(
+                            shard,
+                            orders = clashes.len(),
+                            first = ?&clashes[..clashes.len().min(20)],
+                            "orders stored on two vouchers while no claims were made"
+                        );
+                    }
                 }
+                directory.claims_filled().await?;
             }
-            directory.claims_filled().await?;
+            ClaimStart::Off => stores.iter().for_each(|s| s.commit_unclaimed()),
+            ClaimStart::On => {}
         }
+        let (lost, moved, probed) = (directory.clone(), directory.clone(), directory.clone());
+        let claims_breaker = Arc::new(
+            Breaker::new(claim.breaker_failures, claim.breaker_open_ms)
+                .for_claims()
+                .on_outage(move || lost.lost())
+                .on_move(move || moved.failovers())
+                .on_probe(move || {
+                    let store = probed.clone();
+                    async move { store.refuses_connections().await }
+                }),
+        );
         let claims = (start != ClaimStart::Off).then(|| {
             Coalescer::start(
                 rt,
                 MAX_MERGED_CLAIMS,
                 deadline,
-                claims_merged(directory.clone()),
+                claims_merged(directory.clone(), claims_breaker.clone()),
             )
         });
         Ok(Self {
@@ -222,6 +271,7 @@ impl ShardedLedger {
             placed: RwLock::new(HashMap::new()),
             origin: format!("{first}/merged"),
             claims,
+            claims_breaker,
             outrun: AtomicBool::new(false),
         })
     }
@@ -316,16 +366,24 @@ impl ShardedLedger {
         }
     }
 
+    /// A shard refused a commit without claims (its claims began): no more commits.
+    fn outrun_by(&self, e: &LedgerError) {
+        let began = match e {
+            LedgerError::CommitFailed(inner) => claims_began(inner),
+            e => claims_began(e),
+        };
+        if began && !self.outrun.swap(true, Ordering::AcqRel) {
+            tracing::error!("{OUTRUN}");
+        }
+    }
+
     /// A node without claims, at each beat: once the directory has begun claims (a node
     /// started later with more shards, or with the setting on), this one stops committing.
     async fn check_claim_mode(&self) {
         match self.directory.claim_mode().await {
             Ok(Some(mode)) if mode != "off" => {
                 if !self.outrun.swap(true, Ordering::AcqRel) {
-                    tracing::error!(
-                        "the directory claims order ids across shards now: this node stores \
-                         them without claims, so it commits nothing more; restart it"
-                    );
+                    tracing::error!("{OUTRUN}");
                 }
             }
             Ok(_) => {}
@@ -354,11 +412,8 @@ impl ShardedLedger {
                     .iter()
                     .map(|(o, c)| (o.to_string(), c.to_string()))
                     .collect();
-                // The directory's breaker: while it is open, every commit is refused at once.
-                match self.shards[0].breaker() {
-                    Some(b) => b.call(claims.call(ask)).await?,
-                    None => claims.call(ask).await?,
-                }
+                // Through the claims' breaker, inside the merged call.
+                claims.call(ask).await?
             }
         };
         let allowed = batches
@@ -522,6 +577,7 @@ impl ShardedLedger {
                 }
                 Some(got) => {
                     let e = got.err().unwrap_or(LedgerError::Inconsistent(SHORT_ANSWER));
+                    self.outrun_by(&e);
                     let e = Arc::new(e);
                     for pos in kept {
                         answers[pos] = Err(LedgerError::CommitFailed(e.clone()));
@@ -741,14 +797,19 @@ impl Ledger for ShardedLedger {
     /// The directory's shard: a node stays ready while one of the others is down, whose
     /// vouchers alone answer `503`.
     async fn ping(&self) -> Result<(), LedgerError> {
+        if self.outrun.load(Ordering::Acquire) {
+            return Err(LedgerError::Invalid(OUTRUN));
+        }
         self.shards[0].ping().await
     }
 
     /// Its shard's breaker (a code not placed yet: none refuses it here), and with claims the
-    /// directory's, which every commit passes; every code once claims began without this node.
+    /// claims' breaker, which every commit passes; every code once claims began without this
+    /// node.
     fn refuses(&self, code: &str) -> bool {
+        let breaker = &self.claims_breaker;
         if self.outrun.load(Ordering::Acquire)
-            || (self.claims.is_some() && self.shards[0].refuses(code))
+            || (self.claims.is_some() && breaker.refuses(breaker.now_ms()))
         {
             return true;
         }
@@ -1033,6 +1094,9 @@ impl Ledger for ShardedLedger {
             sent.lease_id = local;
             claims.checked(0, l.commit_batch(&sent).await)
         };
+        if let Err(e) = &got {
+            self.outrun_by(e);
+        }
         self.settle(&claims, &[batch], std::slice::from_ref(&got))
             .await;
         let got = got?;
@@ -1330,13 +1394,17 @@ mod tests {
         let sep = if base.contains('?') { '&' } else { '?' };
         let url = format!("{base}{sep}options=-c%20search_path%3D{schema}");
         let store = Arc::new(PostgresLedger::connect(&url, 2, 0, 1000).await.unwrap());
-        let round = claims_merged(store.clone());
-        let held = round(vec![pairs(&[("o", "W")])]).await.unwrap();
-        assert_eq!(held[0].as_ref().unwrap(), &HashSet::from(["o".to_string()]));
+        let round = claims_merged(store.clone(), Arc::new(Breaker::new(0, 0)));
+        let held = round(vec![pairs(&[("o", "W"), ("h", "Z")])]).await.unwrap();
+        assert_eq!(
+            held[0].as_ref().unwrap(),
+            &HashSet::from(["o".to_string(), "h".to_string()])
+        );
         let got = round(vec![
-            pairs(&[("o", "V"), ("n", "V")]),
-            pairs(&[("o", "W"), ("n", "W")]),
-            pairs(&[("n", "V")]),
+            pairs(&[("o", "V"), ("n", "V"), ("h", "V")]),
+            pairs(&[("o", "W"), ("n", "W"), ("h", "W")]),
+            pairs(&[("n", "V"), ("h", "Y")]),
+            pairs(&[("h", "Z")]),
         ])
         .await
         .unwrap();
@@ -1344,6 +1412,11 @@ mod tests {
         assert_eq!(got[0], HashSet::from(["n".to_string()]));
         assert_eq!(got[1], HashSet::from(["o".to_string()]), "the retry joins");
         assert_eq!(got[2], HashSet::from(["n".to_string()]));
+        assert_eq!(
+            got[3],
+            HashSet::from(["h".to_string()]),
+            "its fourth choice"
+        );
         let claims: Vec<(String, String, i64)> =
             sqlx::query_as("SELECT order_id, code, pending FROM order_claims ORDER BY order_id")
                 .fetch_all(&admin_pool(&url).await)
@@ -1351,7 +1424,11 @@ mod tests {
                 .unwrap();
         assert_eq!(
             claims,
-            [("n".into(), "V".into(), 2), ("o".into(), "W".into(), 2)]
+            [
+                ("h".into(), "Z".into(), 2),
+                ("n".into(), "V".into(), 2),
+                ("o".into(), "W".into(), 2)
+            ]
         );
     }
 }

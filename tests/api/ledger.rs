@@ -1798,9 +1798,9 @@ async fn shard_databases_are_used_only_as_shards() {
 }
 
 /// Orders stored while no claims were made (one shard) are claimed when claims begin (a second
-/// shard is added), so none can be stored again on a voucher of the new shard; a node still
-/// running without claims stops committing at its next beat; and once the directory claims, a
-/// node that would store without claims is refused.
+/// shard is added), so none can be stored again on a voucher of the new shard; nodes still
+/// running without claims are fenced by each shard (and stop at their next beat); and once the
+/// directory claims, a node that would store without claims is refused.
 #[tokio::test]
 #[cfg_attr(
     no_test_pg,
@@ -1833,7 +1833,11 @@ async fn orders_stored_before_claims_begin_stay_on_their_voucher() {
             .unwrap()
     };
     assert!(claims().await.is_empty(), "one shard makes no claim");
-    let node = one.register_node("n1", NOW, 60_000).await.unwrap();
+    // A second node without claims, which will not commit before its next beat.
+    let idle = ledger::connect_sharded(std::slice::from_ref(&a), 2, true)
+        .await
+        .unwrap();
+    let node = idle.register_node("n1", NOW, 60_000).await.unwrap();
 
     let urls = [a.clone(), b.clone()];
     let two = ledger::connect_sharded(&urls, 2, true).await.unwrap();
@@ -1854,19 +1858,32 @@ async fn orders_stored_before_claims_begin_stay_on_their_voucher() {
         .unwrap();
     assert!(matches!(replay[0], RowOutcome::Replayed(_)), "{replay:?}");
 
-    // The one-shard node stored without claims: at its next beat it stops committing.
+    // The one-shard nodes stored without claims. The shard itself refuses their commits from
+    // the moment its claims began (a fence, whatever their beats say), and the node then
+    // refuses every reserve at once.
     assert!(!one.refuses("OLD"));
-    one.heartbeat(&node.holder, NOW, 60_000).await.unwrap();
-    assert!(one.refuses("OLD"));
     let late = one
         .commit_batch(&batch("OLD", lease, rows(&[("late", 3)])))
         .await;
-    assert!(matches!(late, Err(LedgerError::CircuitOpen)), "{late:?}");
+    assert!(late.is_err(), "{late:?}");
+    assert!(one.refuses("OLD"));
+    assert!(one.ping().await.is_err(), "not ready");
     let n: i64 = sqlx::query_scalar("SELECT count(*) FROM reservations WHERE order_id = 'late'")
         .fetch_one(&pool)
         .await
         .unwrap();
     assert_eq!(n, 0);
+    // The other stops at its next beat, before it tries a commit.
+    assert!(!idle.refuses("OLD"));
+    idle.heartbeat(&node.holder, NOW, 60_000).await.unwrap();
+    assert!(idle.refuses("OLD"));
+    let refused = idle
+        .commit_batch(&batch("OLD", lease, rows(&[("later", 4)])))
+        .await;
+    assert!(
+        matches!(refused, Err(LedgerError::CircuitOpen)),
+        "{refused:?}"
+    );
 
     // Claims stay: a node that would store without them is refused.
     let err = ledger::connect_sharded(&urls, 2, false)

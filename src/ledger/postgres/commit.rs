@@ -51,11 +51,12 @@ impl PostgresLedger {
         let groups = independent_groups(batches);
         let mut verdicts: Vec<Result<Vec<Verdict>, LedgerError>> = Vec::with_capacity(groups.len());
         for (k, group) in groups.iter().enumerate() {
-            let mut res = call_merged(&self.pool(), batches, group).await;
+            let sql = self.commit_sql();
+            let mut res = call_merged(&self.pool(), sql, batches, group).await;
             if k > 0 && matches!(&res, Err(e) if is_deadlock(e)) {
                 // A deadlock victim ran nothing: once more (the first call's is retried by
                 // `commit_batches`).
-                res = call_merged(&self.pool(), batches, group).await;
+                res = call_merged(&self.pool(), sql, batches, group).await;
             }
             match res {
                 Err(e) if k == 0 => return Err(e),
@@ -168,9 +169,43 @@ struct Verdict {
     stored: Option<(String, i64, String, i64)>,
 }
 
-/// Calls `vouchers_commit_batches_v2` for the batches `group` names, in one round trip.
+/// The merged commit's statement.
+const COMMIT_SQL: &str =
+    "SELECT out_idx, out_verdict, out_discount, out_voucher, out_customer, out_status, \
+     out_expires FROM vouchers_commit_batches_v2($1, $2, $3, $4, $5, $6, $7)";
+/// The same, for a shard of a node that stores without order claims: refused once the
+/// shard's claims began (migration 13).
+const UNCLAIMED_COMMIT_SQL: &str =
+    "SELECT out_idx, out_verdict, out_discount, out_voucher, out_customer, out_status, \
+     out_expires FROM vouchers_commit_batches_unclaimed($1, $2, $3, $4, $5, $6, $7)";
+/// The SQLSTATE `vouchers_commit_batches_unclaimed` raises once claims began.
+const CLAIMS_BEGUN: &str = "VC001";
+
+impl PostgresLedger {
+    /// This store commits for a sharded node that stores orders without claims (see
+    /// `unclaimed`).
+    pub(crate) fn commit_unclaimed(&self) {
+        self.unclaimed
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    fn commit_sql(&self) -> &'static str {
+        match self.unclaimed.load(std::sync::atomic::Ordering::Acquire) {
+            true => UNCLAIMED_COMMIT_SQL,
+            false => COMMIT_SQL,
+        }
+    }
+}
+
+/// Whether a commit was refused because the shard's order claims began (nothing of it ran).
+pub(crate) fn claims_began(e: &LedgerError) -> bool {
+    matches!(e, LedgerError::Database { code: Some(c), .. } if c == CLAIMS_BEGUN)
+}
+
+/// Calls the merged commit (`sql`) for the batches `group` names, in one round trip.
 async fn call_merged<'e, E>(
     ex: E,
+    sql: &str,
     batches: &[Batch],
     group: &[usize],
 ) -> Result<Vec<Verdict>, LedgerError>
@@ -210,19 +245,16 @@ where
         Option<String>,
         Option<i64>,
     );
-    let out: Vec<Out> = sqlx::query_as(
-        "SELECT out_idx, out_verdict, out_discount, out_voucher, out_customer, out_status, \
-         out_expires FROM vouchers_commit_batches_v2($1, $2, $3, $4, $5, $6, $7)",
-    )
-    .bind(&leases)
-    .bind(&codes)
-    .bind(&nows)
-    .bind(&expires)
-    .bind(&row_batch)
-    .bind(&orders)
-    .bind(&customers)
-    .fetch_all(ex)
-    .await?;
+    let out: Vec<Out> = sqlx::query_as(sql)
+        .bind(&leases)
+        .bind(&codes)
+        .bind(&nows)
+        .bind(&expires)
+        .bind(&row_batch)
+        .bind(&orders)
+        .bind(&customers)
+        .fetch_all(ex)
+        .await?;
     if out.len() != n_rows {
         return Err(LedgerError::database(
             "merged commit returned the wrong number of rows",

@@ -9,6 +9,9 @@ use crate::domain::FeedEvent;
 use crate::ledger::rows::{event_from, EventRow};
 use crate::ledger::LedgerError;
 
+/// The lock commits without claims take shared and [`PostgresLedger::begin_claims`] takes
+/// alone (the constant in `vouchers_commit_batches_unclaimed`, migration 13).
+const UNCLAIMED_LOCK: i64 = 0x7670_68fe_5e91_2265;
 /// An arbitrary constant that names the merge of the shards' feeds: one merge at a time.
 const FEED_MERGE_LOCK: i64 = 0x766f_7563_6865_7266;
 
@@ -28,10 +31,9 @@ pub(crate) enum ClaimStart {
     Off,
     /// Every stored order is claimed.
     On,
-    /// Claims have begun: the shards' orders are to be copied into the claims before this
-    /// node serves; `after_off` when nodes may still be storing without claims (the mode was
-    /// `off`), so the copy waits for them to stop.
-    Fill { after_off: bool },
+    /// Claims have begun: every shard is to be fenced against commits without claims and its
+    /// orders copied into the claims before this node serves.
+    Fill,
 }
 
 const PLACED_SQL: &str = "SELECT code, shard FROM voucher_shards WHERE code = ANY($1)";
@@ -157,9 +159,7 @@ impl PostgresLedger {
             if was.as_deref() == Some("on") {
                 ClaimStart::On
             } else {
-                ClaimStart::Fill {
-                    after_off: was.as_deref() == Some("off"),
-                }
+                ClaimStart::Fill
             }
         } else {
             ClaimStart::Off
@@ -167,7 +167,7 @@ impl PostgresLedger {
         let mode = match start {
             ClaimStart::Off => "off",
             ClaimStart::On => "on",
-            ClaimStart::Fill { .. } => "filling",
+            ClaimStart::Fill => "filling",
         };
         sqlx::query(
             "INSERT INTO order_claim_mode (id, mode) VALUES (1, $1) \
@@ -188,15 +188,33 @@ impl PostgresLedger {
             .await?)
     }
 
+    /// Fences this shard against commits without claims (migration 13): waits for those in
+    /// flight (the lock they hold shared), and refuses every later one.
+    pub(crate) async fn begin_claims(&self) -> Result<(), LedgerError> {
+        let mut tx = self.pool().begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(UNCLAIMED_LOCK)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("INSERT INTO claims_begun (id) VALUES (1) ON CONFLICT (id) DO NOTHING")
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
     /// Claims, for good, the order of every reservation `shard` stored (without a claim, or
     /// with one) for its voucher, a page at a time: a count that no call gives back, so a claim
     /// joined by a call in flight stays when that call is refused. Copying again only adds
-    /// counts. Returns how many
-    /// orders another voucher had claimed already: stored twice while no claims were made,
-    /// which the copy cannot undo (each stays where it is; both are logged by the caller).
-    pub(crate) async fn fill_claims(&self, shard: &PostgresLedger) -> Result<u64, LedgerError> {
+    /// counts. Returns the orders another voucher had claimed already: stored twice while no
+    /// claims were made (only with `order_ids_across_shards` off), which the copy cannot undo;
+    /// that claim gets a count for good too.
+    pub(crate) async fn fill_claims(
+        &self,
+        shard: &PostgresLedger,
+    ) -> Result<Vec<String>, LedgerError> {
         let mut after = String::new();
-        let mut clashes = 0u64;
+        let mut clashes = Vec::new();
         loop {
             let page: Vec<(String, String)> = sqlx::query_as(
                 "SELECT order_id, voucher_code FROM reservations WHERE order_id > $1 \
@@ -215,20 +233,21 @@ impl PostgresLedger {
             // Locked in the claims' own order, as every claim takes them.
             pairs.sort_unstable();
             let (orders, codes): (Vec<&str>, Vec<&str>) = pairs.into_iter().unzip();
-            let other: i64 = sqlx::query_scalar(
+            // The main query reads the claims as they were before the insert: those of another
+            // voucher are the clashes.
+            let other: Vec<String> = sqlx::query_scalar(
                 "WITH x AS (SELECT * FROM UNNEST($1::TEXT[], $2::TEXT[]) AS x(o, c)), \
                  ins AS (INSERT INTO order_claims (order_id, code, pending) \
                  SELECT o, c, 1 FROM x ON CONFLICT (order_id) DO UPDATE \
-                 SET pending = order_claims.pending + 1 \
-                 WHERE order_claims.code = EXCLUDED.code) \
-                 SELECT count(*) FROM x JOIN order_claims k ON k.order_id = x.o \
+                 SET pending = order_claims.pending + 1) \
+                 SELECT x.o FROM x JOIN order_claims k ON k.order_id = x.o \
                  WHERE k.code <> x.c",
             )
             .bind(&orders)
             .bind(&codes)
-            .fetch_one(&self.pool())
+            .fetch_all(&self.pool())
             .await?;
-            clashes += other as u64;
+            clashes.extend(other);
         }
     }
 
@@ -317,6 +336,19 @@ impl PostgresLedger {
         .bind(calls)
         .fetch_all(&self.pool())
         .await?)
+    }
+
+    /// The voucher that holds the claim of each of `orders` that has one.
+    pub(crate) async fn claim_holders(
+        &self,
+        orders: &[&str],
+    ) -> Result<Vec<(String, String)>, LedgerError> {
+        Ok(
+            sqlx::query_as("SELECT order_id, code FROM order_claims WHERE order_id = ANY($1)")
+                .bind(orders)
+                .fetch_all(&self.pool())
+                .await?,
+        )
     }
 
     /// The calling commit's rows of `orders` were all refused: it gives back its count of

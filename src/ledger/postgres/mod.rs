@@ -24,7 +24,7 @@
 //! holders' beats. [`target`] reads the servers a multi-host `ledger.url` lists, and [`primary`]
 //! keeps the node's pools on the writable one through a failover.
 
-mod commit;
+pub(crate) mod commit;
 pub(crate) mod directory;
 mod leases;
 mod open;
@@ -75,6 +75,10 @@ pub struct PostgresLedger {
     /// connection of its own for heartbeats (a pool busy with commits, or waiting on locks, must
     /// not delay a beat until the node looks dead).
     locator: std::sync::Arc<primary::Locator>,
+    /// This store is a shard of a node that stores orders without claims: its commits go
+    /// through `vouchers_commit_batches_unclaimed`, refused once the shard's claims began
+    /// (migration 13).
+    unclaimed: std::sync::atomic::AtomicBool,
 }
 
 impl PostgresLedger {
@@ -167,6 +171,20 @@ impl Ledger for PostgresLedger {
     async fn ping(&self) -> Result<(), LedgerError> {
         sqlx::query("SELECT 1").execute(&self.pool()).await?;
         Ok(())
+    }
+
+    /// A bare TCP connection to the server in use: refused (or failed) within a quarter second
+    /// says so; a Unix socket, a slow answer or a connection made says nothing (`false`).
+    async fn refuses_connections(&self) -> bool {
+        let (server, _) = self.locator.server();
+        if server.starts_with('/') {
+            return false;
+        }
+        let connect = tokio::net::TcpStream::connect(server);
+        matches!(
+            tokio::time::timeout(std::time::Duration::from_millis(250), connect).await,
+            Ok(Err(_))
+        )
     }
 
     async fn create_voucher(&self, v: &Voucher, now: Millis) -> Result<(), LedgerError> {

@@ -92,7 +92,10 @@ impl PostgresLedger {
         let locator = Locator::start_up(targets, shape, probe_timeout).await?;
         migrate(&locator.pool()).await?;
         locator.spawn();
-        Ok(Self { locator })
+        Ok(Self {
+            locator,
+            unclaimed: Default::default(),
+        })
     }
 }
 
