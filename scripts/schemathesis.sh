@@ -6,6 +6,7 @@
 #
 #   scripts/schemathesis.sh            # uses target/debug/vouchers (cargo build first)
 #   BIN=target/release/vouchers EXAMPLES=200 scripts/schemathesis.sh
+#   SHARDS="postgres://…/a postgres://…/b postgres://…/c" scripts/schemathesis.sh   # sharded
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,8 +21,17 @@ command -v schemathesis >/dev/null || { echo "schemathesis is not installed (pip
 [ -x "$BIN" ] || { echo "$BIN is missing (cargo build)" >&2; exit 1; }
 
 DIR="$(mktemp -d)"
-VOUCHERS__HTTP__PORT="$PORT" VOUCHERS__LEDGER__URL="sqlite://$DIR/ledger.db" \
-  VOUCHERS__ADMIN__TOKEN="$TOKEN" RUST_LOG=warn "$BIN" >"$DIR/node.log" 2>&1 &
+if [ -n "${SHARDS:-}" ]; then
+  # The ledger in shards (space-separated PostgreSQL URLs of empty databases), e.g. the three
+  # clusters of scripts/shards.py.
+  VOUCHERS__HTTP__PORT="$PORT" VOUCHERS__LEDGER__SHARDS="$SHARDS" VOUCHERS__REDIS__URL="${REDIS_URL:-redis://127.0.0.1:6379}" \
+    VOUCHERS__REDIS__EVENTS_STREAM="" \
+    VOUCHERS__ADMIN__TOKEN="$TOKEN" RUST_LOG=warn "$BIN" --config config/cluster.toml \
+    >"$DIR/node.log" 2>&1 &
+else
+  VOUCHERS__HTTP__PORT="$PORT" VOUCHERS__LEDGER__URL="sqlite://$DIR/ledger.db" \
+    VOUCHERS__ADMIN__TOKEN="$TOKEN" RUST_LOG=warn "$BIN" >"$DIR/node.log" 2>&1 &
+fi
 PID=$!
 trap 'kill "$PID" 2>/dev/null || true; wait "$PID" 2>/dev/null || true; rm -rf "$DIR"' EXIT
 
