@@ -64,6 +64,18 @@ DECLARE
     v_inserted TEXT[];  -- the order ids this call inserted, in order-id order
     v_last     BIGINT;  -- the feed number of the last of them
 BEGIN
+    -- The fence of the order claims across shards (migration 13): a commit not made by a node
+    -- that claims its orders (`vouchers.claimed`, set by vouchers_commit_batches_claimed) is
+    -- refused once this database's claims began. The lock first: the read after it takes a
+    -- fresh snapshot, so it sees a copier's row committed while this call waited for the lock.
+    IF current_setting('vouchers.claimed', true) IS DISTINCT FROM 'on' THEN
+        PERFORM pg_advisory_xact_lock_shared(8534436735584641637);
+        IF EXISTS (SELECT 1 FROM claims_begun) THEN
+            RAISE EXCEPTION 'order claims have begun on this database: restart this node'
+                USING ERRCODE = 'VC001';
+        END IF;
+    END IF;
+
     PERFORM 1 FROM leases WHERE id = ANY (p_lease) ORDER BY id FOR UPDATE;
 
     -- Creates the missing usage rows and locks the existing ones in one pass (an upsert that

@@ -11,15 +11,17 @@ CREATE TABLE IF NOT EXISTS order_claim_mode (
 );
 
 -- Per shard: order claims have begun (the row is there). The node that copies this shard's
--- orders into the claims inserts it first, under an exclusive advisory lock; a node that stores
--- without claims commits through vouchers_commit_batches_unclaimed, which takes that lock
+-- orders into the claims inserts it first, holding an advisory lock alone; every commit of a
+-- node that does not claim its orders (vouchers_commit_batches_v2 called directly: a single
+-- ledger's node, a node of an older build, a sharded node without claims) takes that lock
 -- shared and is refused once the row is there. So no order stored without a claim lands on a
--- shard after the copy of its orders began: a fence, not a wait.
+-- shard after the copy of its orders began: a fence, not a wait, and closed by default.
 CREATE TABLE IF NOT EXISTS claims_begun (
     id INT PRIMARY KEY CHECK (id = 1)
 );
 
-CREATE OR REPLACE FUNCTION vouchers_commit_batches_unclaimed(
+-- The merged commit of a node that claims its orders on the directory first: past the fence.
+CREATE OR REPLACE FUNCTION vouchers_commit_batches_claimed(
     p_lease    BIGINT[],
     p_code     TEXT[],
     p_now      BIGINT[],
@@ -38,13 +40,8 @@ CREATE OR REPLACE FUNCTION vouchers_commit_batches_unclaimed(
 )
 LANGUAGE plpgsql AS $$
 BEGIN
-    -- The lock first, then the read in a statement of its own: its snapshot is taken after
-    -- the lock, so it sees a copier's row committed while this call waited.
-    PERFORM pg_advisory_xact_lock_shared(8534436735584641637);
-    IF EXISTS (SELECT 1 FROM claims_begun) THEN
-        RAISE EXCEPTION 'order claims have begun on this shard: restart this node'
-            USING ERRCODE = 'VC001';
-    END IF;
+    -- For this transaction only (the call is its own).
+    PERFORM set_config('vouchers.claimed', 'on', true);
     RETURN QUERY SELECT * FROM vouchers_commit_batches_v2(
         p_lease, p_code, p_now, p_expires, p_batch, p_order, p_customer);
 END

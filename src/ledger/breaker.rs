@@ -64,7 +64,13 @@ pub struct Breaker {
     /// server). Such a probe fails at once instead of waiting out the pool's acquire timeout,
     /// with every reserve merged into it.
     refused: Option<RefusedCheck>,
+    /// Probes failed in a row by `refused` alone: every [`MAX_VETOES`]th goes out anyway, so a
+    /// check that is wrong (a host it cannot resolve) never keeps the breaker open for good.
+    vetoes: AtomicU32,
 }
+
+/// Probes `refused` may fail in a row before one goes to the ledger regardless.
+const MAX_VETOES: u32 = 4;
 
 /// See [`Breaker::refused`].
 type RefusedCheck = Box<dyn Fn() -> Pin<Box<dyn Future<Output = bool> + Send>> + Send + Sync>;
@@ -83,6 +89,7 @@ impl Breaker {
             moves_at_open: AtomicU64::new(0),
             shard: None,
             refused: None,
+            vetoes: AtomicU32::new(0),
         }
     }
 
@@ -204,11 +211,14 @@ impl Breaker {
         let moves = self.moves();
         if admitted == Admit::Probe {
             if let Some(refused) = &self.refused {
-                if refused().await {
+                let vetoed = self.vetoes.load(Ordering::Acquire);
+                if vetoed + 1 < MAX_VETOES && refused().await {
+                    self.vetoes.store(vetoed + 1, Ordering::Release);
                     pending.done = true;
                     self.record(admitted, false, self.now_ms());
                     return Err(LedgerError::CircuitOpen);
                 }
+                self.vetoes.store(0, Ordering::Release);
             }
         }
         let res = call.await;
@@ -413,6 +423,16 @@ mod tests {
         assert_eq!(probe.ok(), Some(3));
         assert_eq!(b.state(), BreakerState::Closed);
         assert_eq!(asked.load(Ordering::Acquire), 2);
+        // A check that always says refused vetoes three probes in a row, not the fourth.
+        refusing.store(true, Ordering::Release);
+        b.record(Admit::Pass, false, 0);
+        for _ in 0..3 {
+            let vetoed = b.call(async { Ok::<_, LedgerError>(4) }).await;
+            assert!(matches!(vetoed, Err(LedgerError::CircuitOpen)));
+        }
+        let goes = b.call(async { Ok::<_, LedgerError>(5) }).await;
+        assert_eq!(goes.ok(), Some(5), "the fourth probe goes out");
+        assert_eq!(b.state(), BreakerState::Closed);
     }
 
     #[tokio::test]

@@ -88,12 +88,15 @@ const MAX_MERGED_CLAIMS: usize = 1024;
 /// an order carried to several vouchers goes to the first of them, in the calls' order, unless
 /// the directory already gives it to another of them (a retry of an order stored on W joins
 /// W's claim even when an earlier call of the round carried it to V). Three statements at most,
-/// each through the directory's breaker: the first choices; where some were refused, who holds
-/// those orders; the holders' claims joined. Each voucher's claim counts every call that
-/// carries the order to it; each call gets the orders claimed or joined for its own voucher.
+/// each through the claims' breaker within `deadline`: the first choices; where some were
+/// refused, who holds those orders; the holders' claims joined. Each voucher's claim counts
+/// every call that carries the order to it; each call gets the orders claimed or joined for its
+/// own voucher. Once the first statement went through, a later one that fails fails only the
+/// calls that needed it (their counts stay: safe, those orders are refused elsewhere).
 fn claims_merged(
     directory: Arc<PostgresLedger>,
     breaker: Arc<Breaker>,
+    deadline: Duration,
 ) -> ManyFn<Vec<(String, String)>, HashSet<String>> {
     Arc::new(move |asks: Vec<Vec<(String, String)>>| {
         let (directory, breaker) = (directory.clone(), breaker.clone());
@@ -115,7 +118,7 @@ fn claims_merged(
                 .map(|(o, choices)| (*o, choices[0].0, choices[0].1))
                 .collect();
             let mut won: HashMap<&str, &str> = HashMap::with_capacity(wanted.len());
-            for o in claim_statement(&directory, &breaker, &firsts).await? {
+            for o in bounded(&breaker, deadline, claim_statement(&directory, &firsts)).await? {
                 if let Some((o, choices)) = wanted.get_key_value(o.as_str()) {
                     won.insert(*o, choices[0].0);
                 }
@@ -125,53 +128,93 @@ fn claims_merged(
                 .filter(|(o, choices)| choices.len() > 1 && !won.contains_key(*o))
                 .map(|(o, _)| *o)
                 .collect();
+            let mut joined: Result<(), LedgerError> = Ok(());
             if !refused.is_empty() {
-                let holders = breaker.call(directory.claim_holders(&refused)).await?;
-                let mut joins: Vec<(&str, &str, i64)> = holders
-                    .iter()
-                    .filter_map(|(o, holder)| {
-                        let (o, choices) = wanted.get_key_value(o.as_str())?;
-                        let (c, n) = choices[1..].iter().find(|(c, _)| c == holder)?;
-                        Some((*o, *c, *n))
-                    })
-                    .collect();
-                joins.sort_unstable();
-                for o in claim_statement(&directory, &breaker, &joins).await? {
-                    if let Some(&(o, c, _)) = joins.iter().find(|j| j.0 == o.as_str()) {
-                        won.insert(o, c);
+                let holders = bounded(
+                    &breaker,
+                    deadline,
+                    Box::pin(directory.claim_holders(&refused)),
+                )
+                .await;
+                joined = match holders {
+                    Ok(holders) => {
+                        // The holder among any of the order's vouchers (it may have become
+                        // the first choice's since the first statement).
+                        let mut joins: Vec<(&str, &str, i64)> = holders
+                            .iter()
+                            .filter_map(|(o, holder)| {
+                                let (o, choices) = wanted.get_key_value(o.as_str())?;
+                                let (c, n) = choices.iter().find(|(c, _)| c == holder)?;
+                                Some((*o, *c, *n))
+                            })
+                            .collect();
+                        joins.sort_unstable();
+                        let to: HashMap<&str, &str> = joins.iter().map(|j| (j.0, j.1)).collect();
+                        bounded(&breaker, deadline, claim_statement(&directory, &joins))
+                            .await
+                            .map(|got| {
+                                for o in got {
+                                    if let Some((o, c)) = to.get_key_value(o.as_str()) {
+                                        won.insert(*o, *c);
+                                    }
+                                }
+                            })
                     }
-                }
+                    Err(e) => Err(e),
+                };
             }
+            let joined = joined.map_err(Arc::new);
             Ok(asks
                 .iter()
                 .map(|ask| {
-                    Ok(ask
-                        .iter()
-                        .filter(|(o, c)| won.get(o.as_str()) == Some(&c.as_str()))
-                        .map(|(o, _)| o.clone())
-                        .collect())
+                    let needed = ask.iter().any(|(o, _)| refused.contains(&o.as_str()));
+                    match &joined {
+                        Err(e) if needed => Err(LedgerError::CommitFailed(e.clone())),
+                        _ => Ok(ask
+                            .iter()
+                            .filter(|(o, c)| won.get(o.as_str()) == Some(&c.as_str()))
+                            .map(|(o, _)| o.clone())
+                            .collect()),
+                    }
                 })
                 .collect())
         })
     })
 }
 
-/// One claim statement for `asked` (order, voucher, calls), in order-id order, through the
-/// directory's breaker: the orders claimed or joined.
-async fn claim_statement(
-    directory: &PostgresLedger,
+type ClaimCall<'a, T> = std::pin::Pin<Box<dyn Future<Output = Result<T, LedgerError>> + Send + 'a>>;
+
+/// `call` through the claims' breaker, within `deadline` (a call that does not answer in time
+/// counts against the breaker as any unreachable one).
+async fn bounded<T>(
     breaker: &Breaker,
-    asked: &[(&str, &str, i64)],
-) -> Result<Vec<String>, LedgerError> {
-    if asked.is_empty() {
-        return Ok(Vec::new());
-    }
-    let orders: Vec<&str> = asked.iter().map(|a| a.0).collect();
-    let codes: Vec<&str> = asked.iter().map(|a| a.1).collect();
-    let counts: Vec<i64> = asked.iter().map(|a| a.2).collect();
+    deadline: Duration,
+    call: ClaimCall<'_, T>,
+) -> Result<T, LedgerError> {
     breaker
-        .call(directory.claim_orders(&orders, &codes, &counts))
+        .call(async move {
+            tokio::time::timeout(deadline, call)
+                .await
+                .unwrap_or(Err(LedgerError::Deadline))
+        })
         .await
+}
+
+/// One claim statement for `asked` (order, voucher, calls), in order-id order: the orders
+/// claimed or joined.
+fn claim_statement<'a>(
+    directory: &'a PostgresLedger,
+    asked: &'a [(&'a str, &'a str, i64)],
+) -> ClaimCall<'a, Vec<String>> {
+    Box::pin(async move {
+        if asked.is_empty() {
+            return Ok(Vec::new());
+        }
+        let orders: Vec<&str> = asked.iter().map(|a| a.0).collect();
+        let codes: Vec<&str> = asked.iter().map(|a| a.1).collect();
+        let counts: Vec<i64> = asked.iter().map(|a| a.2).collect();
+        directory.claim_orders(&orders, &codes, &counts).await
+    })
 }
 
 /// Whether a commit refused with `e` stored nothing: refused as a whole before its shard's
@@ -182,9 +225,16 @@ fn stored_nothing(e: &LedgerError) -> bool {
         | LedgerError::NotFound
         | LedgerError::CircuitOpen
         | LedgerError::QueueFull => true,
+        // The server refused the statement (a lock timeout, a deadlock victim, the claims'
+        // fence): each merged call is its own transaction, rolled back.
+        LedgerError::Database { code: Some(_), .. } => true,
         LedgerError::CommitFailed(inner) => {
-            matches!(**inner, LedgerError::CircuitOpen | LedgerError::QueueFull)
-                || matches!(&**inner, LedgerError::CommitFailed(_) if stored_nothing(inner))
+            matches!(
+                **inner,
+                LedgerError::CircuitOpen
+                    | LedgerError::QueueFull
+                    | LedgerError::Database { code: Some(_), .. }
+            ) || matches!(&**inner, LedgerError::CommitFailed(_) if stored_nothing(inner))
         }
         _ => false,
     }
@@ -243,8 +293,15 @@ impl ShardedLedger {
                 }
                 directory.claims_filled().await?;
             }
-            ClaimStart::Off => stores.iter().for_each(|s| s.commit_unclaimed()),
-            ClaimStart::On => {}
+            // A node that claimed before: every shard fenced (again, at no cost: one that
+            // was left out of a copy cannot take orders without claims from now on).
+            ClaimStart::On => try_join_all(stores.iter().map(|s| s.begin_claims()))
+                .await
+                .map(|_| ())?,
+            ClaimStart::Off => {}
+        }
+        if start != ClaimStart::Off {
+            stores.iter().for_each(|s| s.commit_claimed());
         }
         let (lost, moved, probed) = (directory.clone(), directory.clone(), directory.clone());
         let claims_breaker = Arc::new(
@@ -262,7 +319,7 @@ impl ShardedLedger {
                 rt,
                 MAX_MERGED_CLAIMS,
                 deadline,
-                claims_merged(directory.clone(), claims_breaker.clone()),
+                claims_merged(directory.clone(), claims_breaker.clone(), deadline),
             )
         });
         Ok(Self {
@@ -572,6 +629,9 @@ impl ShardedLedger {
                 Some(Ok(results)) if results.len() == kept.len() => {
                     committed = true;
                     for (pos, r) in kept.into_iter().zip(results) {
+                        if let Err(e) = &r {
+                            self.outrun_by(e);
+                        }
                         answers[pos] = claims.checked(pos, r);
                     }
                 }
@@ -799,6 +859,11 @@ impl Ledger for ShardedLedger {
     async fn ping(&self) -> Result<(), LedgerError> {
         if self.outrun.load(Ordering::Acquire) {
             return Err(LedgerError::Invalid(OUTRUN));
+        }
+        // With claims nothing commits while the claims' breaker is open.
+        let breaker = &self.claims_breaker;
+        if self.claims.is_some() && breaker.refuses(breaker.now_ms()) {
+            return Err(LedgerError::CircuitOpen);
         }
         self.shards[0].ping().await
     }
@@ -1039,18 +1104,22 @@ impl Ledger for ShardedLedger {
         now: Millis,
         dead_after_ms: i64,
     ) -> Result<Beat, LedgerError> {
-        let (first, others) = tokio::join!(
+        // A node without claims reads the claim mode beside its beats (at most a quarter
+        // second, on the beats' own connection).
+        let (first, others, ()) = tokio::join!(
             self.shards[0].heartbeat(holder, now, dead_after_ms),
             join_all(
                 self.shards[1..]
                     .iter()
                     .map(|l| l.heartbeat(holder, now, dead_after_ms))
-            )
+            ),
+            async {
+                if self.claims.is_none() {
+                    self.check_claim_mode().await;
+                }
+            }
         );
         let first = first?;
-        if self.claims.is_none() {
-            self.check_claim_mode().await;
-        }
         let mut dead: HashSet<String> = first.dead.into_iter().collect();
         for (i, beat) in others.into_iter().enumerate() {
             match beat {
@@ -1394,7 +1463,11 @@ mod tests {
         let sep = if base.contains('?') { '&' } else { '?' };
         let url = format!("{base}{sep}options=-c%20search_path%3D{schema}");
         let store = Arc::new(PostgresLedger::connect(&url, 2, 0, 1000).await.unwrap());
-        let round = claims_merged(store.clone(), Arc::new(Breaker::new(0, 0)));
+        let round = claims_merged(
+            store.clone(),
+            Arc::new(Breaker::new(0, 0)),
+            Duration::from_secs(5),
+        );
         let held = round(vec![pairs(&[("o", "W"), ("h", "Z")])]).await.unwrap();
         assert_eq!(
             held[0].as_ref().unwrap(),

@@ -1813,6 +1813,8 @@ async fn orders_stored_before_claims_begin_stay_on_their_voucher() {
     ) else {
         return;
     };
+    // A node on `ledger.url` that was left running when the ledger went sharded.
+    let plain = ledger::connect(&a, 2).await.unwrap();
     let one = ledger::connect_sharded(std::slice::from_ref(&a), 2, true)
         .await
         .unwrap();
@@ -1869,6 +1871,17 @@ async fn orders_stored_before_claims_begin_stay_on_their_voucher() {
     assert!(one.refuses("OLD"));
     assert!(one.ping().await.is_err(), "not ready");
     let n: i64 = sqlx::query_scalar("SELECT count(*) FROM reservations WHERE order_id = 'late'")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(n, 0);
+    // The node on `ledger.url` never reads the mode: the shard's fence refuses it all the same
+    // (its lease id is the shard's own: the sharded one without the shard's bits).
+    let stray = plain
+        .commit_batch(&batch("OLD", lease >> 8, rows(&[("stray", 5)])))
+        .await;
+    assert!(stray.is_err(), "{stray:?}");
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM reservations WHERE order_id = 'stray'")
         .fetch_one(&pool)
         .await
         .unwrap();

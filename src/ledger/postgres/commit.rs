@@ -173,25 +173,24 @@ struct Verdict {
 const COMMIT_SQL: &str =
     "SELECT out_idx, out_verdict, out_discount, out_voucher, out_customer, out_status, \
      out_expires FROM vouchers_commit_batches_v2($1, $2, $3, $4, $5, $6, $7)";
-/// The same, for a shard of a node that stores without order claims: refused once the
-/// shard's claims began (migration 13).
-const UNCLAIMED_COMMIT_SQL: &str =
+/// The same, for a shard of a node that claims its orders first: past the fence that refuses
+/// every other commit once the database's claims began (migration 13).
+const CLAIMED_COMMIT_SQL: &str =
     "SELECT out_idx, out_verdict, out_discount, out_voucher, out_customer, out_status, \
-     out_expires FROM vouchers_commit_batches_unclaimed($1, $2, $3, $4, $5, $6, $7)";
-/// The SQLSTATE `vouchers_commit_batches_unclaimed` raises once claims began.
+     out_expires FROM vouchers_commit_batches_claimed($1, $2, $3, $4, $5, $6, $7)";
+/// The SQLSTATE the merged commit raises, past the fence, once claims began.
 const CLAIMS_BEGUN: &str = "VC001";
 
 impl PostgresLedger {
-    /// This store commits for a sharded node that stores orders without claims (see
-    /// `unclaimed`).
-    pub(crate) fn commit_unclaimed(&self) {
-        self.unclaimed
+    /// This store commits for a sharded node that claims its orders first (see `claimed`).
+    pub(crate) fn commit_claimed(&self) {
+        self.claimed
             .store(true, std::sync::atomic::Ordering::Release);
     }
 
     fn commit_sql(&self) -> &'static str {
-        match self.unclaimed.load(std::sync::atomic::Ordering::Acquire) {
-            true => UNCLAIMED_COMMIT_SQL,
+        match self.claimed.load(std::sync::atomic::Ordering::Acquire) {
+            true => CLAIMED_COMMIT_SQL,
             false => COMMIT_SQL,
         }
     }

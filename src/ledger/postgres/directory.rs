@@ -10,7 +10,7 @@ use crate::ledger::rows::{event_from, EventRow};
 use crate::ledger::LedgerError;
 
 /// The lock commits without claims take shared and [`PostgresLedger::begin_claims`] takes
-/// alone (the constant in `vouchers_commit_batches_unclaimed`, migration 13).
+/// alone (the constant in `vouchers_commit_batches_v2`'s fence, migrations 2 and 13).
 const UNCLAIMED_LOCK: i64 = 0x7670_68fe_5e91_2265;
 /// An arbitrary constant that names the merge of the shards' feeds: one merge at a time.
 const FEED_MERGE_LOCK: i64 = 0x766f_7563_6865_7266;
@@ -149,6 +149,9 @@ impl PostgresLedger {
             .fetch_optional(&mut *tx)
             .await?;
         let claiming = matches!(was.as_deref(), Some("filling" | "on"));
+        let known: i64 = sqlx::query_scalar("SELECT count(*) FROM shard_room")
+            .fetch_one(&mut *tx)
+            .await?;
         if claiming && !claim_orders {
             return Err(LedgerError::Invalid(
                 "the directory claims order ids across shards: \
@@ -158,6 +161,12 @@ impl PostgresLedger {
         let start = if claim_orders && (shards > 1 || claiming) {
             if was.as_deref() == Some("on") {
                 ClaimStart::On
+            } else if known > i64::from(shards) {
+                // Every shard must be fenced and copied: one not listed could be storing
+                // orders without claims.
+                return Err(LedgerError::Invalid(
+                    "order claims begin only with every shard the directory knows listed",
+                ));
             } else {
                 ClaimStart::Fill
             }
@@ -182,16 +191,25 @@ impl PostgresLedger {
 
     /// The directory's claim mode (`off`, `filling`, `on`; none before a sharded node opened
     /// it).
+    /// On the heartbeat's own connection, within a quarter second: it runs beside a beat.
     pub(crate) async fn claim_mode(&self) -> Result<Option<String>, LedgerError> {
-        Ok(sqlx::query_scalar("SELECT mode FROM order_claim_mode")
-            .fetch_optional(&self.pool())
-            .await?)
+        let beats = self.beats();
+        let read = sqlx::query_scalar("SELECT mode FROM order_claim_mode").fetch_optional(&beats);
+        match tokio::time::timeout(std::time::Duration::from_millis(250), read).await {
+            Ok(mode) => Ok(mode?),
+            Err(_) => Err(LedgerError::Deadline),
+        }
     }
 
     /// Fences this shard against commits without claims (migration 13): waits for those in
     /// flight (the lock they hold shared), and refuses every later one.
     pub(crate) async fn begin_claims(&self) -> Result<(), LedgerError> {
         let mut tx = self.pool().begin().await?;
+        // Commits in flight may hold the lock shared past the ledger's deadline (a synchronous
+        // standby's wait): at start, this waits for them.
+        sqlx::query("SET LOCAL lock_timeout = '60s'")
+            .execute(&mut *tx)
+            .await?;
         sqlx::query("SELECT pg_advisory_xact_lock($1)")
             .bind(UNCLAIMED_LOCK)
             .execute(&mut *tx)
@@ -253,9 +271,16 @@ impl PostgresLedger {
 
     /// Every shard's orders are claimed: the mode becomes `on` (unless another node did it).
     pub(crate) async fn claims_filled(&self) -> Result<(), LedgerError> {
-        sqlx::query("UPDATE order_claim_mode SET mode = 'on' WHERE mode = 'filling'")
-            .execute(&self.pool())
+        // Under the lock the mode is read with at open: a node opening now cannot set it back.
+        let mut tx = self.pool().begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(FEED_MERGE_LOCK)
+            .execute(&mut *tx)
             .await?;
+        sqlx::query("UPDATE order_claim_mode SET mode = 'on' WHERE mode = 'filling'")
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
         Ok(())
     }
 

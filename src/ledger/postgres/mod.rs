@@ -75,10 +75,10 @@ pub struct PostgresLedger {
     /// connection of its own for heartbeats (a pool busy with commits, or waiting on locks, must
     /// not delay a beat until the node looks dead).
     locator: std::sync::Arc<primary::Locator>,
-    /// This store is a shard of a node that stores orders without claims: its commits go
-    /// through `vouchers_commit_batches_unclaimed`, refused once the shard's claims began
-    /// (migration 13).
-    unclaimed: std::sync::atomic::AtomicBool,
+    /// This store is a shard of a node that claims its orders on the directory first: its
+    /// commits pass the claims' fence (`vouchers_commit_batches_claimed`, migration 13); every
+    /// other commit is refused once the database's claims began.
+    claimed: std::sync::atomic::AtomicBool,
 }
 
 impl PostgresLedger {
@@ -173,17 +173,17 @@ impl Ledger for PostgresLedger {
         Ok(())
     }
 
-    /// A bare TCP connection to the server in use: refused (or failed) within a quarter second
-    /// says so; a Unix socket, a slow answer or a connection made says nothing (`false`).
+    /// A bare TCP connection to the server in use: refused outright (nothing listens) within a
+    /// quarter second says so; a Unix socket, any other failure, a slow answer or a connection
+    /// made says nothing (`false`).
     async fn refuses_connections(&self) -> bool {
-        let (server, _) = self.locator.server();
-        if server.starts_with('/') {
+        let Some((host, port)) = self.locator.tcp_server() else {
             return false;
-        }
-        let connect = tokio::net::TcpStream::connect(server);
+        };
+        let connect = tokio::net::TcpStream::connect((host.as_str(), port));
         matches!(
             tokio::time::timeout(std::time::Duration::from_millis(250), connect).await,
-            Ok(Err(_))
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused
         )
     }
 

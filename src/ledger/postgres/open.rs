@@ -94,7 +94,7 @@ impl PostgresLedger {
         locator.spawn();
         Ok(Self {
             locator,
-            unclaimed: Default::default(),
+            claimed: Default::default(),
         })
     }
 }

@@ -163,6 +163,18 @@ impl Locator {
         )
     }
 
+    /// The server in use as a TCP `host:port`, or `None` where it is reached by a Unix socket.
+    pub fn tcp_server(&self) -> Option<(String, u16)> {
+        let server = &self.targets.servers[self.current()];
+        match server.options.get_socket() {
+            Some(_) => None,
+            None => Some((
+                server.options.get_host().to_string(),
+                server.options.get_port(),
+            )),
+        }
+    }
+
     /// Switches to another server since start-up.
     pub fn failovers(&self) -> u64 {
         self.failovers.load(Ordering::Acquire)
