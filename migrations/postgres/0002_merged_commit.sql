@@ -68,10 +68,15 @@ BEGIN
     -- that claims its orders (`vouchers.claimed`, set by vouchers_commit_batches_claimed) is
     -- refused once this database's claims began. The lock first: the read after it takes a
     -- fresh snapshot, so it sees a copier's row committed while this call waited for the lock.
+    -- The read needs a snapshot newer than the lock: READ COMMITTED (the default) takes one
+    -- per statement; a session set to a stricter level is refused.
     IF current_setting('vouchers.claimed', true) IS DISTINCT FROM 'on' THEN
+        IF current_setting('transaction_isolation') <> 'read committed' THEN
+            RAISE EXCEPTION 'the merged commit needs READ COMMITTED' USING ERRCODE = 'VC002';
+        END IF;
         PERFORM pg_advisory_xact_lock_shared(8534436735584641637);
         IF EXISTS (SELECT 1 FROM claims_begun) THEN
-            RAISE EXCEPTION 'order claims have begun on this database: restart this node'
+            RAISE EXCEPTION 'order claims began here: list every shard in ledger.shards'
                 USING ERRCODE = 'VC001';
         END IF;
     END IF;

@@ -69,8 +69,10 @@ pub struct Breaker {
     vetoes: AtomicU32,
 }
 
-/// Probes `refused` may fail in a row before one goes to the ledger regardless.
-const MAX_VETOES: u32 = 4;
+/// Probes `refused` may fail in a row before one goes to the ledger regardless (about ten
+/// seconds of them at the default cool-down of 500 ms: a stopped server then costs one probe
+/// that waits out the pool every ten seconds or so, and a check that is wrong at most that).
+const MAX_VETOES: u32 = 20;
 
 /// See [`Breaker::refused`].
 type RefusedCheck = Box<dyn Fn() -> Pin<Box<dyn Future<Output = bool> + Send>> + Send + Sync>;
@@ -423,15 +425,15 @@ mod tests {
         assert_eq!(probe.ok(), Some(3));
         assert_eq!(b.state(), BreakerState::Closed);
         assert_eq!(asked.load(Ordering::Acquire), 2);
-        // A check that always says refused vetoes three probes in a row, not the fourth.
+        // A check that always says refused vetoes MAX_VETOES - 1 probes in a row, not the next.
         refusing.store(true, Ordering::Release);
         b.record(Admit::Pass, false, 0);
-        for _ in 0..3 {
+        for _ in 0..MAX_VETOES - 1 {
             let vetoed = b.call(async { Ok::<_, LedgerError>(4) }).await;
             assert!(matches!(vetoed, Err(LedgerError::CircuitOpen)));
         }
         let goes = b.call(async { Ok::<_, LedgerError>(5) }).await;
-        assert_eq!(goes.ok(), Some(5), "the fourth probe goes out");
+        assert_eq!(goes.ok(), Some(5), "that probe goes out");
         assert_eq!(b.state(), BreakerState::Closed);
     }
 

@@ -101,6 +101,8 @@ fn claims_merged(
     Arc::new(move |asks: Vec<Vec<(String, String)>>| {
         let (directory, breaker) = (directory.clone(), breaker.clone());
         Box::pin(async move {
+            // One budget for the round's statements, inside the coalescer's own backstop.
+            let until = tokio::time::Instant::now() + deadline;
             // Per order (sorted by id: every statement locks the claims in that order), its
             // vouchers in the order the calls carry them, each with its count of calls.
             let mut wanted: BTreeMap<&str, Vec<(&str, i64)>> = BTreeMap::new();
@@ -118,7 +120,7 @@ fn claims_merged(
                 .map(|(o, choices)| (*o, choices[0].0, choices[0].1))
                 .collect();
             let mut won: HashMap<&str, &str> = HashMap::with_capacity(wanted.len());
-            for o in bounded(&breaker, deadline, claim_statement(&directory, &firsts)).await? {
+            for o in bounded(&breaker, until, claim_statement(&directory, &firsts)).await? {
                 if let Some((o, choices)) = wanted.get_key_value(o.as_str()) {
                     won.insert(*o, choices[0].0);
                 }
@@ -128,14 +130,11 @@ fn claims_merged(
                 .filter(|(o, choices)| choices.len() > 1 && !won.contains_key(*o))
                 .map(|(o, _)| *o)
                 .collect();
+            let needs_join: HashSet<&str> = refused.iter().copied().collect();
             let mut joined: Result<(), LedgerError> = Ok(());
             if !refused.is_empty() {
-                let holders = bounded(
-                    &breaker,
-                    deadline,
-                    Box::pin(directory.claim_holders(&refused)),
-                )
-                .await;
+                let holders =
+                    bounded(&breaker, until, Box::pin(directory.claim_holders(&refused))).await;
                 joined = match holders {
                     Ok(holders) => {
                         // The holder among any of the order's vouchers (it may have become
@@ -150,7 +149,7 @@ fn claims_merged(
                             .collect();
                         joins.sort_unstable();
                         let to: HashMap<&str, &str> = joins.iter().map(|j| (j.0, j.1)).collect();
-                        bounded(&breaker, deadline, claim_statement(&directory, &joins))
+                        bounded(&breaker, until, claim_statement(&directory, &joins))
                             .await
                             .map(|got| {
                                 for o in got {
@@ -167,7 +166,7 @@ fn claims_merged(
             Ok(asks
                 .iter()
                 .map(|ask| {
-                    let needed = ask.iter().any(|(o, _)| refused.contains(&o.as_str()));
+                    let needed = ask.iter().any(|(o, _)| needs_join.contains(o.as_str()));
                     match &joined {
                         Err(e) if needed => Err(LedgerError::CommitFailed(e.clone())),
                         _ => Ok(ask
@@ -184,16 +183,16 @@ fn claims_merged(
 
 type ClaimCall<'a, T> = std::pin::Pin<Box<dyn Future<Output = Result<T, LedgerError>> + Send + 'a>>;
 
-/// `call` through the claims' breaker, within `deadline` (a call that does not answer in time
-/// counts against the breaker as any unreachable one).
+/// `call` through the claims' breaker, done by `until` (the round's deadline: a call that does
+/// not answer in time counts against the breaker as any unreachable one).
 async fn bounded<T>(
     breaker: &Breaker,
-    deadline: Duration,
+    until: tokio::time::Instant,
     call: ClaimCall<'_, T>,
 ) -> Result<T, LedgerError> {
     breaker
         .call(async move {
-            tokio::time::timeout(deadline, call)
+            tokio::time::timeout_at(until, call)
                 .await
                 .unwrap_or(Err(LedgerError::Deadline))
         })
@@ -217,6 +216,17 @@ fn claim_statement<'a>(
     })
 }
 
+/// The server's refusals of a merged call's one statement, which roll its transaction back: a
+/// deadlock victim, a serialization failure, a lock or statement timeout, the claims' fence
+/// (and its isolation check), a missing table or function. Any other code (and every lost
+/// connection, `Unreachable`) may have come after the rows were stored.
+fn rolled_back(code: &str) -> bool {
+    matches!(
+        code,
+        "40P01" | "40001" | "55P03" | "57014" | "VC001" | "VC002" | "42883" | "42P01"
+    )
+}
+
 /// Whether a commit refused with `e` stored nothing: refused as a whole before its shard's
 /// transaction was sent (a committer's breaker refusal comes back wrapped).
 fn stored_nothing(e: &LedgerError) -> bool {
@@ -225,16 +235,11 @@ fn stored_nothing(e: &LedgerError) -> bool {
         | LedgerError::NotFound
         | LedgerError::CircuitOpen
         | LedgerError::QueueFull => true,
-        // The server refused the statement (a lock timeout, a deadlock victim, the claims'
-        // fence): each merged call is its own transaction, rolled back.
-        LedgerError::Database { code: Some(_), .. } => true,
+        LedgerError::Database { code: Some(c), .. } => rolled_back(c),
         LedgerError::CommitFailed(inner) => {
-            matches!(
-                **inner,
-                LedgerError::CircuitOpen
-                    | LedgerError::QueueFull
-                    | LedgerError::Database { code: Some(_), .. }
-            ) || matches!(&**inner, LedgerError::CommitFailed(_) if stored_nothing(inner))
+            matches!(**inner, LedgerError::CircuitOpen | LedgerError::QueueFull)
+                || matches!(&**inner, LedgerError::Database { code: Some(c), .. } if rolled_back(c))
+                || matches!(&**inner, LedgerError::CommitFailed(_) if stored_nothing(inner))
         }
         _ => false,
     }
@@ -315,10 +320,12 @@ impl ShardedLedger {
                 }),
         );
         let claims = (start != ClaimStart::Off).then(|| {
+            // The round's statements share `deadline`; the coalescer's is a backstop behind it,
+            // so that a slow statement counts against the breaker and fails only its own calls.
             Coalescer::start(
                 rt,
                 MAX_MERGED_CLAIMS,
-                deadline,
+                deadline + Duration::from_secs(1),
                 claims_merged(directory.clone(), claims_breaker.clone(), deadline),
             )
         });
@@ -1432,6 +1439,13 @@ mod tests {
         assert!(!stored_nothing(&wrapped(LedgerError::Deadline)));
         assert!(!stored_nothing(&wrapped(wrapped(LedgerError::Deadline))));
         assert!(!stored_nothing(&LedgerError::Inconsistent(SHORT_ANSWER)));
+        let coded = |c: &str| LedgerError::Database {
+            code: Some(c.to_string()),
+            source: "refused".into(),
+        };
+        assert!(stored_nothing(&wrapped(coded("VC001"))));
+        assert!(stored_nothing(&coded("40P01")));
+        assert!(!stored_nothing(&wrapped(coded("XX000"))), "unknown: kept");
     }
 
     async fn admin_pool(url: &str) -> sqlx::PgPool {

@@ -210,6 +210,9 @@ impl PostgresLedger {
         sqlx::query("SET LOCAL lock_timeout = '60s'")
             .execute(&mut *tx)
             .await?;
+        sqlx::query("SET LOCAL statement_timeout = '60s'")
+            .execute(&mut *tx)
+            .await?;
         sqlx::query("SELECT pg_advisory_xact_lock($1)")
             .bind(UNCLAIMED_LOCK)
             .execute(&mut *tx)
