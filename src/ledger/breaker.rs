@@ -115,6 +115,19 @@ impl Breaker {
         self
     }
 
+    /// The breaker of calls to `store`: told of its outages (it looks for a new primary), of
+    /// its moves to another server, and asking it before each probe whether its server
+    /// refuses connections.
+    pub fn of_store(self, store: super::SharedLedger) -> Self {
+        let (moved, probed) = (store.clone(), store.clone());
+        self.on_outage(move || store.lost())
+            .on_move(move || moved.failovers())
+            .on_probe(move || {
+                let store = probed.clone();
+                async move { store.refuses_connections().await }
+            })
+    }
+
     /// The breaker, asking `refused` before each probe whether the server refuses connections
     /// now (see [`Breaker::refused`]).
     pub fn on_probe<F, Fut>(mut self, refused: F) -> Self

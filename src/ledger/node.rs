@@ -81,14 +81,8 @@ impl NodeLedger {
         // The merged calls' own deadline runs inside the breaker (a hung ledger counts as a
         // failure there); the coalescers' is a backstop behind it.
         let backstop = deadline + std::time::Duration::from_secs(1);
-        let (store, moved, probed) = (inner.clone(), inner.clone(), inner.clone());
         let mut breaker = Breaker::new(settings.breaker_failures, settings.breaker_open_ms)
-            .on_outage(move || store.lost())
-            .on_move(move || moved.failovers())
-            .on_probe(move || {
-                let store = probed.clone();
-                async move { store.refuses_connections().await }
-            });
+            .of_store(inner.clone());
         if let Some(s) = shard {
             breaker = breaker.for_shard(s);
         }

@@ -308,16 +308,10 @@ impl ShardedLedger {
         if start != ClaimStart::Off {
             stores.iter().for_each(|s| s.commit_claimed());
         }
-        let (lost, moved, probed) = (directory.clone(), directory.clone(), directory.clone());
         let claims_breaker = Arc::new(
             Breaker::new(claim.breaker_failures, claim.breaker_open_ms)
                 .for_claims()
-                .on_outage(move || lost.lost())
-                .on_move(move || moved.failovers())
-                .on_probe(move || {
-                    let store = probed.clone();
-                    async move { store.refuses_connections().await }
-                }),
+                .of_store(directory.clone()),
         );
         let claims = (start != ClaimStart::Off).then(|| {
             // The round's statements share `deadline`; the coalescer's is a backstop behind it,
