@@ -699,10 +699,14 @@ impl ShardedLedger {
     }
 
     /// Calls `call(shard, codes)` on every shard that holds some of `codes` (those the
-    /// directory places), at once; their answers in one list, or the first error.
+    /// directory places), at once; their answers in one list, or the first error. `lenient`
+    /// (what the call is, for the log) takes the answers of the shards that answered instead,
+    /// failing only when none did, for reads whose codes of a shard that is down may be left
+    /// out (the live numbers).
     async fn by_code_shard<T, F, Fut>(
         &self,
         codes: &[String],
+        lenient: Option<&str>,
         call: F,
     ) -> Result<Vec<T>, LedgerError>
     where
@@ -710,12 +714,24 @@ impl ShardedLedger {
         Fut: Future<Output = Result<Vec<T>, LedgerError>>,
     {
         let (by_shard, _) = self.split(codes, |c| c).await?;
-        let asked = by_shard
+        let (shards, asked): (Vec<usize>, Vec<Fut>) = by_shard
             .into_iter()
             .enumerate()
             .filter(|(_, part)| !part.is_empty())
-            .map(|(s, part)| call(s, part.into_iter().map(|(_, c)| c.clone()).collect()));
-        Ok(flat(try_join_all(asked).await?))
+            .map(|(s, part)| {
+                (
+                    s,
+                    call(s, part.into_iter().map(|(_, c)| c.clone()).collect()),
+                )
+            })
+            .unzip();
+        match lenient {
+            None => Ok(flat(try_join_all(asked).await?)),
+            Some(what) => {
+                let got = join_all(asked).await;
+                Ok(flat(answered_up(what, shards.into_iter().zip(got))?))
+            }
+        }
     }
 
     /// `call` on every shard at once, for the node's sweeps and beats: the answers of the
@@ -726,25 +742,8 @@ impl ShardedLedger {
         F: Fn(&'a SharedLedger) -> Fut,
         Fut: Future<Output = Result<T, LedgerError>> + 'a,
     {
-        let mut answered = Vec::with_capacity(self.shards.len());
-        let mut failed = None;
-        for (shard, got) in join_all(self.shards.iter().map(call))
-            .await
-            .into_iter()
-            .enumerate()
-        {
-            match got {
-                Ok(t) => answered.push(t),
-                Err(e) => {
-                    tracing::warn!(shard, error = %e, "{what} failed on a shard");
-                    failed.get_or_insert(e);
-                }
-            }
-        }
-        match failed {
-            Some(e) if answered.is_empty() => Err(e),
-            _ => Ok(answered),
-        }
+        let got = join_all(self.shards.iter().map(call)).await;
+        answered_up(what, got.into_iter().enumerate())
     }
 
     /// `call` on every shard at once; every answer, in shard order, or the first error.
@@ -848,6 +847,29 @@ impl Claims {
     }
 }
 
+/// The answers of the shards that answered, each failure logged as `what`'s; the first error
+/// only when none answered.
+fn answered_up<T>(
+    what: &str,
+    got: impl Iterator<Item = (usize, Result<T, LedgerError>)>,
+) -> Result<Vec<T>, LedgerError> {
+    let mut answered = Vec::new();
+    let mut failed = None;
+    for (shard, got) in got {
+        match got {
+            Ok(t) => answered.push(t),
+            Err(e) => {
+                tracing::warn!(shard, error = %e, "{what} failed on a shard");
+                failed.get_or_insert(e);
+            }
+        }
+    }
+    match failed {
+        Some(e) if answered.is_empty() => Err(e),
+        _ => Ok(answered),
+    }
+}
+
 /// Concatenates the shards' lists.
 fn flat<T>(lists: Vec<Vec<T>>) -> Vec<T> {
     lists.into_iter().flatten().collect()
@@ -917,7 +939,7 @@ impl Ledger for ShardedLedger {
     }
 
     async fn vouchers(&self, codes: &[String]) -> Result<Vec<Voucher>, LedgerError> {
-        self.by_code_shard(codes, |s, codes| async move {
+        self.by_code_shard(codes, None, |s, codes| async move {
             self.shards[s].vouchers(&codes).await
         })
         .await
@@ -1323,13 +1345,15 @@ impl Ledger for ShardedLedger {
         Ok(answers)
     }
 
+    /// Those of the shards that answer: a shard that is down leaves its vouchers out (their
+    /// series keep their last values) instead of stopping every voucher's numbers.
     async fn live_units(
         &self,
         now: Millis,
         ending_after: Millis,
         codes: &[String],
     ) -> Result<Vec<LiveUnits>, LedgerError> {
-        self.by_code_shard(codes, |s, codes| async move {
+        self.by_code_shard(codes, Some("live numbers"), |s, codes| async move {
             self.shards[s].live_units(now, ending_after, &codes).await
         })
         .await
@@ -1383,8 +1407,13 @@ impl Ledger for ShardedLedger {
         Ok(codes)
     }
 
+    /// Those of the shards that answer (for the live numbers, which go on without a shard
+    /// that is down).
     async fn watched_codes(&self) -> Result<Vec<String>, LedgerError> {
-        let mut codes = flat(self.each(|l| l.watched_codes()).await?);
+        let mut codes = flat(
+            self.each_up("reading the watched vouchers", |l| l.watched_codes())
+                .await?,
+        );
         codes.sort();
         Ok(codes)
     }

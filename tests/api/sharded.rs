@@ -177,6 +177,13 @@ async fn a_sharded_ledger_sells_each_voucher_on_its_shard_and_a_down_shard_stops
         .await;
     assert_eq!(status, 201, "{body}");
     assert_eq!(app.reserve("SHNEW", 1, "SHNEW-1").await.0, 201);
+    // The live numbers go on for the vouchers of the shards that answer (the cut shard's
+    // vouchers, which sold before, are among those picked).
+    let shown = app.engine.live_numbers().await.expect("live numbers");
+    assert!(shown >= 4, "the up shards' vouchers and SHNEW: {shown}");
+    let m = metrics_text(&app.client, &app.base).await;
+    let sel = ["voucher=\"SHNEW\"", "kind=\"reserved\""];
+    assert_eq!(metric_sum(&m, "vouchers_units", &sel), 1.0);
     // The third shard's breaker shows it, in a series of its own.
     let (client, base, down) = (&app.client, &app.base, on(2)[0].clone());
     let down = &down;
