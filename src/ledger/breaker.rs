@@ -101,10 +101,10 @@ impl Breaker {
         self
     }
 
-    /// The breaker of the order claims on the directory (its metrics' `shard` label says
-    /// `claims`).
-    pub fn for_claims(mut self) -> Self {
-        self.shard = Some("claims".into());
+    /// The breaker of a sharded ledger's directory: the order claims, placements, the merged
+    /// feed (its metrics' `shard` label says `directory`).
+    pub fn for_directory(mut self) -> Self {
+        self.shard = Some("directory".into());
         self
     }
 

@@ -58,9 +58,10 @@ pub struct ShardedLedger {
     /// ([`claims_merged`]); none with one shard, whose own commit keeps the order rule, or
     /// where the rule is kept per shard (`ledger.order_ids_across_shards = false`).
     claims: Option<Coalescer<ClaimAsk, HashSet<String>>>,
-    /// The claims' own breaker (every commit passes the directory while claims are made): its
-    /// failures say nothing of shard 0's vouchers, and shard 0's slow commits nothing of it.
-    claims_breaker: Arc<Breaker>,
+    /// The directory's own breaker, which its calls pass (the claims, which every commit passes
+    /// while claims are made; placements, the catalogue, the merged feed): its failures say
+    /// nothing of shard 0's vouchers, and shard 0's slow commits nothing of it.
+    directory_breaker: Arc<Breaker>,
     /// This node stores orders without claims, and the directory has since begun them (a shard
     /// was added, or the setting turned on, by a node started later): it commits nothing more
     /// (`503`) until it is restarted, so that no order it stores escapes the claims.
@@ -72,7 +73,7 @@ pub struct ShardedLedger {
 pub struct ClaimSettings {
     /// `ledger.order_ids_across_shards`.
     pub across_shards: bool,
-    /// The claims' breaker: unreachable calls in a row that open it (0: never), and how long
+    /// The directory's breaker: unreachable calls in a row that open it (0: never), and how long
     /// it stays open (`ledger.breaker_failures`, `ledger.breaker_open_ms`).
     pub breaker_failures: u32,
     pub breaker_open_ms: u64,
@@ -88,7 +89,7 @@ const MAX_MERGED_CLAIMS: usize = 1024;
 /// an order carried to several vouchers goes to the first of them, in the calls' order, unless
 /// the directory already gives it to another of them (a retry of an order stored on W joins
 /// W's claim even when an earlier call of the round carried it to V). Three statements at most,
-/// each through the claims' breaker within `deadline`: the first choices; where some were
+/// each through the directory's breaker within `deadline`: the first choices; where some were
 /// refused, who holds those orders; the holders' claims joined. Each voucher's claim counts
 /// every call that carries the order to it; each call gets the orders claimed or joined for its
 /// own voucher. Once the first statement went through, a later one that fails fails only the
@@ -183,7 +184,7 @@ fn claims_merged(
 
 type ClaimCall<'a, T> = std::pin::Pin<Box<dyn Future<Output = Result<T, LedgerError>> + Send + 'a>>;
 
-/// `call` through the claims' breaker, done by `until` (the round's deadline: a call that does
+/// `call` through the directory's breaker, done by `until` (the round's deadline: a call that does
 /// not answer in time counts against the breaker as any unreachable one).
 async fn bounded<T>(
     breaker: &Breaker,
@@ -308,9 +309,9 @@ impl ShardedLedger {
         if start != ClaimStart::Off {
             stores.iter().for_each(|s| s.commit_claimed());
         }
-        let claims_breaker = Arc::new(
+        let directory_breaker = Arc::new(
             Breaker::new(claim.breaker_failures, claim.breaker_open_ms)
-                .for_claims()
+                .for_directory()
                 .of_store(directory.clone()),
         );
         let claims = (start != ClaimStart::Off).then(|| {
@@ -320,7 +321,7 @@ impl ShardedLedger {
                 rt,
                 MAX_MERGED_CLAIMS,
                 deadline + Duration::from_secs(1),
-                claims_merged(directory.clone(), claims_breaker.clone(), deadline),
+                claims_merged(directory.clone(), directory_breaker.clone(), deadline),
             )
         });
         Ok(Self {
@@ -329,7 +330,7 @@ impl ShardedLedger {
             placed: RwLock::new(HashMap::new()),
             origin: format!("{first}/merged"),
             claims,
-            claims_breaker,
+            directory_breaker,
             outrun: AtomicBool::new(false),
         })
     }
@@ -358,7 +359,7 @@ impl ShardedLedger {
                 .collect()
         };
         if !missing.is_empty() {
-            let found = self.directory.placed(&missing).await?;
+            let found = self.on_directory(self.directory.placed(&missing)).await?;
             let mut placed = self.placed.write().unwrap_or_else(|e| e.into_inner());
             for (code, shard) in found {
                 if let Some(s) = self.index(shard) {
@@ -385,7 +386,9 @@ impl ShardedLedger {
 
     /// Places `code` (or finds where it was placed), at `now`.
     async fn place(&self, code: &str, now: Millis) -> Result<usize, LedgerError> {
-        let shard = self.directory.place(code, self.shard_count(), now).await?;
+        let shard = self
+            .on_directory(self.directory.place(code, self.shard_count(), now))
+            .await?;
         let s = self
             .index(shard)
             .ok_or(LedgerError::Inconsistent("placed on a shard not listed"))?;
@@ -414,6 +417,14 @@ impl ShardedLedger {
             }
         }
         Ok((by_shard, unplaced))
+    }
+
+    /// A call to the directory, through its breaker.
+    async fn on_directory<T>(
+        &self,
+        call: impl Future<Output = Result<T, LedgerError>>,
+    ) -> Result<T, LedgerError> {
+        self.directory_breaker.call(call).await
     }
 
     /// Refuses a commit once claims began without this node (see `outrun`).
@@ -470,7 +481,7 @@ impl ShardedLedger {
                     .iter()
                     .map(|(o, c)| (o.to_string(), c.to_string()))
                     .collect();
-                // Through the claims' breaker, inside the merged call.
+                // Through the directory's breaker, inside the merged call.
                 claims.call(ask).await?
             }
         };
@@ -541,7 +552,10 @@ impl ShardedLedger {
             return;
         }
         refused.sort_unstable();
-        if let Err(e) = self.directory.release_claims(&refused).await {
+        if let Err(e) = self
+            .on_directory(self.directory.release_claims(&refused))
+            .await
+        {
             // The counts stay (a release whose answer was lost may have given them back, so it
             // is not tried again): those orders are refused on other vouchers, never taken
             // twice.
@@ -883,8 +897,8 @@ impl Ledger for ShardedLedger {
         if self.outrun.load(Ordering::Acquire) {
             return Err(LedgerError::Invalid(OUTRUN));
         }
-        // With claims nothing commits while the claims' breaker is open.
-        let breaker = &self.claims_breaker;
+        // With claims nothing commits while the directory's breaker is open.
+        let breaker = &self.directory_breaker;
         if self.claims.is_some() && breaker.refuses(breaker.now_ms()) {
             return Err(LedgerError::CircuitOpen);
         }
@@ -892,10 +906,10 @@ impl Ledger for ShardedLedger {
     }
 
     /// Its shard's breaker (a code not placed yet: none refuses it here), and with claims the
-    /// claims' breaker, which every commit passes; every code once claims began without this
+    /// directory's breaker, which every commit passes; every code once claims began without this
     /// node.
     fn refuses(&self, code: &str) -> bool {
-        let breaker = &self.claims_breaker;
+        let breaker = &self.directory_breaker;
         if self.outrun.load(Ordering::Acquire)
             || (self.claims.is_some() && breaker.refuses(breaker.now_ms()))
         {
@@ -1388,7 +1402,9 @@ impl Ledger for ShardedLedger {
         limit: i64,
     ) -> Result<Vec<String>, LedgerError> {
         if ending_after == Millis::MIN {
-            return self.directory.placed_codes(after, limit).await;
+            return self
+                .on_directory(self.directory.placed_codes(after, limit))
+                .await;
         }
         let mut codes = flat(
             self.each(|l| l.voucher_codes(ending_after, after, limit))
@@ -1402,7 +1418,9 @@ impl Ledger for ShardedLedger {
     /// From the directory alone, whatever shard is down: the codes placed since (a code whose
     /// create then failed is known, and found to have no voucher when asked for).
     async fn codes_created_since(&self, since: Millis) -> Result<Vec<String>, LedgerError> {
-        let mut codes = self.directory.placed_since(since).await?;
+        let mut codes = self
+            .on_directory(self.directory.placed_since(since))
+            .await?;
         codes.sort();
         Ok(codes)
     }
@@ -1424,12 +1442,14 @@ impl Ledger for ShardedLedger {
 
     /// The merged feed, after copying what the shards added since the last merge.
     async fn events(&self, after: i64, limit: i64) -> Result<Vec<FeedEvent>, LedgerError> {
-        self.directory
-            .merge_feeds(self.shards.len(), MERGE_PAGE, |s, after, page| {
-                self.shards[s].events(after, page)
-            })
-            .await?;
-        self.directory.merged_events(after, limit).await
+        self.on_directory(self.directory.merge_feeds(
+            self.shards.len(),
+            MERGE_PAGE,
+            |s, after, page| self.shards[s].events(after, page),
+        ))
+        .await?;
+        self.on_directory(self.directory.merged_events(after, limit))
+            .await
     }
 
     async fn feed_origin(&self) -> Result<String, LedgerError> {
