@@ -4,6 +4,7 @@
 
 use std::future::Future;
 
+use super::open::xact_lock;
 use super::PostgresLedger;
 use crate::domain::FeedEvent;
 use crate::ledger::rows::{event_from, EventRow};
@@ -107,10 +108,7 @@ impl PostgresLedger {
         claim_orders: bool,
     ) -> Result<ClaimStart, LedgerError> {
         let mut tx = self.pool().begin().await?;
-        sqlx::query("SELECT pg_advisory_xact_lock($1)")
-            .bind(FEED_MERGE_LOCK)
-            .execute(&mut *tx)
-            .await?;
+        xact_lock(&mut tx, FEED_MERGE_LOCK).await?;
         let first: bool = sqlx::query_scalar("SELECT NOT EXISTS (SELECT 1 FROM shard_room)")
             .fetch_one(&mut *tx)
             .await?;
@@ -213,10 +211,7 @@ impl PostgresLedger {
         sqlx::query("SET LOCAL statement_timeout = '60s'")
             .execute(&mut *tx)
             .await?;
-        sqlx::query("SELECT pg_advisory_xact_lock($1)")
-            .bind(UNCLAIMED_LOCK)
-            .execute(&mut *tx)
-            .await?;
+        xact_lock(&mut tx, UNCLAIMED_LOCK).await?;
         sqlx::query("INSERT INTO claims_begun (id) VALUES (1) ON CONFLICT (id) DO NOTHING")
             .execute(&mut *tx)
             .await?;
@@ -276,10 +271,7 @@ impl PostgresLedger {
     pub(crate) async fn claims_filled(&self) -> Result<(), LedgerError> {
         // Under the lock the mode is read with at open: a node opening now cannot set it back.
         let mut tx = self.pool().begin().await?;
-        sqlx::query("SELECT pg_advisory_xact_lock($1)")
-            .bind(FEED_MERGE_LOCK)
-            .execute(&mut *tx)
-            .await?;
+        xact_lock(&mut tx, FEED_MERGE_LOCK).await?;
         sqlx::query("UPDATE order_claim_mode SET mode = 'on' WHERE mode = 'filling'")
             .execute(&mut *tx)
             .await?;
@@ -428,10 +420,7 @@ impl PostgresLedger {
         Fut: Future<Output = Result<Vec<FeedEvent>, LedgerError>>,
     {
         let mut tx = self.pool().begin().await?;
-        sqlx::query("SELECT pg_advisory_xact_lock($1)")
-            .bind(FEED_MERGE_LOCK)
-            .execute(&mut *tx)
-            .await?;
+        xact_lock(&mut tx, FEED_MERGE_LOCK).await?;
         let heads: Vec<(i32, i64)> = sqlx::query_as("SELECT shard, last FROM feed_merge_heads")
             .fetch_all(&mut *tx)
             .await?;

@@ -120,13 +120,19 @@ fn session(options: PgConnectOptions, timeout_ms: u64) -> PgConnectOptions {
     ])
 }
 
+/// Takes the advisory lock `key` for the rest of the transaction `conn` is in (waiting for it).
+pub(super) async fn xact_lock(conn: &mut sqlx::PgConnection, key: i64) -> Result<(), sqlx::Error> {
+    sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        .bind(key)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
 async fn migrate(pool: &PgPool) -> Result<(), sqlx::Error> {
     let mut tx = pool.begin().await?;
     // Nodes that start together migrate one after the other.
-    sqlx::query("SELECT pg_advisory_xact_lock($1)")
-        .bind(MIGRATION_LOCK)
-        .execute(&mut *tx)
-        .await?;
+    xact_lock(&mut tx, MIGRATION_LOCK).await?;
     sqlx::raw_sql("CREATE TABLE IF NOT EXISTS schema_migrations (version BIGINT PRIMARY KEY)")
         .execute(&mut *tx)
         .await?;
