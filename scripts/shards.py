@@ -14,6 +14,8 @@ Scenarios of `run` (traffic to 127.0.0.1 only, each bounded in time):
   kill   three vouchers of 4,000 units, one per shard, sold by wrk on all three nodes; node 3
          is SIGKILLed 2 s in; then the rest is sold on nodes 1 and 2. Prints sold, oversold
          (rows past the total), lost (201s the clients saw beyond the rows) and the books.
+  contract  the HTTP contract from outside (scripts/contract.py) against three nodes on the
+         three clusters, every request to the next node in turn.
   cost   PostgreSQL CPU per reservation (every process of the shards' clusters, /proc, by
          cluster) with the ledger on one server as ledger.url, then on 1, 2 and 3 shards,
          then 3 with order ids kept per shard: one never-selling-out voucher per shard, wrk
@@ -334,6 +336,12 @@ def run(which):
             if "kill" in which:
                 scenario_kill(bases)
             stop_nodes()
+        if "contract" in which:
+            fresh_databases()
+            env = dict(os.environ, BIN=os.environ.get("VOUCHERS_BIN")
+                       or os.path.join(ROOT, "target/release/vouchers"))
+            subprocess.run([os.path.join(ROOT, "scripts/contract.py"), "--start", "3", "--shards",
+                            " ".join(url(p) for _, p in CLUSTERS)], env=env, check=True)
         if "cost" in which:
             scenario_cost()
     finally:
@@ -347,6 +355,6 @@ if __name__ == "__main__":
     elif cmd == "down":
         down()
     elif cmd == "run":
-        run(sys.argv[2:] or ["down", "kill", "cost"])
+        run(sys.argv[2:] or ["down", "kill", "contract", "cost"])
     else:
         sys.exit(__doc__)
