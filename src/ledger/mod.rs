@@ -937,8 +937,22 @@ async fn open_shards(
         }
         let store =
             postgres::PostgresLedger::connect(url, max_connections, timeout_ms, acquire_timeout_ms)
+                .await;
+        let store = match store {
+            // A shard after the first that is down now is opened when it is back: the node
+            // starts, and only that shard's vouchers wait (the directory's must be up).
+            Err(e) if i > 0 && sql::unreachable(&e) => {
+                postgres::PostgresLedger::connect_late(
+                    url,
+                    max_connections,
+                    timeout_ms,
+                    acquire_timeout_ms,
+                )
                 .await
-                .with_context(|| format!("open shard {i} of the ledger"))?;
+            }
+            other => other,
+        }
+        .with_context(|| format!("open shard {i} of the ledger"))?;
         stores.push(Arc::new(store));
     }
     Ok(stores)

@@ -47,6 +47,9 @@ const MERGE_PAGE: i64 = 1_000;
 pub struct ShardedLedger {
     /// The shards, in the order `ledger.shards` lists them (each database knows its place).
     shards: Vec<SharedLedger>,
+    /// Each shard's store under its node's wrapping: whether it is open yet (one down when the
+    /// node started is opened when it is back).
+    stores: Vec<Arc<PostgresLedger>>,
     /// The first shard's store, for the directory and the merged feed.
     directory: Arc<PostgresLedger>,
     /// Where the directory placed each voucher asked about so far: a voucher never moves yet
@@ -246,6 +249,74 @@ fn stored_nothing(e: &LedgerError) -> bool {
     }
 }
 
+/// Checks that shard `i`'s database is at its place: the one it was given first, of this
+/// directory (`first`), or none yet; only the first shard may bring vouchers of its own (a
+/// single ledger before): another's would be in no directory.
+async fn check_place(i: usize, store: &PostgresLedger, first: &str) -> Result<(), LedgerError> {
+    match store.shard_place().await? {
+        (Some((s, of)), _) if (s, of.as_str()) != (i as i32, first) => {
+            Err(LedgerError::Invalid(MISPLACED))
+        }
+        (None, true) if i > 0 => Err(LedgerError::Invalid(NOT_EMPTY)),
+        _ => Ok(()),
+    }
+}
+
+/// How often a shard that was down at start is tried again, and how often a try that found it
+/// misplaced is made (and said, at `error`).
+const LATE_AGAIN: Duration = Duration::from_millis(250);
+const LATE_MISPLACED_AGAIN: Duration = Duration::from_secs(10);
+
+/// Opens shard `i`, down when the node started, once its server answers: migrated, checked
+/// at its place and marked, fenced where the node claims its orders (`claims`); until then
+/// every call to it fails as unreachable (its vouchers answer `503`). Ends when the store is
+/// dropped.
+async fn open_late(store: std::sync::Weak<PostgresLedger>, i: usize, first: String, claims: bool) {
+    let mut tries: u64 = 0;
+    loop {
+        tries += 1;
+        let Some(s) = store.upgrade() else { return };
+        let pause = match try_open(&s, i, &first, claims).await {
+            Ok(()) => {
+                s.opened();
+                tracing::warn!(shard = i, "a shard that was down at start is open");
+                return;
+            }
+            Err(e @ LedgerError::Invalid(_)) => {
+                tracing::error!(shard = i, error = %e, "a shard that was down at start is refused");
+                LATE_MISPLACED_AGAIN
+            }
+            Err(e) => {
+                // Said every LATE_MISPLACED_AGAIN or so: down, or another failure to look at.
+                if tries % 40 == 1 {
+                    tracing::warn!(shard = i, error = %e, "a shard that was down at start is not open yet");
+                }
+                LATE_AGAIN
+            }
+        };
+        drop(s);
+        tokio::time::sleep(pause).await;
+    }
+}
+
+/// One try of [`open_late`] (boxed: the spawned task must be `Send` for every lifetime).
+fn try_open<'a>(
+    s: &'a PostgresLedger,
+    i: usize,
+    first: &'a str,
+    claims: bool,
+) -> ClaimCall<'a, ()> {
+    Box::pin(async move {
+        s.migrate_late().await?;
+        check_place(i, s, first).await?;
+        s.claim_shard(i as i32, first).await?;
+        if claims {
+            s.begin_claims().await?;
+        }
+        Ok(())
+    })
+}
+
 impl ShardedLedger {
     /// Opens the sharded ledger over `shards` (each the node's ledger of a store in `stores`,
     /// in the same order): each database is checked to be at its place (all before any is
@@ -262,23 +333,30 @@ impl ShardedLedger {
             return Err(LedgerError::Invalid("ledger.shards lists 1 to 256 shards"));
         }
         let directory = stores[0].clone();
-        let first = directory.feed_origin().await?;
-        for (i, store) in stores.iter().enumerate() {
-            match store.shard_place().await? {
-                (Some((s, of)), _) if (s, of.as_str()) != (i as i32, first.as_str()) => {
-                    return Err(LedgerError::Invalid(MISPLACED));
-                }
-                // Only the first shard may bring vouchers of its own (a single ledger before):
-                // another's would be in no directory.
-                (None, true) if i > 0 => return Err(LedgerError::Invalid(NOT_EMPTY)),
-                _ => {}
-            }
+        if !directory.is_open() {
+            return Err(LedgerError::Invalid(
+                "the first shard (the directory) must be up for a node to start",
+            ));
         }
-        for (i, store) in stores.iter().enumerate() {
-            store.claim_shard(i as i32, &first).await?;
+        let first = directory.feed_origin().await?;
+        // Shards down now (opened late) are checked and fenced when they come back.
+        let up: Vec<(usize, &Arc<PostgresLedger>)> = stores
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.is_open())
+            .collect();
+        for (i, store) in &up {
+            check_place(*i, store, &first).await?;
+        }
+        for (i, store) in &up {
+            store.claim_shard(*i as i32, &first).await?;
         }
         let start = directory
-            .open_directory(stores.len() as i32, claim.across_shards)
+            .open_directory(
+                stores.len() as i32,
+                claim.across_shards,
+                up.len() == stores.len(),
+            )
             .await?;
         match start {
             ClaimStart::Fill => {
@@ -301,13 +379,25 @@ impl ShardedLedger {
             }
             // A node that claimed before: every shard fenced (again, at no cost: one that
             // was left out of a copy cannot take orders without claims from now on).
-            ClaimStart::On => try_join_all(stores.iter().map(|s| s.begin_claims()))
+            ClaimStart::On => try_join_all(up.iter().map(|(_, s)| s.begin_claims()))
                 .await
                 .map(|_| ())?,
             ClaimStart::Off => {}
         }
         if start != ClaimStart::Off {
             stores.iter().for_each(|s| s.commit_claimed());
+        }
+        for (i, store) in stores.iter().enumerate().filter(|(_, s)| !s.is_open()) {
+            tracing::warn!(
+                shard = i,
+                "a shard is down at start: its vouchers answer 503 until it is back"
+            );
+            rt.spawn(open_late(
+                Arc::downgrade(store),
+                i,
+                first.clone(),
+                start != ClaimStart::Off,
+            ));
         }
         let directory_breaker = Arc::new(
             Breaker::new(claim.breaker_failures, claim.breaker_open_ms)
@@ -326,6 +416,7 @@ impl ShardedLedger {
         });
         Ok(Self {
             shards,
+            stores: stores.to_vec(),
             directory,
             placed: RwLock::new(HashMap::new()),
             origin: format!("{first}/merged"),
@@ -333,6 +424,11 @@ impl ShardedLedger {
             directory_breaker,
             outrun: AtomicBool::new(false),
         })
+    }
+
+    /// Whether shard `s` refuses calls now: down since the node started, or its breaker open.
+    fn shard_down(&self, s: usize) -> bool {
+        !self.stores[s].is_open() || self.shards[s].refuses("")
     }
 
     fn shard_count(&self) -> i32 {
@@ -386,8 +482,12 @@ impl ShardedLedger {
 
     /// Places `code` (or finds where it was placed), at `now`.
     async fn place(&self, code: &str, now: Millis) -> Result<usize, LedgerError> {
+        let down: Vec<i32> = (0..self.shards.len())
+            .filter(|s| self.shard_down(*s))
+            .map(|s| s as i32)
+            .collect();
         let shard = self
-            .on_directory(self.directory.place(code, self.shard_count(), now))
+            .on_directory(self.directory.place(code, self.shard_count(), now, &down))
             .await?;
         let s = self
             .index(shard)
@@ -921,7 +1021,7 @@ impl Ledger for ShardedLedger {
             .unwrap_or_else(|e| e.into_inner())
             .get(code)
             .copied();
-        shard.is_some_and(|s| self.shards[s].refuses(code))
+        shard.is_some_and(|s| self.shard_down(s))
     }
 
     fn lost(&self) {

@@ -9,7 +9,7 @@ use super::LedgerError;
 /// connection failed (SQLSTATE class 08), that it is shutting down or starting (57P0x), or that
 /// it takes no writes (25006: a standby, or a primary demoted under the node). Any other error
 /// is the database answering.
-fn unreachable(e: &sqlx::Error) -> bool {
+pub(super) fn unreachable(e: &sqlx::Error) -> bool {
     match e {
         sqlx::Error::Io(_)
         | sqlx::Error::Tls(_)

@@ -2322,3 +2322,97 @@ async fn the_feed_tells_every_change_once_in_order(l: &SharedLedger) {
         );
     }
 }
+
+/// A shard after the first that is down when a node opens the ledger (a fresh database behind
+/// a cut link): claims cannot begin then (refused, the directory's mode left as it was);
+/// without claims the ledger opens, places new vouchers on the shards that are up, and once the
+/// link is back migrates the late shard, marks its place and serves it.
+#[tokio::test]
+#[cfg_attr(
+    no_test_pg,
+    ignore = "needs TEST_DATABASE_URL (PostgreSQL); .ci/run sets it"
+)]
+async fn a_shard_down_at_start_is_migrated_and_opened_once_it_is_back() {
+    let (Some(a), Some(b), Some(c)) = (
+        fresh_pg_schema("late0").await,
+        fresh_pg_schema("late1").await,
+        fresh_pg_schema("late2").await,
+    ) else {
+        return;
+    };
+    let host = c
+        .split('@')
+        .nth(1)
+        .unwrap()
+        .split(['/', '?'])
+        .next()
+        .unwrap();
+    let proxy = crate::proxy::Proxy::start(host).await;
+    let via = c.replacen(host, &format!("127.0.0.1:{}", proxy.port), 1);
+    proxy.cut();
+    let urls = [a.clone(), b.clone(), via];
+    let refused = ledger::connect_sharded(&urls, 2, true).await.err();
+    assert!(
+        refused
+            .as_ref()
+            .is_some_and(|e| format!("{e:#}").contains("every shard up")),
+        "{refused:?}"
+    );
+    let pool = sqlx::PgPool::connect(&a).await.unwrap();
+    let mode: Option<String> = sqlx::query_scalar("SELECT mode FROM order_claim_mode")
+        .fetch_optional(&pool)
+        .await
+        .unwrap();
+    assert_eq!(mode, None, "the claims did not begin");
+
+    let l = ledger::connect_sharded(&urls, 2, false).await.unwrap();
+    for code in ["D0", "D1", "D2"] {
+        l.create_voucher(&voucher(code, 10, 1), NOW).await.unwrap();
+    }
+    let up = [a.clone(), b.clone()];
+    for code in ["D0", "D1", "D2"] {
+        the_one_holding(&up, code).await;
+    }
+    assert!(
+        l.voucher("D0").await.unwrap().is_some(),
+        "the shards that are up serve"
+    );
+    proxy.restore();
+    // Once open, the late shard (the fewest vouchers) takes the next one.
+    let shard_of = |code: String| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i32>("SELECT shard FROM voucher_shards WHERE code = $1")
+                .bind(code)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let mut n = 0;
+    let late = loop {
+        n += 1;
+        let code = format!("E{n}");
+        l.create_voucher(&voucher(&code, 10, 1), NOW).await.unwrap();
+        if shard_of(code.clone()).await == 2 {
+            break code;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the late shard never opened"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
+    assert_eq!(the_one_holding(&[a, b, c.clone()], &late).await, c);
+    assert!(
+        l.voucher(&late).await.unwrap().is_some(),
+        "served from the late shard"
+    );
+    let cp = sqlx::PgPool::connect(&c).await.unwrap();
+    let place: i32 = sqlx::query_scalar("SELECT shard FROM shard_self")
+        .fetch_one(&cp)
+        .await
+        .unwrap();
+    assert_eq!(place, 2, "marked at its place");
+}

@@ -69,23 +69,7 @@ async fn a_sharded_ledger_sells_each_voucher_on_its_shard_and_a_down_shard_stops
     }
     // The third shard is reached through a link the test can cut, run on a runtime of its own:
     // building the app blocks this test's thread while it connects through the proxy.
-    let proxy_rt = Background(Some(
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap(),
-    ));
-    let handle = proxy_rt.0.as_ref().unwrap().handle().clone();
-    let target = host_port(&urls[2]);
-    let proxy = std::thread::spawn(move || handle.block_on(Proxy::start(&target)))
-        .join()
-        .expect("proxy started");
-    let via_proxy = urls[2].replacen(
-        &host_port(&urls[2]),
-        &format!("127.0.0.1:{}", proxy.port),
-        1,
-    );
+    let (_proxy_rt, proxy, via_proxy) = proxied(&urls[2]);
     let shards = vec![urls[0].clone(), urls[1].clone(), via_proxy];
     let app = spawn_app_with(|s| {
         s.ledger.shards = shards;
@@ -283,4 +267,105 @@ async fn order_ids_may_be_kept_per_shard_by_choice() {
         .await
         .unwrap();
     assert_eq!(claims, 0, "no claims are made");
+}
+
+/// A runtime of its own for a proxy (building an app blocks the test's thread), and the proxy to
+/// `url`'s server on it; `url` through the proxy.
+fn proxied(url: &str) -> (Background, Proxy, String) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let handle = rt.handle().clone();
+    let target = host_port(url);
+    let proxy = std::thread::spawn(move || handle.block_on(Proxy::start(&target)))
+        .join()
+        .expect("proxy started");
+    let via = url.replacen(&host_port(url), &format!("127.0.0.1:{}", proxy.port), 1);
+    (Background(Some(rt)), proxy, via)
+}
+
+/// A node starts while a shard after the first is down: it is ready and sells the other
+/// shards' vouchers at once, places new vouchers on shards that are up, keeps the order rule
+/// for the shard that is down (its claims are on the directory), answers `503` for that
+/// shard's vouchers, and opens the shard (checked at its place, fenced) once it is back.
+#[actix_web::test]
+#[cfg_attr(
+    no_test_pg,
+    ignore = "needs TEST_DATABASE_URL (PostgreSQL); .ci/run sets it"
+)]
+async fn a_node_starts_while_a_shard_is_down_and_opens_it_when_it_is_back() {
+    let mut urls = Vec::new();
+    for i in 0..3 {
+        let Some(url) = fresh_pg_schema(&format!("late{i}")).await else {
+            return;
+        };
+        urls.push(url);
+    }
+    // A first node, every shard up: three vouchers, one on each shard, one order each.
+    let shards = urls.clone();
+    let first = spawn_app_with(|s| s.ledger.shards = shards).await;
+    for c in ["L0", "L1", "L2"] {
+        let (status, body) = first
+            .create_voucher_with(crate::helpers::voucher_body(c, 50, 1))
+            .await;
+        assert_eq!(status, 201, "{body}");
+        assert_eq!(first.reserve(c, 1, format!("{c}-1")).await.0, 201);
+    }
+    let placed = placement(&urls).await;
+    assert_eq!((placed["L0"], placed["L1"], placed["L2"]), (0, 1, 2));
+
+    // The second node starts with the third shard's link cut.
+    let (_rt, proxy, via) = proxied(&urls[2]);
+    proxy.cut();
+    let shards = vec![urls[0].clone(), urls[1].clone(), via];
+    let app = spawn_app_with(|s| {
+        s.ledger.shards = shards;
+        s.ledger.timeout_ms = 2_000;
+        s.ledger.acquire_timeout_ms = 500;
+    })
+    .await;
+    let (status, body) = app.call("GET", "/health/ready").await;
+    assert_eq!(status, 200, "{body}");
+    for c in ["L0", "L1"] {
+        let (status, body) = app.reserve(c, 2, format!("{c}-2")).await;
+        assert_eq!(status, 201, "{c} lives on a shard that is up: {body}");
+    }
+    let (status, body) = app.reserve("L2", 2, "L2-2").await;
+    assert_eq!(status, 503, "L2 lives on the shard that is down: {body}");
+    // The order stored on the shard that is down is still refused elsewhere.
+    let (status, body) = app.reserve("L0", 9, "L2-1").await;
+    assert_eq!(
+        (status, body["error"].as_str()),
+        (409, Some("ALREADY_USED")),
+        "{body}"
+    );
+    // A voucher created now goes to a shard that is up (the third has the fewest vouchers).
+    let (status, body) = app
+        .create_voucher_with(crate::helpers::voucher_body("LNEW", 5, 1))
+        .await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(app.reserve("LNEW", 1, "LNEW-1").await.0, 201);
+    assert_ne!(
+        placement(&urls).await["LNEW"],
+        2,
+        "placed on a shard that is up"
+    );
+
+    // Back: the shard is opened and its vouchers sell on this node.
+    proxy.restore();
+    let app_ref = &app;
+    eventually(
+        "the late shard's vouchers sell",
+        Duration::from_secs(20),
+        || async move { app_ref.reserve("L2", 3, "L2-3").await.0 == 201 },
+    )
+    .await;
+    let placed = placement(&urls).await;
+    for c in ["L0", "L1", "L2", "LNEW"] {
+        crate::audit::books(&urls[placed[c]], c)
+            .await
+            .assert_balanced(c);
+    }
 }

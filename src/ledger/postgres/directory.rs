@@ -4,7 +4,7 @@
 
 use std::future::Future;
 
-use super::open::xact_lock;
+use super::open::{xact_lock, Pending};
 use super::PostgresLedger;
 use crate::domain::FeedEvent;
 use crate::ledger::rows::{event_from, EventRow};
@@ -41,10 +41,11 @@ const PLACED_SQL: &str = "SELECT code, shard FROM voucher_shards WHERE code = AN
 /// The shard with the fewest vouchers that no other create holds now (`SKIP LOCKED`: under
 /// concurrent creates the rows' order is not checked again after a wait, so waiting would put
 /// a campaign's vouchers all on one shard), else any, waiting for it.
-const ROOM_SQL: &str = "SELECT shard FROM shard_room WHERE shard < $1 \
+/// Shards in `$2` (down now) are passed over.
+const ROOM_SQL: &str = "SELECT shard FROM shard_room WHERE shard < $1 AND shard <> ALL($2) \
                         ORDER BY vouchers, shard LIMIT 1 FOR UPDATE SKIP LOCKED";
-const ANY_ROOM_SQL: &str =
-    "SELECT shard FROM shard_room WHERE shard < $1 ORDER BY vouchers, shard LIMIT 1 FOR UPDATE";
+const ANY_ROOM_SQL: &str = "SELECT shard FROM shard_room WHERE shard < $1 AND shard <> ALL($2) \
+                            ORDER BY vouchers, shard LIMIT 1 FOR UPDATE";
 const PLACE_SQL: &str = "INSERT INTO voucher_shards (code, shard, placed_at) \
                          VALUES ($1, $2, $3) ON CONFLICT (code) DO NOTHING";
 const MERGED_SQL: &str = "SELECT seq, kind, voucher_code, order_id, customer_id, at \
@@ -62,10 +63,10 @@ impl PostgresLedger {
     pub(crate) async fn shard_place(&self) -> Result<(Option<(i32, String)>, bool), LedgerError> {
         let place: Option<(i32, String)> =
             sqlx::query_as("SELECT shard, directory FROM shard_self WHERE id = 1")
-                .fetch_optional(&self.pool())
+                .fetch_optional(&self.server_pool())
                 .await?;
         let holds: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM vouchers)")
-            .fetch_one(&self.pool())
+            .fetch_one(&self.server_pool())
             .await?;
         Ok((place, holds))
     }
@@ -79,7 +80,7 @@ impl PostgresLedger {
         )
         .bind(shard)
         .bind(directory)
-        .fetch_one(&self.pool())
+        .fetch_one(&self.server_pool())
         .await?;
         if (was, of.as_str()) != (shard, directory) {
             return Err(LedgerError::Invalid(MISPLACED));
@@ -106,6 +107,7 @@ impl PostgresLedger {
         &self,
         shards: i32,
         claim_orders: bool,
+        every_shard_up: bool,
     ) -> Result<ClaimStart, LedgerError> {
         let mut tx = self.pool().begin().await?;
         xact_lock(&mut tx, FEED_MERGE_LOCK).await?;
@@ -165,6 +167,11 @@ impl PostgresLedger {
                 return Err(LedgerError::Invalid(
                     "order claims begin only with every shard the directory knows listed",
                 ));
+            } else if !every_shard_up {
+                // Nor can one that is down be: the mode stays as it was.
+                return Err(LedgerError::Invalid(
+                    "order claims begin only with every shard up: a shard is down",
+                ));
             } else {
                 ClaimStart::Fill
             }
@@ -201,22 +208,24 @@ impl PostgresLedger {
 
     /// Fences this shard against commits without claims (migration 13): waits for those in
     /// flight (the lock they hold shared), and refuses every later one.
-    pub(crate) async fn begin_claims(&self) -> Result<(), LedgerError> {
-        let mut tx = self.pool().begin().await?;
-        // Commits in flight may hold the lock shared past the ledger's deadline (a synchronous
-        // standby's wait): at start, this waits for them.
-        sqlx::query("SET LOCAL lock_timeout = '60s'")
-            .execute(&mut *tx)
-            .await?;
-        sqlx::query("SET LOCAL statement_timeout = '60s'")
-            .execute(&mut *tx)
-            .await?;
-        xact_lock(&mut tx, UNCLAIMED_LOCK).await?;
-        sqlx::query("INSERT INTO claims_begun (id) VALUES (1) ON CONFLICT (id) DO NOTHING")
-            .execute(&mut *tx)
-            .await?;
-        tx.commit().await?;
-        Ok(())
+    pub(crate) fn begin_claims(&self) -> Pending<'_, ()> {
+        Box::pin(async move {
+            let mut tx = self.server_pool().begin().await?;
+            // Commits in flight may hold the lock shared past the ledger's deadline (a synchronous
+            // standby's wait): at start, this waits for them.
+            sqlx::query("SET LOCAL lock_timeout = '60s'")
+                .execute(&mut *tx)
+                .await?;
+            sqlx::query("SET LOCAL statement_timeout = '60s'")
+                .execute(&mut *tx)
+                .await?;
+            xact_lock(&mut tx, UNCLAIMED_LOCK).await?;
+            sqlx::query("INSERT INTO claims_begun (id) VALUES (1) ON CONFLICT (id) DO NOTHING")
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            Ok(())
+        })
     }
 
     /// Claims, for good, the order of every reservation `shard` stored (without a claim, or
@@ -288,13 +297,20 @@ impl PostgresLedger {
     }
 
     /// The shard of `code`: where the directory placed it, or else the one of the first
-    /// `shards` with the fewest vouchers, recorded now.
+    /// `shards` with the fewest vouchers, recorded now, passing over those in `down` (unless
+    /// every shard is).
     pub(crate) async fn place(
         &self,
         code: &str,
         shards: i32,
         now: i64,
+        down: &[i32],
     ) -> Result<i32, LedgerError> {
+        let down: &[i32] = if down.len() >= shards as usize {
+            &[]
+        } else {
+            down
+        };
         let codes = [code.to_string()];
         if let Some((_, s)) = self.placed(&codes).await?.pop() {
             return Ok(s);
@@ -302,6 +318,7 @@ impl PostgresLedger {
         let mut tx = self.pool().begin().await?;
         let free: Option<i32> = sqlx::query_scalar(ROOM_SQL)
             .bind(shards)
+            .bind(down)
             .fetch_optional(&mut *tx)
             .await?;
         let shard: i32 = match free {
@@ -309,6 +326,7 @@ impl PostgresLedger {
             None => {
                 sqlx::query_scalar(ANY_ROOM_SQL)
                     .bind(shards)
+                    .bind(down)
                     .fetch_one(&mut *tx)
                     .await?
             }

@@ -79,15 +79,33 @@ pub struct PostgresLedger {
     /// commits pass the claims' fence (`vouchers_commit_batches_claimed`, migration 13); every
     /// other commit is refused once the database's claims began.
     claimed: std::sync::atomic::AtomicBool,
+    /// A store opened while its server was down ([`PostgresLedger::connect_late`]): a closed
+    /// pool that every call gets (and fails on, as unreachable) until the store is migrated and
+    /// checked and `opened` is set.
+    unopened: Option<PgPool>,
+    opened: std::sync::atomic::AtomicBool,
 }
 
 impl PostgresLedger {
     fn pool(&self) -> PgPool {
-        self.locator.pool()
+        self.unopened_gate().unwrap_or_else(|| self.locator.pool())
     }
 
     fn beats(&self) -> PgPool {
-        self.locator.beats()
+        self.unopened_gate().unwrap_or_else(|| self.locator.beats())
+    }
+
+    /// The closed pool of a late store not yet opened.
+    fn unopened_gate(&self) -> Option<PgPool> {
+        self.unopened
+            .as_ref()
+            .filter(|_| !self.opened.load(std::sync::atomic::Ordering::Acquire))
+            .cloned()
+    }
+
+    /// The pool on the server, even before a late store is opened: for the checks that open it.
+    fn server_pool(&self) -> PgPool {
+        self.locator.pool()
     }
 
     /// RESERVED → CONFIRMED (`confirm`) or RELEASED; `None` when the reservation is not

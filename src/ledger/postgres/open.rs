@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgPool};
+use sqlx::Executor;
 
 use super::primary::{Locator, Shape};
 use super::target::Targets;
@@ -71,6 +72,11 @@ const REPEATABLE: &[&str] = &[
     include_str!("../../../migrations/postgres/grant.sql"),
 ];
 
+/// A store's call boxed as `Send` (a task that opens a late store spawns it).
+pub(crate) type Pending<'a, T> = std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<T, crate::ledger::LedgerError>> + Send + 'a>,
+>;
+
 /// An arbitrary constant that names this schema's migration lock.
 const MIGRATION_LOCK: i64 = 0x766f_7563_6865_7273;
 
@@ -81,22 +87,77 @@ impl PostgresLedger {
         timeout_ms: u64,
         acquire_timeout_ms: u64,
     ) -> Result<Self, sqlx::Error> {
-        let targets = Targets::parse(url)
-            .map_err(|e| sqlx::Error::Configuration(e.into()))?
-            .map_options(|o| session(o, timeout_ms));
-        let shape = Shape {
-            max_connections,
-            acquire_timeout: Duration::from_millis(acquire_timeout_ms.max(1)),
-        };
-        let probe_timeout = Duration::from_millis(acquire_timeout_ms.clamp(200, 2000));
-        let locator = Locator::start_up(targets, shape, probe_timeout).await?;
+        let locator = locate(url, max_connections, timeout_ms, acquire_timeout_ms, false).await?;
         migrate(&locator.pool()).await?;
         locator.spawn();
         Ok(Self {
             locator,
             claimed: Default::default(),
+            unopened: None,
+            opened: Default::default(),
         })
     }
+
+    /// [`PostgresLedger::connect`] for a store whose server is down now (a shard of a node that
+    /// starts during that shard's outage): nothing is asked of the server yet, and every call
+    /// fails as unreachable (a closed pool) until [`PostgresLedger::migrate_late`] and the
+    /// caller's checks are done and [`PostgresLedger::opened`] says so.
+    pub async fn connect_late(
+        url: &str,
+        max_connections: u32,
+        timeout_ms: u64,
+        acquire_timeout_ms: u64,
+    ) -> Result<Self, sqlx::Error> {
+        let locator = locate(url, max_connections, timeout_ms, acquire_timeout_ms, true).await?;
+        locator.spawn();
+        let closed = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .connect_lazy_with(PgConnectOptions::new());
+        closed.close().await;
+        Ok(Self {
+            locator,
+            claimed: Default::default(),
+            unopened: Some(closed),
+            opened: Default::default(),
+        })
+    }
+
+    /// Whether the store serves calls (every store but a late one not yet opened).
+    pub(crate) fn is_open(&self) -> bool {
+        self.unopened.is_none() || self.opened.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// A late store's migrations, on its server's pool (the store's own calls still fail).
+    pub(crate) fn migrate_late(&self) -> Pending<'_, ()> {
+        let pool = self.locator.pool();
+        Box::pin(async move { Ok(migrate(&pool).await?) })
+    }
+
+    /// A late store, migrated and checked, serves calls from now on.
+    pub(crate) fn opened(&self) {
+        self.opened
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+}
+
+/// The server to use among those `url` lists, and the node's pools on it (`wait`: see
+/// [`Locator::start_up`]).
+async fn locate(
+    url: &str,
+    max_connections: u32,
+    timeout_ms: u64,
+    acquire_timeout_ms: u64,
+    wait: bool,
+) -> Result<std::sync::Arc<Locator>, sqlx::Error> {
+    let targets = Targets::parse(url)
+        .map_err(|e| sqlx::Error::Configuration(e.into()))?
+        .map_options(|o| session(o, timeout_ms));
+    let shape = Shape {
+        max_connections,
+        acquire_timeout: Duration::from_millis(acquire_timeout_ms.max(1)),
+    };
+    let probe_timeout = Duration::from_millis(acquire_timeout_ms.clamp(200, 2000));
+    Locator::start_up(targets, shape, probe_timeout, wait).await
 }
 
 /// The session every connection of the node opens with. Tables grow from empty within seconds
@@ -133,8 +194,11 @@ async fn migrate(pool: &PgPool) -> Result<(), sqlx::Error> {
     let mut tx = pool.begin().await?;
     // Nodes that start together migrate one after the other.
     xact_lock(&mut tx, MIGRATION_LOCK).await?;
-    sqlx::raw_sql("CREATE TABLE IF NOT EXISTS schema_migrations (version BIGINT PRIMARY KEY)")
-        .execute(&mut *tx)
+    // Scripts go as simple queries (a `&str` without arguments: several statements each), not
+    // through `raw_sql`, whose future is not `Send` for every lifetime (a late store migrates
+    // on a spawned task).
+    (&mut *tx)
+        .execute("CREATE TABLE IF NOT EXISTS schema_migrations (version BIGINT PRIMARY KEY)")
         .await?;
     // An older build would put back its own commit function (below) and write rows the
     // feed cannot see: it refuses a ledger a newer build migrated.
@@ -148,7 +212,7 @@ async fn migrate(pool: &PgPool) -> Result<(), sqlx::Error> {
             .fetch_optional(&mut *tx)
             .await?;
         if done.is_none() {
-            sqlx::raw_sql(sql).execute(&mut *tx).await?;
+            (&mut *tx).execute(*sql).await?;
             sqlx::query("INSERT INTO schema_migrations (version) VALUES ($1)")
                 .bind(version)
                 .execute(&mut *tx)
@@ -156,7 +220,7 @@ async fn migrate(pool: &PgPool) -> Result<(), sqlx::Error> {
         }
     }
     for sql in REPEATABLE {
-        sqlx::raw_sql(sql).execute(&mut *tx).await?;
+        (&mut *tx).execute(*sql).await?;
     }
     tx.commit().await
 }

@@ -84,27 +84,34 @@ pub struct Locator {
 
 impl Locator {
     /// Finds the server to use at start-up and opens the pools on it (lazily: the first call
-    /// connects). An error when no listed server is the one to use (none answers, or all are
-    /// standbys).
+    /// connects). When no listed server is the one to use (none answers, or all are standbys):
+    /// an error (an unreachable ledger's), or with `wait` the pools on the first server, which
+    /// the search task replaces once it finds the one to use.
     pub async fn start_up(
         targets: Targets,
         shape: Shape,
         probe_timeout: Duration,
+        wait: bool,
     ) -> Result<Arc<Self>, sqlx::Error> {
         let (mut index, mut timeline) = (0, 0);
         if targets.needs_search() {
             let answers = probe_all(&targets, probe_timeout).await;
-            let Some((i, a)) = newest(&answers, 0) else {
-                return Err(sqlx::Error::Configuration(
-                    format!(
-                        "no listed ledger server is writable: {}",
-                        describe(&targets, &answers)
-                    )
-                    .into(),
-                ));
-            };
-            warn_if_alone(&targets, i, a);
-            (index, timeline) = (i, a.timeline);
+            match newest(&answers, 0) {
+                Some((i, a)) => {
+                    warn_if_alone(&targets, i, a);
+                    (index, timeline) = (i, a.timeline);
+                }
+                None if wait => {}
+                None => {
+                    return Err(sqlx::Error::Io(std::io::Error::new(
+                        std::io::ErrorKind::NotConnected,
+                        format!(
+                            "no listed ledger server is writable: {}",
+                            describe(&targets, &answers)
+                        ),
+                    )))
+                }
+            }
         }
         let locator = Arc::new_cyclic(|me: &Weak<Locator>| Self {
             pools: RwLock::new(build(
