@@ -165,10 +165,13 @@ impl EngineHandle {
                 .collect();
         for page in sold_out.chunks(RECOUNT_PAGE) {
             let started = Instant::now();
-            if let Err(e) = recount(&self.node.ledger, page, |c| on_sale.contains(c)).await {
-                // Tried again at the next run.
-                tracing::warn!(vouchers = page.len(), error = %e, "recount after a sell-out failed");
-                page.iter().for_each(|c| self.node.recount_soon(c));
+            // What was not read is tried again at the next run.
+            match recount(&self.node.ledger, page, |c| on_sale.contains(c)).await {
+                Ok(r) => r.unread.iter().for_each(|c| self.node.recount_soon(c)),
+                Err(e) => {
+                    tracing::warn!(vouchers = page.len(), error = %e, "recount after a sell-out failed");
+                    page.iter().for_each(|c| self.node.recount_soon(c));
+                }
             }
             self.node.pace.spent(Instant::now(), started.elapsed());
         }
@@ -183,11 +186,17 @@ impl EngineHandle {
                 .changed
                 .take_backlog(BACKLOG_PER_RUN, MAX_RECOUNTS_PER_RUN);
             if !backlog.is_empty() {
-                if let Err(e) = recount(&self.node.ledger, &backlog, |c| on_sale.contains(c)).await
-                {
-                    tracing::warn!(vouchers = backlog.len(), error = %e, "recount of changed vouchers failed");
-                    backlog.iter().for_each(|c| self.node.changed(c));
-                    backlog.failed();
+                match recount(&self.node.ledger, &backlog, |c| on_sale.contains(c)).await {
+                    Ok(r) if r.unread.is_empty() => {}
+                    Ok(r) => {
+                        r.unread.iter().for_each(|c| self.node.changed(c));
+                        backlog.failed();
+                    }
+                    Err(e) => {
+                        tracing::warn!(vouchers = backlog.len(), error = %e, "recount of changed vouchers failed");
+                        backlog.iter().for_each(|c| self.node.changed(c));
+                        backlog.failed();
+                    }
                 }
                 self.node.pace.spent(Instant::now(), started.elapsed());
             }
@@ -367,7 +376,14 @@ impl EngineHandle {
         let mut failed = None;
         for (i, page) in codes.chunks(RECOUNT_PAGE).enumerate() {
             match recount(&self.node.ledger, page, |c| self.node.spotlight.shows(c)).await {
-                Ok(found) => unbalanced.extend(found),
+                Ok(r) => {
+                    unbalanced.extend(r.unbalanced);
+                    if !r.unread.is_empty() {
+                        // Those of a shard that did not answer: at the next run.
+                        r.unread.iter().for_each(|c| self.node.changed(c));
+                        taken.failed();
+                    }
+                }
                 Err(e) => {
                     // This page and every one not recounted yet: at the next run.
                     codes[i * RECOUNT_PAGE..]
@@ -388,16 +404,23 @@ impl EngineHandle {
     }
 }
 
+/// What a recount found: the vouchers whose books do not balance, and those it could not read
+/// (their shard did not answer: to be recounted again).
+struct Recounted {
+    unbalanced: Vec<String>,
+    unread: Vec<String>,
+}
+
 /// Recounts `codes` (at most [`RECOUNT_PAGE`] of them: one read of each table) and records each
-/// verdict (a series of its own only for a voucher `shown` on `/metrics`); returns those whose
-/// books do not balance. The reconciler runs it for what changed and its audit, and the live
-/// numbers the moment a voucher sells out here.
+/// verdict (a series of its own only for a voucher `shown` on `/metrics`). The reconciler runs
+/// it for what changed and its audit, and the live numbers the moment a voucher sells out here.
+/// An error only when nothing could be read (with shards, when none of theirs answered).
 async fn recount(
     ledger: &SharedLedger,
     codes: &[String],
     shown: impl Fn(&str) -> bool,
-) -> Result<Vec<String>, LedgerError> {
-    let counters = ledger.counters_many(codes).await?;
+) -> Result<Recounted, LedgerError> {
+    let (counters, unread) = ledger.counters_each(codes).await?;
     let mut unbalanced = Vec::new();
     for (code, c) in codes.iter().zip(counters) {
         let Some(c) = c else { continue };
@@ -407,5 +430,11 @@ async fn recount(
             unbalanced.push(code.clone());
         }
     }
-    Ok(unbalanced)
+    Ok(Recounted {
+        unbalanced,
+        unread: unread
+            .into_iter()
+            .filter_map(|p| codes.get(p).cloned())
+            .collect(),
+    })
 }

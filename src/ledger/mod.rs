@@ -629,6 +629,16 @@ pub trait Ledger: Send + Sync + 'static {
     /// in one snapshot with one query per table for all of them: the reconciler recounts the
     /// thousands of vouchers a campaign touched at a fraction of the CPU of one read per voucher.
     async fn counters_many(&self, codes: &[String]) -> Result<Vec<Option<Counters>>, LedgerError>;
+    /// [`Self::counters_many`] for a ledger that may answer in parts (shards): the counters of
+    /// the codes whose part answered, and the positions of those whose part did not (`None`
+    /// among the counters; to be read again later); an error only when no part answered. The
+    /// reconciler's recounts go on for the shards that are up.
+    async fn counters_each(
+        &self,
+        codes: &[String],
+    ) -> Result<(Vec<Option<Counters>>, Vec<usize>), LedgerError> {
+        Ok((self.counters_many(codes).await?, Vec::new()))
+    }
     /// The live numbers (see [`LiveUnits`]) of those of `codes` whose sale started by `now` and
     /// ends after `ending_after` (a read per voucher asked, never of the whole catalogue).
     async fn live_units(

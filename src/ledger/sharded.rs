@@ -1445,6 +1445,48 @@ impl Ledger for ShardedLedger {
         ))
     }
 
+    async fn counters_each(
+        &self,
+        codes: &[String],
+    ) -> Result<(Vec<Option<Counters>>, Vec<usize>), LedgerError> {
+        let (by_shard, _) = self.split(codes, |c| c).await?;
+        let parts = join_all(
+            by_shard
+                .into_iter()
+                .enumerate()
+                .filter(|(_, part)| !part.is_empty())
+                .map(|(s, part)| async move {
+                    let (positions, codes): (Vec<usize>, Vec<String>) =
+                        part.into_iter().map(|(p, c)| (p, c.clone())).unzip();
+                    let got = self.shards[s].counters_many(&codes).await;
+                    (s, positions, got)
+                }),
+        )
+        .await;
+        let mut answers: Vec<Option<Counters>> = vec![None; codes.len()];
+        let (mut unread, mut failed, mut answered) = (Vec::new(), None, false);
+        for (shard, positions, got) in parts {
+            match got {
+                Ok(got) if got.len() == positions.len() => {
+                    answered = true;
+                    for (pos, c) in positions.into_iter().zip(got) {
+                        answers[pos] = c;
+                    }
+                }
+                got => {
+                    let e = got.err().unwrap_or(LedgerError::Inconsistent(SHORT_ANSWER));
+                    tracing::warn!(shard, error = %e, "a recount failed on a shard");
+                    unread.extend(positions);
+                    failed.get_or_insert(e);
+                }
+            }
+        }
+        match failed {
+            Some(e) if !answered => Err(e),
+            _ => Ok((answers, unread)),
+        }
+    }
+
     async fn counters_many(&self, codes: &[String]) -> Result<Vec<Option<Counters>>, LedgerError> {
         let (by_shard, _) = self.split(codes, |c| c).await?;
         let mut answers: Vec<Option<Counters>> = vec![None; codes.len()];
@@ -1506,9 +1548,13 @@ impl Ledger for ShardedLedger {
                 .on_directory(self.directory.placed_codes(after, limit))
                 .await;
         }
+        // The audit's page: the shards that answer (one that is down is audited at a later
+        // pass over the catalogue).
         let mut codes = flat(
-            self.each(|l| l.voucher_codes(ending_after, after, limit))
-                .await?,
+            self.each_up("the audit's page of the catalogue", |l| {
+                l.voucher_codes(ending_after, after, limit)
+            })
+            .await?,
         );
         codes.sort();
         codes.truncate(usize::try_from(limit).unwrap_or(0));

@@ -165,6 +165,14 @@ async fn a_sharded_ledger_sells_each_voucher_on_its_shard_and_a_down_shard_stops
     // vouchers, which sold before, are among those picked).
     let shown = app.engine.live_numbers().await.expect("live numbers");
     assert!(shown >= 4, "the up shards' vouchers and SHNEW: {shown}");
+    // So does the reconciler: the up shards' vouchers are recounted (balanced), the cut
+    // shard's wait for a later run.
+    let unbalanced = app
+        .engine
+        .reconcile()
+        .await
+        .expect("a recount with one shard down");
+    assert!(unbalanced.is_empty(), "{unbalanced:?}");
     let m = metrics_text(&app.client, &app.base).await;
     let sel = ["voucher=\"SHNEW\"", "kind=\"reserved\""];
     assert_eq!(metric_sum(&m, "vouchers_units", &sel), 1.0);
