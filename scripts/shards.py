@@ -14,6 +14,9 @@ Scenarios of `run` (traffic to 127.0.0.1 only, each bounded in time):
   kill   three vouchers of 4,000 units, one per shard, sold by wrk on all three nodes; node 3
          is SIGKILLed 2 s in; then the rest is sold on nodes 1 and 2. Prints sold, oversold
          (rows past the total), lost (201s the clients saw beyond the rows) and the books.
+  model  the cost model of one shard: PostgreSQL CPU per reservation against the rows per
+         merged commit, at 1 to 128 wrk connections (6 s each), fitted as a cost per row plus
+         a cost per commit, with the capacity per PostgreSQL core it projects.
   contract  the HTTP contract from outside (scripts/contract.py) against three nodes on the
          three clusters, every request to the next node in turn.
   cost   PostgreSQL CPU per reservation (every process of the shards' clusters, /proc, by
@@ -321,6 +324,55 @@ def scenario_cost():
         stop_nodes()
 
 
+def metric(base, name):
+    """The sum of every series of `name` on a node's /metrics."""
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def scenario_model():
+    """PostgreSQL CPU per reservation on one shard against the rows of its merged commits, at
+    several loads (wrk connections): the cost model per shard, cost = row + commit / rows."""
+    print("\n## Cost model of one shard: PostgreSQL CPU per reservation against rows per merged "
+          "commit (one node, one voucher, wrk 6 s per load)")
+    print("| wrk connections | 201/s | p99 ms | rows per commit | commits/s | "
+          "PostgreSQL CPU µs per reservation | PostgreSQL cores busy |")
+    print("|---|---|---|---|---|---|---|")
+    fresh_databases()
+    bases = start_nodes([url(CLUSTERS[0][1])], n=1)
+    create(bases[0], "P", 1_000_000_000)
+    wrk_result(wrk(bases[0], "P", "warm", 1, 2, 64))
+    points = []
+    for conns in (1, 2, 4, 8, 16, 32, 64, 128):
+        rows0 = metric(bases[0], "vouchers_ledger_commit_rows_sum")
+        n0 = metric(bases[0], "vouchers_ledger_commit_rows_count")
+        c0, t0 = pg_cpu_by_cluster()[CLUSTERS[0][0]], time.monotonic()
+        r = wrk_result(wrk(bases[0], "P", f"m{conns}", 1, 6, conns))
+        c1, t1 = pg_cpu_by_cluster()[CLUSTERS[0][0]], time.monotonic()
+        rows = metric(bases[0], "vouchers_ledger_commit_rows_sum") - rows0
+        commits = metric(bases[0], "vouchers_ledger_commit_rows_count") - n0
+        ok = r["statuses"].get(201, 0) or 1
+        per = 1e6 * (c1 - c0) / ok
+        per_commit = rows / commits if commits else 0
+        points.append((per_commit, per))
+        print(f"| {conns} | {r['ok_rps']:,.0f} | {r['p99']:.1f} | {per_commit:.1f} | "
+              f"{commits / (t1 - t0):,.0f} | {per:.0f} | {(c1 - c0) / (t1 - t0):.2f} |")
+    stop_nodes()
+    # Least squares of cost = row + commit * (1 / rows per commit).
+    xs = [1 / r for r, _ in points if r > 0]
+    ys = [c for r, c in points if r > 0]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    a = my - b * mx
+    print(f"\nfit: {a:.1f} µs per row + {b:.0f} µs per merged commit")
+    for rows in (1, 4, 16, 64, 256):
+        print(f"  at {rows} rows per commit: {a + b / rows:.1f} µs per reservation, "
+              f"{1e6 / (a + b / rows):,.0f} reservations/s per PostgreSQL core")
+
+
 def run(which):
     for tool in ("wrk", "psql", "pg_isready"):
         if not shutil.which(tool):
@@ -344,6 +396,8 @@ def run(which):
                             " ".join(url(p) for _, p in CLUSTERS)], env=env, check=True)
         if "cost" in which:
             scenario_cost()
+        if "model" in which:
+            scenario_model()
     finally:
         stop_nodes()
 
