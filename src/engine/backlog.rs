@@ -1,6 +1,7 @@
 //! The vouchers whose books this node changed and that wait for a recount ([`Changed`]), the
-//! one budget every recount of the node's upkeep shares ([`RecountPace`]), and when the memory
-//! a flood left goes back ([`GiveBackGate`]).
+//! one budget every recount of the node's upkeep shares ([`RecountPace`]), how often one
+//! voucher is recounted at its sell-outs ([`SellOutRecounts`]), and when the memory a flood
+//! left goes back ([`GiveBackGate`]).
 //!
 //! The reconciler takes up to its share of the changed vouchers each run; a flood of first
 //! reserves on a long tail leaves far more (a backlog), which the live numbers work off a page
@@ -221,6 +222,39 @@ impl RecountPace {
     }
 }
 
+/// How often one voucher's books are recounted when it sells out at most: a voucher sold out
+/// again sooner (a client cycling releases and reserves on it) waits for the reconciler's
+/// recount of the changed vouchers instead, so a handful of large vouchers cannot keep the
+/// sell-outs' recounts (each a read of every row of the voucher) busy.
+pub(crate) const SELL_OUT_RECOUNT_EVERY: Duration = Duration::from_secs(30);
+
+/// When each voucher last had its sell-out recount (only those within
+/// [`SELL_OUT_RECOUNT_EVERY`]: the vouchers that sold out here lately).
+#[derive(Default)]
+pub(crate) struct SellOutRecounts {
+    last: Mutex<std::collections::HashMap<String, Instant>>,
+}
+
+impl SellOutRecounts {
+    /// Splits `codes` (vouchers that sold out here) into those to recount now (each marked as
+    /// recounted at `now`) and those recounted at a sell-out less than
+    /// [`SELL_OUT_RECOUNT_EVERY`] ago; forgets the marks older than that.
+    pub(crate) fn due(&self, codes: Vec<String>, now: Instant) -> (Vec<String>, Vec<String>) {
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        last.retain(|_, at| now.saturating_duration_since(*at) < SELL_OUT_RECOUNT_EVERY);
+        let (mut now_codes, mut later) = (Vec::new(), Vec::new());
+        for code in codes {
+            if last.contains_key(&code) {
+                later.push(code);
+            } else {
+                last.insert(code.clone(), now);
+                now_codes.push(code);
+            }
+        }
+        (now_codes, later)
+    }
+}
+
 /// Requests per run of the live numbers (once a second by default) at or below which the node
 /// counts as quiet, so that memory may go back: the reserves answered on this node for its
 /// vouchers with an actor (from memory included), and the confirms and releases asked of it. A
@@ -306,6 +340,32 @@ mod tests {
 
     fn taken(t: Taken<'_>) -> Vec<String> {
         t.to_vec()
+    }
+
+    #[test]
+    fn a_voucher_is_recounted_at_its_sell_outs_once_per_period_at_most() {
+        let paced = SellOutRecounts::default();
+        let t0 = Instant::now();
+        let codes = |c: &[&str]| c.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            paced.due(codes(&["A", "B"]), t0),
+            (codes(&["A", "B"]), codes(&[]))
+        );
+        // Sold out again within the period: later (the reconciler's changed vouchers).
+        let soon = t0 + SELL_OUT_RECOUNT_EVERY / 2;
+        assert_eq!(
+            paced.due(codes(&["A", "C"]), soon),
+            (codes(&["C"]), codes(&["A"]))
+        );
+        // Once the period has passed, again now; C's own period still runs.
+        let later = t0 + SELL_OUT_RECOUNT_EVERY;
+        assert_eq!(
+            paced.due(codes(&["A", "C"]), later),
+            (codes(&["A"]), codes(&["C"]))
+        );
+        // Marks older than the period are forgotten: the map holds recent sell-outs only.
+        paced.due(Vec::new(), later + SELL_OUT_RECOUNT_EVERY);
+        assert!(paced.last.lock().unwrap().is_empty());
     }
 
     #[test]

@@ -95,6 +95,7 @@ impl EngineHandle {
             spotlight: Spotlight::new(all.metrics.top_vouchers, all.metrics.watch.clone()),
             changed: Default::default(),
             pace: Default::default(),
+            sell_out_recounts: Default::default(),
             give_back: Default::default(),
             audit: std::sync::Mutex::new(String::new()),
             audit_page: all.jobs.reconcile_audit_page.max(1),

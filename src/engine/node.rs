@@ -115,6 +115,9 @@ pub(crate) struct Node {
     pub(super) changed: Changed,
     /// The budget the reconciler's, the sell-outs' and the backlog's recounts share.
     pub(super) pace: RecountPace,
+    /// When each voucher that sold out here lately was recounted for it (at most once per
+    /// [`super::backlog::SELL_OUT_RECOUNT_EVERY`]).
+    pub(super) sell_out_recounts: super::backlog::SellOutRecounts,
     /// Whether memory goes back at the next run of the live numbers (actors stopped, or a
     /// backlog was recounted, and the node is quiet), not in the middle of a burst.
     pub(super) give_back: super::backlog::GiveBackGate,

@@ -163,6 +163,9 @@ impl EngineHandle {
             std::mem::take(&mut *self.node.recount.lock().unwrap_or_else(|e| e.into_inner()))
                 .into_iter()
                 .collect();
+        // A voucher recounted at a sell-out lately waits for the reconciler instead.
+        let (sold_out, later) = self.node.sell_out_recounts.due(sold_out, Instant::now());
+        later.iter().for_each(|c| self.node.changed(c));
         for page in sold_out.chunks(RECOUNT_PAGE) {
             let started = Instant::now();
             // What was not read is tried again at the next run.
