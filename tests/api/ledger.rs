@@ -1881,6 +1881,11 @@ async fn orders_stored_before_claims_begin_stay_on_their_voucher() {
         .commit_batch(&batch("OLD", lease >> 8, rows(&[("stray", 5)])))
         .await;
     assert!(stray.is_err(), "{stray:?}");
+    // And says it is not ready (a load balancer sends it nothing more).
+    assert!(
+        plain.ping().await.is_err(),
+        "the node on ledger.url is not ready"
+    );
     let n: i64 = sqlx::query_scalar("SELECT count(*) FROM reservations WHERE order_id = 'stray'")
         .fetch_one(&pool)
         .await

@@ -186,9 +186,24 @@ fn insert_voucher<'q>(
 
 #[async_trait]
 impl Ledger for PostgresLedger {
+    /// Also fails once this database's order claims began for a store that commits without
+    /// claims (a node on `ledger.url`, or a sharded one without claims): every commit of it is
+    /// refused by the fence, so it says it is not ready and a load balancer sends it nothing.
     async fn ping(&self) -> Result<(), LedgerError> {
-        sqlx::query("SELECT 1").execute(&self.pool()).await?;
-        Ok(())
+        if self.claimed.load(std::sync::atomic::Ordering::Acquire) {
+            sqlx::query("SELECT 1").execute(&self.pool()).await?;
+            return Ok(());
+        }
+        let began: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM claims_begun)")
+            .fetch_one(&self.pool())
+            .await?;
+        match began {
+            true => Err(LedgerError::Invalid(
+                "order claims began on this database: list every shard in ledger.shards \
+                 (with order_ids_across_shards) and restart",
+            )),
+            false => Ok(()),
+        }
     }
 
     /// A bare TCP connection to the server in use: refused outright (nothing listens) within a
