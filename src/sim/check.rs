@@ -60,10 +60,16 @@ impl Books {
     }
 
     /// Every acknowledged order is in the ledger, as it was answered.
-    pub(super) fn all_durable(&self, ledger: &SharedLedger) -> Result<(), Finding> {
+    /// `ledgers`: every shard's (an order is found on its voucher's).
+    pub(super) fn all_durable(&self, ledgers: &[SharedLedger]) -> Result<(), Finding> {
         let orders: Vec<String> = self.acked.keys().cloned().collect();
-        let found =
-            ready(ledger.find_orders(&orders)).map_err(|e| (format!("find_orders: {e}"), None))?;
+        let mut found = Vec::new();
+        for ledger in ledgers {
+            found.extend(
+                ready(ledger.find_orders(&orders))
+                    .map_err(|e| (format!("find_orders: {e}"), None))?,
+            );
+        }
         let found: BTreeMap<&str, &Reservation> =
             found.iter().map(|r| (r.order_id.as_str(), r)).collect();
         for (order, (r, _)) in &self.acked {

@@ -36,11 +36,15 @@ pub enum Fault {
     Release,
     /// Customers confirm reservations.
     Confirm,
+    /// One shard of the ledger is down on its own for a while (rounds with several shards).
+    ShardDown,
+    /// One shard answers late on its own for a while (rounds with several shards).
+    ShardSlow,
 }
 
 impl Fault {
     /// Every kind, in the order `names` lists them.
-    pub const ALL: [Fault; 15] = [
+    pub const ALL: [Fault; 17] = [
         Fault::Crash,
         Fault::Pause,
         Fault::Clock,
@@ -56,6 +60,8 @@ impl Fault {
         Fault::Raise,
         Fault::Release,
         Fault::Confirm,
+        Fault::ShardDown,
+        Fault::ShardSlow,
     ];
 
     /// The kind's name on the command line and in replay commands.
@@ -76,6 +82,8 @@ impl Fault {
             Fault::Raise => "raise",
             Fault::Release => "release",
             Fault::Confirm => "confirm",
+            Fault::ShardDown => "shard-down",
+            Fault::ShardSlow => "shard-slow",
         }
     }
 

@@ -4,8 +4,10 @@
 //! step. TigerBeetle's VOPR and FoundationDB's simulator are the models.
 //!
 //! A run is a sequence of **rounds**, each a whole sale with its own seed (derived from the
-//! run's): a fresh ledger, 1–4 nodes, 1–3 vouchers, and customers sending reserves through the
-//! frontend's path (the sold-out flag first, then the voucher's core). A round has two phases:
+//! run's): a fresh ledger in 1–3 shards (each voucher on one, each shard a model ledger that can
+//! be down or late on its own), 1–4 nodes, 1–3 vouchers, and customers sending reserves through
+//! the frontend's path (the sold-out flag first, then the voucher's core). A round has two
+//! phases:
 //!
 //! - **Faults** (3 to 40 simulated seconds): nodes crash (memory lost) and restart as a new
 //!   incarnation, pause past their lease TTL, their clocks jump (and follow the ledger's clock

@@ -83,12 +83,14 @@ impl World {
             shared.count_short_circuit(now);
             let answer = match answer_from_flag(shared.sold_out_verdict(now, &req), gate) {
                 Some(a) => a,
+                // Its shard down: the frontend answers 503 (the shard's breaker refuses).
+                None if self.shard_down(self.vouchers[v].shard) => Err(EngineError::Unavailable),
                 None => {
                     let voucher = shared.voucher();
                     let code = &self.vouchers[v].code;
                     let reqs = std::slice::from_ref(&req);
                     ready(settle_without_units(
-                        &self.ledger,
+                        &self.ledger_of(v),
                         code,
                         voucher.as_deref(),
                         now,
@@ -166,7 +168,7 @@ impl World {
         // or when it answered), plus a tick.
         let skew = skew.max(self.clients[c].arrive_skew) + TICK_MS;
         let verdict = check::answer(
-            &self.ledger,
+            &self.ledger_of(v),
             &mut self.books,
             &self.clients[c].order,
             self.clients[c].customer,
@@ -237,6 +239,9 @@ impl World {
     pub(super) fn calm_down(&mut self) {
         self.calm = true;
         self.note(|| "calm: faults stop".into());
+        for s in &mut self.shards {
+            (s.down_until, s.slow_until) = (0, 0);
+        }
         for n in 0..self.nodes.len() {
             self.nodes[n].skew = 0;
             if !self.nodes[n].up {
@@ -247,7 +252,7 @@ impl World {
             sales_paused: Some(false),
             read_only: None,
         };
-        if let Ok(switches) = ready(self.ledger.set_switches(&patch, self.now)) {
+        if let Ok(switches) = ready(self.shards[0].ledger.set_switches(&patch, self.now)) {
             for n in 0..self.nodes.len() {
                 self.apply_switches(n, switches);
             }
@@ -272,7 +277,7 @@ impl World {
         if self.vouchers[v].sold_at.is_some() {
             return Ok(());
         }
-        let c = check::counters(&self.ledger, &self.vouchers[v].code)?;
+        let c = check::counters(&self.ledger_of(v), &self.vouchers[v].code)?;
         if c.reserved + c.confirmed == c.total_limit {
             self.vouchers[v].sold_at = Some(self.now);
             self.out.sold += c.total_limit;
@@ -290,9 +295,9 @@ impl World {
     }
 
     pub(super) fn liveness(&mut self) -> Result<(), Finding> {
-        for v in &self.vouchers {
+        for (i, v) in self.vouchers.iter().enumerate() {
             if v.sold_at.is_none() {
-                let c = check::counters(&self.ledger, &v.code)?;
+                let c = check::counters(&self.ledger_of(i), &v.code)?;
                 self.out.sold += c.reserved + c.confirmed;
                 self.out.offered += c.total_limit;
                 return Err((
@@ -304,7 +309,7 @@ impl World {
                         c.total_limit,
                         c.free,
                         c.leased_unused,
-                        self.model.unused_leases(&v.code),
+                        self.model_of(i).unused_leases(&v.code),
                     ),
                     Some(v.code.clone()),
                 ));
@@ -320,6 +325,7 @@ impl World {
             self.check_voucher(v)?;
         }
         self.out.checks += 1;
-        self.books.all_durable(&self.ledger)
+        let ledgers: Vec<SharedLedger> = self.shards.iter().map(|s| s.ledger.clone()).collect();
+        self.books.all_durable(&ledgers)
     }
 }

@@ -78,6 +78,8 @@ struct Node {
 
 struct SimVoucher {
     code: String,
+    /// The shard of the ledger it lives on.
+    shard: usize,
     per_user: i64,
     /// When the calm phase saw it sold out.
     sold_at: Option<Millis>,
@@ -99,8 +101,25 @@ pub(super) struct Client {
     pub arrive_skew: Millis,
 }
 
+/// One shard of the simulated ledger.
+struct SimShard {
+    ledger: SharedLedger,
+    /// The same ledger, for diagnosis.
+    model: Arc<ModelLedger>,
+    /// Until when it is down: every call to it fails before it applies.
+    down_until: Millis,
+    /// Until when it answers late: every call to it waits longer.
+    slow_until: Millis,
+}
+
 enum Job {
     Send(usize),
+    /// Shard `shard` goes down (or answers late: `slow`) for `ms`.
+    Shard {
+        shard: usize,
+        ms: Millis,
+        slow: bool,
+    },
     Arrive {
         node: usize,
         client: usize,
@@ -223,9 +242,12 @@ pub(super) struct World {
     pub now: Millis,
     seq: u64,
     queue: BinaryHeap<Queued>,
-    ledger: SharedLedger,
-    /// The same ledger, for diagnosis.
-    model: Arc<ModelLedger>,
+    /// The ledger in shards (1 to 3 a round), each voucher on one, as `ledger.shards` runs it:
+    /// each shard a model ledger of its own, which can be down or late on its own.
+    shards: Vec<SimShard>,
+    /// The draws about shards, apart from the round's RNG: a round's other draws do not move
+    /// with them (rounds of one shard run as they did before shards).
+    srng: Rng,
     settings: EngineSettings,
     sizing: SizingParams,
     nodes: Vec<Node>,
@@ -300,8 +322,18 @@ impl World {
             settings.reservation_ttl_ms = rng.range(2000, 20_000);
         }
         let sizing = SizingParams::from(&settings);
-        let model = Arc::new(ModelLedger::new("sim"));
-        let ledger: SharedLedger = model.clone();
+        let mut srng = Rng::new(seed ^ 0x5a4d_5eed_0000_0001);
+        let shards = (0..srng.range(1, 3))
+            .map(|_| {
+                let model = Arc::new(ModelLedger::new("sim"));
+                SimShard {
+                    ledger: model.clone(),
+                    model,
+                    down_until: 0,
+                    slow_until: 0,
+                }
+            })
+            .collect();
         let mut world = World {
             seed,
             faults,
@@ -309,8 +341,8 @@ impl World {
             now: 1_000_000,
             seq: 0,
             queue: BinaryHeap::new(),
-            ledger,
-            model,
+            shards,
+            srng,
             settings,
             sizing,
             nodes: Vec::new(),
@@ -362,7 +394,8 @@ impl World {
         self.calm_at = self.now + fault_ms;
         for i in 0..nodes {
             let name = format!("n{i}");
-            let inc = ready(self.ledger.register_node(&name, self.now, DEAD_AFTER_MS))
+            let inc = self
+                .register_node(&name, self.now)
                 .map(|i| i.number)
                 .unwrap_or(1);
             self.nodes.push(Node {
@@ -401,11 +434,13 @@ impl World {
                 status: VoucherStatus::Active,
                 limits: VoucherLimits::default(),
             };
-            if let Err(e) = ready(self.ledger.create_voucher(&voucher, self.now)) {
+            let shard = v % self.shards.len();
+            if let Err(e) = ready(self.shards[shard].ledger.create_voucher(&voucher, self.now)) {
                 unreachable!("a fresh model ledger creates {code}: {e}");
             }
             self.vouchers.push(SimVoucher {
                 code,
+                shard,
                 per_user,
                 sold_at: None,
                 calm_clients: 0,
@@ -473,6 +508,18 @@ impl World {
                     _ => Job::RedisDown,
                 };
                 self.at(when, job);
+            }
+        }
+        // One shard down or late on its own, with several shards (drawn apart, see `srng`).
+        for (kind, slow) in [(Fault::ShardDown, false), (Fault::ShardSlow, true)] {
+            if !faults.has(kind) || self.shards.len() < 2 {
+                continue;
+            }
+            for _ in 0..self.srng.range(1, 3) {
+                let when = self.srng.range(0, fault_ms);
+                let shard = self.srng.pick(self.shards.len());
+                let ms = self.srng.range(200, 6000);
+                self.at(when, Job::Shard { shard, ms, slow });
             }
         }
         if [
@@ -633,8 +680,24 @@ impl World {
                 }
             }
             Job::Relink(n) => self.relink(n),
+            Job::Shard { shard, ms, slow } => {
+                if !self.calm {
+                    self.out.faults_injected += 1;
+                    let what = if slow { "answers late" } else { "is down" };
+                    self.note(|| format!("shard {shard} {what} for {ms} ms"));
+                    let s = &mut self.shards[shard];
+                    let until = if slow {
+                        &mut s.slow_until
+                    } else {
+                        &mut s.down_until
+                    };
+                    *until = (*until).max(self.now + ms);
+                }
+            }
             Job::LateCommit { voucher, batch } => {
-                let res = ready(self.ledger.commit_batch(&batch));
+                // A shard that is down when it would land: it never does (its caller was
+                // answered 503 already).
+                let res = self.on_voucher(voucher, |l| ready(l.commit_batch(&batch)));
                 let code = batch.voucher_code.clone();
                 self.note(|| format!("{code} late commit on lease {}: {res:?}", batch.lease_id));
                 self.books.stored(&res, self.now);
@@ -646,6 +709,69 @@ impl World {
             Job::Liveness => return self.liveness().map(|()| true),
         }
         Ok(self.calm && self.vouchers.iter().all(|v| v.sold_at.is_some()) && self.idle())
+    }
+
+    /// The ledger of voucher `v`'s shard (whether or not it is down: the checks read it).
+    fn ledger_of(&self, v: usize) -> SharedLedger {
+        self.shards[self.vouchers[v].shard].ledger.clone()
+    }
+
+    fn model_of(&self, v: usize) -> &ModelLedger {
+        &self.shards[self.vouchers[v].shard].model
+    }
+
+    /// Whether shard `s` is down now.
+    fn shard_down(&self, s: usize) -> bool {
+        self.now < self.shards[s].down_until
+    }
+
+    /// Whether voucher `v`'s shard answers late now.
+    fn shard_slow(&self, v: usize) -> bool {
+        self.now < self.shards[self.vouchers[v].shard].slow_until
+    }
+
+    /// A node's call about voucher `v`: it fails before it applies while the shard is down.
+    fn on_voucher<T>(
+        &self,
+        v: usize,
+        call: impl FnOnce(&SharedLedger) -> Result<T, LedgerError>,
+    ) -> Result<T, LedgerError> {
+        match self.shard_down(self.vouchers[v].shard) {
+            true => Err(LedgerError::Deadline),
+            false => call(&self.shards[self.vouchers[v].shard].ledger),
+        }
+    }
+
+    /// A call of the node as a whole on the first shard (its number, the switches), as the
+    /// sharded ledger makes it: it fails while that shard is down.
+    fn on_first<T>(
+        &self,
+        call: impl FnOnce(&SharedLedger) -> Result<T, LedgerError>,
+    ) -> Result<T, LedgerError> {
+        match self.shard_down(0) {
+            true => Err(LedgerError::Deadline),
+            false => call(&self.shards[0].ledger),
+        }
+    }
+
+    /// Registers a process: numbered by the first shard, recorded on the others by a beat (a
+    /// shard that is down records it at its first beat there).
+    fn register_node(
+        &self,
+        name: &str,
+        now: Millis,
+    ) -> Result<crate::ledger::Incarnation, LedgerError> {
+        let inc = self.on_first(|l| ready(l.register_node(name, now, DEAD_AFTER_MS)))?;
+        for s in 1..self.shards.len() {
+            if !self.shard_down(s) {
+                let _ = ready(
+                    self.shards[s]
+                        .ledger
+                        .heartbeat(&inc.holder, now, DEAD_AFTER_MS),
+                );
+            }
+        }
+        Ok(inc)
     }
 
     /// No client waits for an answer.

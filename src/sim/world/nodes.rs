@@ -91,9 +91,14 @@ impl World {
         v: usize,
         call: Command<Tag, ()>,
     ) -> Result<(), Finding> {
-        let fail_before = self.fault(Fault::LedgerFail, 2);
+        // A shard that is down fails every call to it (drawn first: the draws stay the same).
+        let fail_before =
+            self.fault(Fault::LedgerFail, 2) | self.shard_down(self.vouchers[v].shard);
         let lose_answer = self.fault(Fault::LedgerLost, 2);
         let mut delay = self.hop();
+        if self.shard_slow(v) {
+            delay += self.srng.range(100, 1500);
+        }
         let slow = self.draw(50, 3000);
         let late = self.fault(Fault::LedgerSlow, 3);
         if late {
@@ -107,7 +112,7 @@ impl World {
         }
         let holder = holder_name(&self.nodes[n].name, inc);
         let code = self.vouchers[v].code.clone();
-        let ledger = self.ledger.clone();
+        let ledger = self.ledger_of(v);
         let event = match call {
             Command::ReadVoucher { first } => Event::VoucherRead {
                 first,
@@ -204,7 +209,7 @@ impl World {
 
     pub(super) fn check_voucher(&mut self, v: usize) -> Result<(), Finding> {
         self.out.checks += 1;
-        check::balanced(&self.ledger, &self.vouchers[v].code, &self.model)
+        check::balanced(&self.ledger_of(v), &self.vouchers[v].code, self.model_of(v))
     }
 
     /// Units went back to `free` on node `n`: its own flag comes down, and the cluster hears.
@@ -281,7 +286,7 @@ impl World {
             Signal::SoldOut => self.feed(n, v, Event::SoldOutElsewhere),
             Signal::Recall => self.feed(n, v, Event::Recall),
             Signal::Updated => {
-                if let Ok(Some(voucher)) = ready(self.ledger.voucher(&code)) {
+                if let Ok(Some(voucher)) = self.on_voucher(v, |l| ready(l.voucher(&code))) {
                     self.feed(n, v, Event::Reload(voucher));
                 }
             }
@@ -296,7 +301,7 @@ impl World {
     /// beats fail or the process is paused).
     pub(super) fn beat(&mut self, n: usize) -> Result<(), Finding> {
         let holder = holder_name(&self.nodes[n].name, self.nodes[n].inc);
-        if let Ok(switches) = ready(self.ledger.switches()) {
+        if let Ok(switches) = self.on_first(|l| ready(l.switches())) {
             self.apply_switches(n, switches);
         }
         let mut restocks = Vec::new();
@@ -305,17 +310,42 @@ impl World {
             self.out.faults_injected += 1;
             return Ok(());
         }
-        if let Ok(beat) = ready(self.ledger.heartbeat(&holder, self.now, DEAD_AFTER_MS)) {
-            self.nodes[n].skew = beat.ledger_ms - self.now;
+        // As the sharded ledger beats: on every shard that is up, the first shard's clock, the
+        // holders dead on any shard that answered (each shard judging by its own beats),
+        // reaped on every shard that is up. The first shard must answer.
+        let mut dead = std::collections::BTreeSet::new();
+        let up: Vec<usize> = (0..self.shards.len())
+            .filter(|s| !self.shard_down(*s))
+            .collect();
+        if up.first() == Some(&0) {
+            for &s in &up {
+                let beat = ready(
+                    self.shards[s]
+                        .ledger
+                        .heartbeat(&holder, self.now, DEAD_AFTER_MS),
+                );
+                if let Ok(beat) = beat {
+                    if s == 0 {
+                        self.nodes[n].skew = beat.ledger_ms - self.now;
+                    }
+                    dead.extend(beat.dead);
+                }
+            }
             let now = self.node_now(n);
-            for dead in beat.dead {
+            for dead in dead {
                 self.note(|| format!("node {n} reaps {dead}"));
-                restocks.extend(ready(self.ledger.reap_holder(&dead, now)).unwrap_or_default());
+                for &s in &up {
+                    let reaped = ready(self.shards[s].ledger.reap_holder(&dead, now));
+                    restocks.extend(reaped.unwrap_or_default());
+                }
             }
         }
         let now = self.node_now(n);
-        restocks.extend(ready(self.ledger.reap_expired(now)).unwrap_or_default());
-        restocks.extend(ready(self.ledger.expire_due(now, 100)).unwrap_or_default());
+        for &s in &up {
+            let ledger = self.shards[s].ledger.clone();
+            restocks.extend(ready(ledger.reap_expired(now)).unwrap_or_default());
+            restocks.extend(ready(ledger.expire_due(now, 100)).unwrap_or_default());
+        }
         for r in restocks {
             self.restocked(n, r);
         }
@@ -386,7 +416,7 @@ impl World {
         }
         let now = self.node_now(n);
         let name = self.nodes[n].name.clone();
-        let Ok(inc) = ready(self.ledger.register_node(&name, now, DEAD_AFTER_MS)) else {
+        let Ok(inc) = self.register_node(&name, now) else {
             return;
         };
         self.note(|| format!("node {n} restarts as {}", inc.holder));
@@ -397,7 +427,7 @@ impl World {
         self.at(0, Job::Relink(n));
         let node = &mut self.nodes[n];
         node.switch_version = 0;
-        if let Ok(s) = ready(self.ledger.switches()) {
+        if let Ok(s) = self.on_first(|l| ready(l.switches())) {
             self.apply_switches(n, s);
         }
         self.at(
@@ -440,7 +470,8 @@ impl World {
                     read_only: None,
                 };
                 self.out.faults_injected += 1;
-                if let Ok(switches) = ready(self.ledger.set_switches(&patch, self.node_now(n))) {
+                let now = self.node_now(n);
+                if let Ok(switches) = self.on_first(|l| ready(l.set_switches(&patch, now))) {
                     self.note(|| format!("sales paused: {paused} (every node)"));
                     for node in 0..self.nodes.len() {
                         let d = self.rng.range(0, 300);
@@ -449,7 +480,7 @@ impl World {
                 }
             }
             1 if self.faults.has(Fault::Raise) => {
-                let Ok(Some(old)) = ready(self.ledger.voucher(&code)) else {
+                let Ok(Some(old)) = self.on_voucher(v, |l| ready(l.voucher(&code))) else {
                     return Ok(());
                 };
                 let patch = VoucherPatch {
@@ -457,7 +488,8 @@ impl World {
                     ..VoucherPatch::default()
                 };
                 self.out.faults_injected += 1;
-                if let Ok((voucher, restock)) = ready(self.ledger.update_voucher(&code, &patch)) {
+                let updated = self.on_voucher(v, |l| ready(l.update_voucher(&code, &patch)));
+                if let Ok((voucher, restock)) = updated {
                     self.note(|| format!("{code} total raised to {}", voucher.total_limit));
                     self.feed(n, v, Event::Reload(voucher));
                     self.publish(n, v, Signal::Updated);
@@ -473,7 +505,8 @@ impl World {
                 };
                 self.out.faults_injected += 1;
                 let now = self.node_now(n);
-                if let Ok((_, restock)) = ready(self.ledger.release(&code, &order, now)) {
+                let released = self.on_voucher(v, |l| ready(l.release(&code, &order, now)));
+                if let Ok((_, restock)) = released {
                     self.note(|| format!("{code} {order} released"));
                     self.books.released(&order);
                     if let Some(r) = restock {
@@ -487,7 +520,10 @@ impl World {
                     return Ok(());
                 };
                 let now = self.node_now(n);
-                if ready(self.ledger.confirm(&code, &order, now)).is_ok() {
+                if self
+                    .on_voucher(v, |l| ready(l.confirm(&code, &order, now)))
+                    .is_ok()
+                {
                     self.note(|| format!("{code} {order} confirmed"));
                 }
                 self.check_voucher(v)?;
