@@ -377,7 +377,7 @@ impl EngineHandle {
         codes.sort();
         let mut unbalanced = Vec::new();
         let mut failed = None;
-        for (i, page) in codes.chunks(RECOUNT_PAGE).enumerate() {
+        for page in codes.chunks(RECOUNT_PAGE) {
             match recount(&self.node.ledger, page, |c| self.node.spotlight.shows(c)).await {
                 Ok(r) => {
                     unbalanced.extend(r.unbalanced);
@@ -388,13 +388,13 @@ impl EngineHandle {
                     }
                 }
                 Err(e) => {
-                    // This page and every one not recounted yet: at the next run.
-                    codes[i * RECOUNT_PAGE..]
-                        .iter()
-                        .for_each(|c| self.node.changed(c));
+                    // This page at the next run; the next pages are tried still (with shards,
+                    // a page whose vouchers are all on a shard that is down says nothing of
+                    // the others; a ledger that is down refuses them at once, its breaker
+                    // open).
+                    page.iter().for_each(|c| self.node.changed(c));
                     taken.failed();
-                    failed = Some(e);
-                    break;
+                    failed.get_or_insert(e);
                 }
             }
         }

@@ -630,9 +630,10 @@ pub trait Ledger: Send + Sync + 'static {
     /// thousands of vouchers a campaign touched at a fraction of the CPU of one read per voucher.
     async fn counters_many(&self, codes: &[String]) -> Result<Vec<Option<Counters>>, LedgerError>;
     /// [`Self::counters_many`] for a ledger that may answer in parts (shards): the counters of
-    /// the codes whose part answered, and the positions of those whose part did not (`None`
-    /// among the counters; to be read again later); an error only when no part answered. The
-    /// reconciler's recounts go on for the shards that are up.
+    /// the codes whose part answered, and the positions of those whose part is down (`None`
+    /// among the counters; to be read again later); an error when no part answered, or when
+    /// one answered with an error (the database's, not an outage). The reconciler's recounts go
+    /// on for the shards that are up.
     async fn counters_each(
         &self,
         codes: &[String],

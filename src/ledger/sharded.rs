@@ -253,7 +253,16 @@ fn stored_nothing(e: &LedgerError) -> bool {
 /// directory (`first`), or none yet; only the first shard may bring vouchers of its own (a
 /// single ledger before): another's would be in no directory.
 async fn check_place(i: usize, store: &PostgresLedger, first: &str) -> Result<(), LedgerError> {
-    match store.shard_place().await? {
+    placed_right(i, store.shard_place().await?, first)
+}
+
+/// [`check_place`] of what a database says of its place.
+fn placed_right(
+    i: usize,
+    place: (Option<(i32, String)>, bool),
+    first: &str,
+) -> Result<(), LedgerError> {
+    match place {
         (Some((s, of)), _) if (s, of.as_str()) != (i as i32, first) => {
             Err(LedgerError::Invalid(MISPLACED))
         }
@@ -262,15 +271,17 @@ async fn check_place(i: usize, store: &PostgresLedger, first: &str) -> Result<()
     }
 }
 
-/// How often a shard that was down at start is tried again, and how often a try that found it
-/// misplaced is made (and said, at `error`).
+/// How often a shard that was down at start is tried again while it does not answer, and
+/// after any other failure (said at `warn` each time).
 const LATE_AGAIN: Duration = Duration::from_millis(250);
-const LATE_MISPLACED_AGAIN: Duration = Duration::from_secs(10);
+const LATE_FAILED_AGAIN: Duration = Duration::from_secs(10);
 
-/// Opens shard `i`, down when the node started, once its server answers: migrated, checked
-/// at its place and marked, fenced where the node claims its orders (`claims`); until then
-/// every call to it fails as unreachable (its vouchers answer `503`). Ends when the store is
-/// dropped.
+/// Opens shard `i`, down when the node started, once its server answers: checked at its place
+/// (before anything is written there: a database of another cluster, or at another place, is
+/// never migrated by this node), migrated, marked, fenced where the node claims its orders
+/// (`claims`); until then every call to it fails as unreachable (its vouchers answer `503`). A
+/// database refused at its place stays refused (logged; restart with the right list). Ends
+/// when the store is dropped.
 async fn open_late(store: std::sync::Weak<PostgresLedger>, i: usize, first: String, claims: bool) {
     let mut tries: u64 = 0;
     loop {
@@ -283,15 +294,24 @@ async fn open_late(store: std::sync::Weak<PostgresLedger>, i: usize, first: Stri
                 return;
             }
             Err(e @ LedgerError::Invalid(_)) => {
-                tracing::error!(shard = i, error = %e, "a shard that was down at start is refused");
-                LATE_MISPLACED_AGAIN
+                tracing::error!(
+                    shard = i,
+                    error = %e,
+                    "a shard that was down at start is refused: its vouchers answer 503 until \
+                     the node restarts with the right ledger.shards"
+                );
+                return;
             }
-            Err(e) => {
-                // Said every LATE_MISPLACED_AGAIN or so: down, or another failure to look at.
+            Err(e @ (LedgerError::Unreachable { .. } | LedgerError::Deadline)) => {
+                // Down still: said every ten seconds or so.
                 if tries % 40 == 1 {
-                    tracing::warn!(shard = i, error = %e, "a shard that was down at start is not open yet");
+                    tracing::warn!(shard = i, error = %e, "a shard that was down at start is still down");
                 }
                 LATE_AGAIN
+            }
+            Err(e) => {
+                tracing::warn!(shard = i, error = %e, "a shard that was down at start could not be opened");
+                LATE_FAILED_AGAIN
             }
         };
         drop(s);
@@ -307,6 +327,13 @@ fn try_open<'a>(
     claims: bool,
 ) -> ClaimCall<'a, ()> {
     Box::pin(async move {
+        // Its place first, before any migration: a fresh database has no tables yet (42P01),
+        // so no place and no vouchers.
+        match s.shard_place().await {
+            Ok(place) => placed_right(i, place, first)?,
+            Err(LedgerError::Database { code: Some(c), .. }) if c == "42P01" => {}
+            Err(e) => return Err(e),
+        }
         s.migrate_late().await?;
         check_place(i, s, first).await?;
         s.claim_shard(i as i32, first).await?;
@@ -1473,12 +1500,20 @@ impl Ledger for ShardedLedger {
                         answers[pos] = c;
                     }
                 }
-                got => {
-                    let e = got.err().unwrap_or(LedgerError::Inconsistent(SHORT_ANSWER));
-                    tracing::warn!(shard, error = %e, "a recount failed on a shard");
+                // Only a shard that is down leaves its codes for later; any other error (the
+                // database answering, a short answer) fails the recount as a whole.
+                Err(
+                    e @ (LedgerError::Unreachable { .. }
+                    | LedgerError::Deadline
+                    | LedgerError::CircuitOpen
+                    | LedgerError::WorkerGone),
+                ) => {
+                    tracing::warn!(shard, error = %e, "a recount found its shard down");
                     unread.extend(positions);
                     failed.get_or_insert(e);
                 }
+                Err(e) => return Err(e),
+                Ok(_) => return Err(LedgerError::Inconsistent(SHORT_ANSWER)),
             }
         }
         match failed {
