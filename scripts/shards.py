@@ -392,7 +392,8 @@ def run(which):
             fresh_databases()
             env = dict(os.environ, BIN=os.environ.get("VOUCHERS_BIN")
                        or os.path.join(ROOT, "target/release/vouchers"))
-            subprocess.run([os.path.join(ROOT, "scripts/contract.py"), "--start", "3", "--shards",
+            subprocess.run([os.path.join(ROOT, "scripts/contract.py"), "--start", "3", "--fresh",
+                            "--shards",
                             " ".join(url(p) for _, p in CLUSTERS)], env=env, check=True)
         if "cost" in which:
             scenario_cost()
