@@ -101,6 +101,10 @@ impl EngineHandle {
         }
         let now = self.now_ms();
         let codes = self.node.ledger.starting_between(now, now + lead).await?;
+        if !codes.is_empty() {
+            // A give-back (caches shrunk) waits until the sale's first seconds are over.
+            self.node.give_back.hold_for_sale(now + lead);
+        }
         // The codes come from the ledger: no existence read per code.
         let warmed = futures_util::future::join_all(codes.iter().map(|c| self.warm_actor(c))).await;
         for (code, res) in codes.iter().zip(&warmed) {

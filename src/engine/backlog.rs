@@ -278,9 +278,28 @@ pub(crate) struct GiveBackGate {
     writes: AtomicU64,
     /// Give-backs so far (tests and diagnostics).
     runs: AtomicU64,
+    /// A sale starts soon (the pre-heat found one): no give-back before this time, so that the
+    /// caches a give-back shrinks are warm when the sale's first second comes.
+    held_until: std::sync::atomic::AtomicI64,
 }
 
+/// How long after the pre-heat window's end a give-back stays held: the sale's first seconds.
+pub(crate) const HOLD_PAST_START_MS: i64 = 10_000;
+
 impl GiveBackGate {
+    /// A sale starts by `starts_by`: no give-back until [`HOLD_PAST_START_MS`] after it.
+    pub(crate) fn hold_for_sale(&self, starts_by: i64) {
+        self.held_until.fetch_max(
+            starts_by.saturating_add(HOLD_PAST_START_MS),
+            Ordering::Relaxed,
+        );
+    }
+
+    /// Whether a give-back is held at `now` (a sale starts soon, or just started).
+    pub(crate) fn held(&self, now: i64) -> bool {
+        now < self.held_until.load(Ordering::Relaxed)
+    }
+
     /// Memory should go back at the next quiet run.
     pub(crate) fn make_due(&self) {
         self.due.fetch_max(1, Ordering::Relaxed);
@@ -340,6 +359,19 @@ mod tests {
 
     fn taken(t: Taken<'_>) -> Vec<String> {
         t.to_vec()
+    }
+
+    #[test]
+    fn a_give_back_is_held_from_a_sale_found_soon_to_its_first_seconds() {
+        let gate = GiveBackGate::default();
+        assert!(!gate.held(0));
+        gate.hold_for_sale(30_000);
+        assert!(gate.held(29_999));
+        assert!(gate.held(30_000 + HOLD_PAST_START_MS - 1));
+        assert!(!gate.held(30_000 + HOLD_PAST_START_MS));
+        // An earlier sale found later does not shorten the hold.
+        gate.hold_for_sale(1_000);
+        assert!(gate.held(30_000));
     }
 
     #[test]

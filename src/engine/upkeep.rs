@@ -211,7 +211,8 @@ impl EngineHandle {
         }
         // While the node is quiet: a give-back collects on every arbiter at once and waits for
         // the writer's one `PRAGMA shrink_memory`.
-        if self.node.give_back.now(reserves) {
+        // Not while a sale is about to start (or just started): its caches stay warm.
+        if !self.node.give_back.held(self.now_ms()) && self.node.give_back.now(reserves) {
             self.node.give_back_memory().await;
         }
         Ok(units.len())
