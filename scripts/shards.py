@@ -9,8 +9,9 @@ own, three release nodes on them and Redis. Run as root (pg_createcluster, pg_ct
 Scenarios of `run` (traffic to 127.0.0.1 only, each bounded in time):
   down   nine vouchers, three on each shard; wrk on each shard's vouchers (A, B, C: A and C on
          node 1, B on node 2), 8 s; then shard_c's server stops (immediate) and again 8 s:
-         C's answers, A's and B's rates against before; then it starts again and the time
-         from its readiness to C's first 201.
+         C's answers, A's and B's rates against before; a fourth node started meanwhile
+         (ready? A on it 201, C 503); then shard_c starts again: the time from its readiness to
+         C's first 201, on node 1 and on the node that started during the outage.
   kill   three vouchers of 4,000 units, one per shard, sold by wrk on all three nodes; node 3
          is SIGKILLed 2 s in; then the rest is sold on nodes 1 and 2. Prints sold, oversold
          (rows past the total), lost (201s the clients saw beyond the rows) and the books.
@@ -118,7 +119,7 @@ def http(method, base, path, body=None, token=None):
         return e.code, json.loads(e.read() or b"null")
 
 
-def start_nodes(shards, n=3, single=False, extra=None):
+def start_nodes(shards, n=3, single=False, extra=None, name="shards"):
     binary = os.environ.get("VOUCHERS_BIN") or os.path.join(ROOT, "target/release/vouchers")
     bases = []
     for i in range(n):
@@ -127,9 +128,9 @@ def start_nodes(shards, n=3, single=False, extra=None):
             "VOUCHERS__LEDGER__SHARDS": " ".join(shards)}
         env = dict(os.environ, VOUCHERS__HTTP__HOST="127.0.0.1", VOUCHERS__HTTP__PORT=str(port),
                    **ledger, VOUCHERS__ADMIN__TOKEN=TOKEN,
-                   VOUCHERS__REDIS__URL=REDIS, VOUCHERS__NODE__ID=f"shards-{i + 1}",
+                   VOUCHERS__REDIS__URL=REDIS, VOUCHERS__NODE__ID=f"{name}-{i + 1}",
                    VOUCHERS__REDIS__EVENTS_STREAM="", RUST_LOG="error", **(extra or {}))
-        log = open(f"/tmp/shards-node{i + 1}.log", "w")
+        log = open(f"/tmp/{name}-node{i + 1}.log", "w")
         p = subprocess.Popen([binary, "--config", "config/cluster.toml"], cwd=ROOT, env=env,
                              stdout=log, stderr=log)
         procs.append(p)
@@ -209,6 +210,14 @@ def scenario_down(bases):
     # C's refusals once its breaker is open (the phase above includes the first second, when
     # calls still wait out the pool before the breaker opens).
     settled = wrk_result(wrk(n1, "C", "c3", 3, 4))
+    # A fourth node starts while shard_c is down: ready, sells A, answers C 503.
+    t_start = time.time()
+    late = start_nodes([url(p) for _, p in CLUSTERS], n=1, name="shards-late")[0]
+    late_ready_ms = 1000 * (time.time() - t_start)
+    late_a, _ = http("POST", late, "/vouchers/A0/reservations",
+                     {"customerId": 10**13, "orderId": "late-a", "orderAmount": 10000})
+    late_c, _ = http("POST", late, "/vouchers/C0/reservations",
+                     {"customerId": 10**13 + 1, "orderId": "late-c", "orderAmount": 10000})
     sh("pg_ctlcluster", "--skip-systemctl-redirect", VERSION, "shard_c", "start")
     until("shard_c back", 30, lambda: ready(5443))
     t0, n = time.time(), 0
@@ -220,6 +229,16 @@ def scenario_down(bases):
             break
         time.sleep(0.01)
     back_ms = 1000 * (time.time() - t0)
+    t0, n, late_back = time.time(), 0, None
+    while time.time() - t0 < 30:
+        n += 1
+        s, _ = http("POST", late, "/vouchers/C0/reservations",
+                    {"customerId": 10**13 + 10 + n, "orderId": f"late-back-{n}",
+                     "orderAmount": 10000})
+        if s == 201:
+            late_back = 1000 * (time.time() - t0)
+            break
+        time.sleep(0.01)
     print("\n## One shard's PostgreSQL stops mid-sale (A, C on node 1; B on node 2)")
     print("| vouchers | before: 201/s, p99 | shard_c down: 201/s, p99, answers | share of before |")
     print("|---|---|---|---|")
@@ -231,6 +250,9 @@ def scenario_down(bases):
     print(f"\nC after the first 8 s, still down: {settled['rps']:,.0f}/s, p99 "
           f"{settled['p99']:.1f} ms, {settled['statuses']}")
     print(f"shard_c ready again -> C0's first 201: {back_ms:.0f} ms")
+    print(f"a node started while shard_c was down: ready in {late_ready_ms:.0f} ms, A0 {late_a}, "
+          f"C0 {late_c}; C0's first 201 on it after shard_c was back: "
+          f"{'never' if late_back is None else f'{late_back:.0f} ms later'}")
 
 
 def sold_rows(code, port):
