@@ -382,6 +382,18 @@ def check_service():
                     raise Broken(f"{base}{path}: {r.status}")
 
 
+def stop(processes):
+    """SIGTERM to every process still running, then SIGKILL to any not gone within 20 s."""
+    for p in processes:
+        if p.poll() is None:
+            p.terminate()
+    for p in processes:
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -463,11 +475,4 @@ if __name__ == "__main__":
         print(f"contract: BROKEN: {e}", file=sys.stderr)
         sys.exit(1)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(procs)

@@ -36,6 +36,8 @@ import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import contract  # noqa: E402  (its node stopping, shared)
 CLUSTERS = [("shard_a", 5441), ("shard_b", 5442), ("shard_c", 5443)]
 VERSION = os.environ.get("SHARDS_PG") or sorted(os.listdir("/etc/postgresql"), key=float)[-1]
 DB = "vouchers_shards"
@@ -141,14 +143,7 @@ def start_nodes(shards, n=3, single=False, extra=None, name="shards"):
 
 
 def stop_nodes():
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            p.kill()
+    contract.stop(procs)
     procs.clear()
 
 

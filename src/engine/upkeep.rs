@@ -418,7 +418,8 @@ struct Recounted {
 /// Recounts `codes` (at most [`RECOUNT_PAGE`] of them: one read of each table) and records each
 /// verdict (a series of its own only for a voucher `shown` on `/metrics`). The reconciler runs
 /// it for what changed and its audit, and the live numbers the moment a voucher sells out here.
-/// An error only when nothing could be read (with shards, when none of theirs answered).
+/// An error when nothing could be read (with shards: when none of theirs answered, or one
+/// answered with an error of the database's).
 async fn recount(
     ledger: &SharedLedger,
     codes: &[String],
