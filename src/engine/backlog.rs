@@ -255,24 +255,30 @@ impl SellOutRecounts {
     }
 }
 
-/// Requests per run of the live numbers (once a second by default) at or below which the node
-/// counts as quiet, so that memory may go back: the reserves answered on this node for its
-/// vouchers with an actor (from memory included), and the confirms and releases asked of it. A
-/// give-back collects on every arbiter at once (a few milliseconds each) and takes the writer
-/// for one statement, which a trickle of requests can wait for but a sale's burst should not.
-pub(crate) const QUIET_REQUESTS: u64 = 100;
-/// Runs of the live numbers a due give-back waits for a quiet node at most (five minutes at
-/// the default interval): a client asking a hundred times a second, even at a sold-out code,
-/// would otherwise hold it off for ever.
-pub(crate) const GIVE_BACK_MAX_WAIT: u32 = 300;
+/// Requests per second at or below which the node counts as quiet, so that memory may go back:
+/// the reserves answered on this node for its vouchers with an actor (from memory included),
+/// and the confirms and releases asked of it. A give-back collects on every arbiter at once (a
+/// few milliseconds each) and takes the writer for one statement, which a trickle of requests
+/// can wait for but a sale's burst should not. Counted per run of the live numbers, scaled to
+/// its interval (`jobs.live_numbers_interval_ms`): 100 a run at the default second.
+pub(crate) const QUIET_PER_SECOND: u64 = 100;
+/// How long a due give-back waits for a quiet node at most (five minutes; in runs of the live
+/// numbers, scaled to their interval): a client asking a hundred times a second, even at a
+/// sold-out code, would otherwise hold it off for ever.
+pub(crate) const GIVE_BACK_MAX_WAIT_MS: u64 = 300_000;
+/// The default interval of the live numbers, at which [`GiveBackGate::default`] counts.
+const DEFAULT_RUN_MS: u64 = 1_000;
 
 /// Whether the node gives memory back at this run of the live numbers: once one is due (a
 /// flood's actors stopped, or its backlog was recounted), at the first quiet run, and at most
 /// once per run. Only the live numbers ask, one run after the other.
-#[derive(Default)]
 pub(crate) struct GiveBackGate {
     /// The runs a due give-back has waited so far, plus one (0: none is due).
     due: AtomicU32,
+    /// Requests in a run at or below which the node is quiet ([`QUIET_PER_SECOND`] scaled to
+    /// the run's interval), and the runs a due give-back waits at most.
+    quiet_per_run: u64,
+    max_wait_runs: u32,
     /// Confirms and releases asked of this node since the last run: each takes the ledger's
     /// writer like a reserve's commit, but no actor counts it.
     writes: AtomicU64,
@@ -286,7 +292,28 @@ pub(crate) struct GiveBackGate {
 /// How long after the pre-heat window's end a give-back stays held: the sale's first seconds.
 pub(crate) const HOLD_PAST_START_MS: i64 = 10_000;
 
+impl Default for GiveBackGate {
+    fn default() -> Self {
+        Self::for_runs_every(DEFAULT_RUN_MS)
+    }
+}
+
 impl GiveBackGate {
+    /// The gate of a node whose live numbers run every `run_ms`.
+    pub(crate) fn for_runs_every(run_ms: u64) -> Self {
+        let run_ms = run_ms.max(1);
+        Self {
+            due: AtomicU32::new(0),
+            quiet_per_run: (QUIET_PER_SECOND * run_ms / 1000).max(1),
+            max_wait_runs: u32::try_from(GIVE_BACK_MAX_WAIT_MS / run_ms)
+                .unwrap_or(u32::MAX)
+                .max(1),
+            writes: AtomicU64::new(0),
+            runs: AtomicU64::new(0),
+            held_until: std::sync::atomic::AtomicI64::new(0),
+        }
+    }
+
     /// A sale starts by `starts_by`: no give-back until [`HOLD_PAST_START_MS`] after it.
     pub(crate) fn hold_for_sale(&self, starts_by: i64) {
         self.held_until.fetch_max(
@@ -317,7 +344,7 @@ impl GiveBackGate {
         if due == 0 {
             return false;
         }
-        if requests <= QUIET_REQUESTS || due > GIVE_BACK_MAX_WAIT {
+        if requests <= self.quiet_per_run || due > self.max_wait_runs {
             self.due.store(0, Ordering::Relaxed);
             self.runs.fetch_add(1, Ordering::Relaxed);
             true
@@ -359,6 +386,23 @@ mod tests {
 
     fn taken(t: Taken<'_>) -> Vec<String> {
         t.to_vec()
+    }
+
+    /// Quiet is a rate: a node whose live numbers run every 200 ms is quiet at 20 requests a
+    /// run, one that runs every 5 s at 500; the longest wait is five minutes either way.
+    #[test]
+    fn quiet_is_counted_per_second_whatever_the_interval() {
+        for (run_ms, quiet, runs) in [(200, 20, 1500), (5_000, 500, 60)] {
+            let g = GiveBackGate::for_runs_every(run_ms);
+            g.make_due();
+            assert!(!g.now(quiet + 1), "{run_ms}: busy");
+            assert!(g.now(quiet), "{run_ms}: quiet");
+            g.make_due();
+            for _ in 0..runs {
+                assert!(!g.now(u64::MAX), "{run_ms}: still waiting");
+            }
+            assert!(g.now(u64::MAX), "{run_ms}: five minutes waited");
+        }
     }
 
     #[test]
@@ -544,12 +588,12 @@ mod tests {
         assert!(!g.now(0), "none is due");
         g.make_due();
         g.make_due();
-        assert!(!g.now(QUIET_REQUESTS + 1), "busy with reserves");
-        for _ in 0..=QUIET_REQUESTS {
+        assert!(!g.now(QUIET_PER_SECOND + 1), "busy with reserves");
+        for _ in 0..=QUIET_PER_SECOND {
             g.wrote();
         }
         assert!(!g.now(0), "busy with confirms and releases");
-        assert!(g.now(QUIET_REQUESTS), "quiet");
+        assert!(g.now(QUIET_PER_SECOND), "quiet");
         assert!(!g.now(0), "once");
         assert_eq!(g.runs(), 1);
     }
@@ -569,7 +613,7 @@ mod tests {
     fn a_node_that_is_never_quiet_gives_back_after_the_longest_wait() {
         let g = GiveBackGate::default();
         g.make_due();
-        for run in 1..=GIVE_BACK_MAX_WAIT {
+        for run in 1..=(GIVE_BACK_MAX_WAIT_MS / DEFAULT_RUN_MS) as u32 {
             assert!(!g.now(u64::MAX), "run {run}");
         }
         assert!(g.now(u64::MAX));

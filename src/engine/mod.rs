@@ -96,7 +96,7 @@ impl EngineHandle {
             changed: Default::default(),
             pace: Default::default(),
             sell_out_recounts: Default::default(),
-            give_back: Default::default(),
+            give_back: backlog::GiveBackGate::for_runs_every(all.jobs.live_numbers_interval_ms),
             audit: std::sync::Mutex::new(String::new()),
             audit_page: all.jobs.reconcile_audit_page.max(1),
             ledger,
