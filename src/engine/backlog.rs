@@ -284,6 +284,9 @@ pub(crate) struct GiveBackGate {
     writes: AtomicU64,
     /// Give-backs so far (tests and diagnostics).
     runs: AtomicU64,
+    /// The last give-back let go was forced (the node was not quiet after the longest wait):
+    /// it leaves the ledger's caches alone, which the busy node is using.
+    forced: std::sync::atomic::AtomicBool,
     /// A sale starts soon (the pre-heat found one): no give-back before this time, so that the
     /// caches a give-back shrinks are warm when the sale's first second comes.
     held_until: std::sync::atomic::AtomicI64,
@@ -310,6 +313,7 @@ impl GiveBackGate {
                 .max(1),
             writes: AtomicU64::new(0),
             runs: AtomicU64::new(0),
+            forced: std::sync::atomic::AtomicBool::new(false),
             held_until: std::sync::atomic::AtomicI64::new(0),
         }
     }
@@ -345,6 +349,8 @@ impl GiveBackGate {
             return false;
         }
         if requests <= self.quiet_per_run || due > self.max_wait_runs {
+            self.forced
+                .store(requests > self.quiet_per_run, Ordering::Relaxed);
             self.due.store(0, Ordering::Relaxed);
             self.runs.fetch_add(1, Ordering::Relaxed);
             true
@@ -352,6 +358,11 @@ impl GiveBackGate {
             self.due.store(due + 1, Ordering::Relaxed);
             false
         }
+    }
+
+    /// Whether the give-back [`GiveBackGate::now`] last let go was forced on a busy node.
+    pub(crate) fn forced(&self) -> bool {
+        self.forced.load(Ordering::Relaxed)
     }
 
     /// Whether a give-back waits for a quiet run.
@@ -402,6 +413,9 @@ mod tests {
                 assert!(!g.now(u64::MAX), "{run_ms}: still waiting");
             }
             assert!(g.now(u64::MAX), "{run_ms}: five minutes waited");
+            assert!(g.forced(), "{run_ms}: on a busy node");
+            g.make_due();
+            assert!(g.now(0) && !g.forced(), "{run_ms}: quiet, not forced");
         }
     }
 

@@ -215,16 +215,19 @@ impl Node {
 
     /// Has every thread actors ran on, and the ledger's, hand the memory the work left back
     /// to the system ([`crate::memory`]), and the ledger its caches
-    /// ([`crate::ledger::Ledger::give_back_memory`]). glibc's trim, process-wide, comes last,
+    /// ([`crate::ledger::Ledger::give_back_memory`]; not `ledger_too`: a give-back forced on a
+    /// busy node leaves the caches its requests use). glibc's trim, process-wide, comes last,
     /// once: after the ledger freed its caches into glibc's arenas.
-    pub(super) async fn give_back_memory(&self) {
+    pub(super) async fn give_back_memory(&self, ledger_too: bool) {
         {
             let workers = self.workers.read().unwrap_or_else(|e| e.into_inner());
             for arbiter in self.shards.iter().chain(workers.iter().map(|(_, a)| a)) {
                 arbiter.spawn_fn(crate::memory::collect_thread);
             }
         }
-        self.ledger.give_back_memory().await;
+        if ledger_too {
+            self.ledger.give_back_memory().await;
+        }
         crate::memory::give_back();
     }
 

@@ -213,7 +213,10 @@ impl EngineHandle {
         // the writer's one `PRAGMA shrink_memory`.
         // Not while a sale is about to start (or just started): its caches stay warm.
         if !self.node.give_back.held(self.now_ms()) && self.node.give_back.now(reserves) {
-            self.node.give_back_memory().await;
+            // Forced on a busy node (five minutes without a quiet run): the threads' pages
+            // only, not the ledger's caches the busy node reads through.
+            let forced = self.node.give_back.forced();
+            self.node.give_back_memory(!forced).await;
         }
         Ok(units.len())
     }
