@@ -360,6 +360,15 @@ impl GiveBackGate {
         }
     }
 
+    /// [`GiveBackGate::now`] at `now_ms`: while a give-back is held for a sale the node counts
+    /// as busy (so the longest wait still ends it, forced, if sales keep starting).
+    pub(crate) fn at_run(&self, reserves: u64, now_ms: i64) -> bool {
+        match self.held(now_ms) {
+            true => self.now(u64::MAX),
+            false => self.now(reserves),
+        }
+    }
+
     /// Whether the give-back [`GiveBackGate::now`] last let go was forced on a busy node.
     pub(crate) fn forced(&self) -> bool {
         self.forced.load(Ordering::Relaxed)
@@ -430,6 +439,22 @@ mod tests {
         // An earlier sale found later does not shorten the hold.
         gate.hold_for_sale(1_000);
         assert!(gate.held(30_000));
+        // While held, a due give-back waits even on a quiet node, until the longest wait.
+        gate.make_due();
+        assert!(!gate.at_run(0, 30_000));
+        assert!(
+            gate.at_run(0, 30_000 + HOLD_PAST_START_MS),
+            "quiet once the hold is over"
+        );
+        gate.hold_for_sale(i64::MAX / 2);
+        gate.make_due();
+        for _ in 0..GIVE_BACK_MAX_WAIT_MS / DEFAULT_RUN_MS {
+            assert!(!gate.at_run(0, 0));
+        }
+        assert!(
+            gate.at_run(0, 0) && gate.forced(),
+            "sales that keep starting: forced"
+        );
     }
 
     #[test]

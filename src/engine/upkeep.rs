@@ -212,7 +212,7 @@ impl EngineHandle {
         // While the node is quiet: a give-back collects on every arbiter at once and waits for
         // the writer's one `PRAGMA shrink_memory`.
         // Not while a sale is about to start (or just started): its caches stay warm.
-        if !self.node.give_back.held(self.now_ms()) && self.node.give_back.now(reserves) {
+        if self.node.give_back.at_run(reserves, self.now_ms()) {
             // Forced on a busy node (five minutes without a quiet run): the threads' pages
             // only, not the ledger's caches the busy node reads through.
             let forced = self.node.give_back.forced();
