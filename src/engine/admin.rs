@@ -103,7 +103,7 @@ impl EngineHandle {
         let codes = self.node.ledger.starting_between(now, now + lead).await?;
         if !codes.is_empty() {
             // A give-back (caches shrunk) waits until the sale's first seconds are over.
-            self.node.give_back.hold_for_sale(now + lead);
+            self.node.give_back.hold_for_sale(now);
         }
         // The codes come from the ledger: no existence read per code.
         let warmed = futures_util::future::join_all(codes.iter().map(|c| self.warm_actor(c))).await;

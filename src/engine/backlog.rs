@@ -290,9 +290,16 @@ pub(crate) struct GiveBackGate {
     /// A sale starts soon (the pre-heat found one): no give-back before this time, so that the
     /// caches a give-back shrinks are warm when the sale's first second comes.
     held_until: std::sync::atomic::AtomicI64,
+    /// How long a pre-heat's sighting of a coming sale holds give-backs: until its next run,
+    /// and the sale's first seconds after it ([`HOLD_PAST_START_MS`]).
+    hold_ms: i64,
+    /// Since when give-backs are held without a break (0: not held): a forced give-back is
+    /// let go during a hold only once it lasted the longest wait.
+    held_since: std::sync::atomic::AtomicI64,
 }
 
-/// How long after the pre-heat window's end a give-back stays held: the sale's first seconds.
+/// How long a give-back stays held after the last pre-heat run that saw a sale coming (so
+/// past its start by this much at most): the sale's first seconds.
 pub(crate) const HOLD_PAST_START_MS: i64 = 10_000;
 
 impl Default for GiveBackGate {
@@ -307,7 +314,7 @@ impl GiveBackGate {
         let run_ms = run_ms.max(1);
         Self {
             due: AtomicU32::new(0),
-            quiet_per_run: (QUIET_PER_SECOND * run_ms / 1000).max(1),
+            quiet_per_run: (QUIET_PER_SECOND.saturating_mul(run_ms) / 1000).max(1),
             max_wait_runs: u32::try_from(GIVE_BACK_MAX_WAIT_MS / run_ms)
                 .unwrap_or(u32::MAX)
                 .max(1),
@@ -315,15 +322,26 @@ impl GiveBackGate {
             runs: AtomicU64::new(0),
             forced: std::sync::atomic::AtomicBool::new(false),
             held_until: std::sync::atomic::AtomicI64::new(0),
+            hold_ms: DEFAULT_RUN_MS as i64 + HOLD_PAST_START_MS,
+            held_since: std::sync::atomic::AtomicI64::new(0),
         }
     }
 
-    /// A sale starts by `starts_by`: no give-back until [`HOLD_PAST_START_MS`] after it.
-    pub(crate) fn hold_for_sale(&self, starts_by: i64) {
-        self.held_until.fetch_max(
-            starts_by.saturating_add(HOLD_PAST_START_MS),
-            Ordering::Relaxed,
-        );
+    /// The gate of a node whose pre-heat runs every `preheat_ms`.
+    pub(crate) fn holding_past_preheat(mut self, preheat_ms: u64) -> Self {
+        self.hold_ms = i64::try_from(preheat_ms)
+            .unwrap_or(i64::MAX / 4)
+            .min(i64::MAX / 4)
+            + HOLD_PAST_START_MS;
+        self
+    }
+
+    /// The pre-heat found a sale coming at `now`: no give-back until its next run, and
+    /// [`HOLD_PAST_START_MS`] after (a sale keeps being found until it starts, so the hold
+    /// ends that long after the start).
+    pub(crate) fn hold_for_sale(&self, now: i64) {
+        self.held_until
+            .fetch_max(now.saturating_add(self.hold_ms), Ordering::Relaxed);
     }
 
     /// Whether a give-back is held at `now` (a sale starts soon, or just started).
@@ -363,9 +381,28 @@ impl GiveBackGate {
     /// [`GiveBackGate::now`] at `now_ms`: while a give-back is held for a sale the node counts
     /// as busy (so the longest wait still ends it, forced, if sales keep starting).
     pub(crate) fn at_run(&self, reserves: u64, now_ms: i64) -> bool {
-        match self.held(now_ms) {
-            true => self.now(u64::MAX),
-            false => self.now(reserves),
+        if !self.held(now_ms) {
+            self.held_since.store(0, Ordering::Relaxed);
+            return self.now(reserves);
+        }
+        let since = match self.held_since.load(Ordering::Relaxed) {
+            0 => {
+                self.held_since.store(now_ms.max(1), Ordering::Relaxed);
+                now_ms
+            }
+            s => s,
+        };
+        if now_ms.saturating_sub(since) >= GIVE_BACK_MAX_WAIT_MS as i64 {
+            // Held for the whole longest wait (sales that keep coming): forced now.
+            self.now(u64::MAX)
+        } else {
+            // Busy for the wait, but not let go in the middle of a hold.
+            let due = self.due.load(Ordering::Relaxed);
+            if due > 0 {
+                self.due.store(due.saturating_add(1), Ordering::Relaxed);
+            }
+            self.writes.swap(0, Ordering::Relaxed);
+            false
         }
     }
 
@@ -430,31 +467,31 @@ mod tests {
 
     #[test]
     fn a_give_back_is_held_from_a_sale_found_soon_to_its_first_seconds() {
-        let gate = GiveBackGate::default();
+        // The pre-heat runs every 5 s: a sighting holds until the next run and 10 s more.
+        let gate = GiveBackGate::default().holding_past_preheat(5_000);
+        let hold = 5_000 + HOLD_PAST_START_MS;
         assert!(!gate.held(0));
         gate.hold_for_sale(30_000);
         assert!(gate.held(29_999));
-        assert!(gate.held(30_000 + HOLD_PAST_START_MS - 1));
-        assert!(!gate.held(30_000 + HOLD_PAST_START_MS));
-        // An earlier sale found later does not shorten the hold.
+        assert!(gate.held(30_000 + hold - 1));
+        assert!(!gate.held(30_000 + hold));
+        // An earlier sighting does not shorten the hold.
         gate.hold_for_sale(1_000);
         assert!(gate.held(30_000));
-        // While held, a due give-back waits even on a quiet node, until the longest wait.
+        // While held, a due give-back waits even on a quiet node; it goes once the hold ends.
         gate.make_due();
-        assert!(!gate.at_run(0, 30_000));
-        assert!(
-            gate.at_run(0, 30_000 + HOLD_PAST_START_MS),
-            "quiet once the hold is over"
-        );
-        gate.hold_for_sale(i64::MAX / 2);
+        assert!(!gate.at_run(0, 31_000));
+        assert!(gate.at_run(0, 30_000 + hold), "quiet once the hold is over");
+        // Not forced in the middle of a hold however long it waited; forced once a hold has
+        // lasted the whole longest wait (sales that keep coming).
         gate.make_due();
-        for _ in 0..GIVE_BACK_MAX_WAIT_MS / DEFAULT_RUN_MS {
-            assert!(!gate.at_run(0, 0));
+        let wait = GIVE_BACK_MAX_WAIT_MS as i64;
+        for t in (100_000..100_000 + wait).step_by(1_000) {
+            gate.hold_for_sale(t);
+            assert!(!gate.at_run(u64::MAX, t), "{t}");
         }
-        assert!(
-            gate.at_run(0, 0) && gate.forced(),
-            "sales that keep starting: forced"
-        );
+        gate.hold_for_sale(100_000 + wait);
+        assert!(gate.at_run(0, 100_000 + wait) && gate.forced());
     }
 
     #[test]

@@ -96,7 +96,8 @@ impl EngineHandle {
             changed: Default::default(),
             pace: Default::default(),
             sell_out_recounts: Default::default(),
-            give_back: backlog::GiveBackGate::for_runs_every(all.jobs.live_numbers_interval_ms),
+            give_back: backlog::GiveBackGate::for_runs_every(all.jobs.live_numbers_interval_ms)
+                .holding_past_preheat(all.jobs.preheat_interval_ms),
             audit: std::sync::Mutex::new(String::new()),
             audit_page: all.jobs.reconcile_audit_page.max(1),
             ledger,

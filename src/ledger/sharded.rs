@@ -886,15 +886,6 @@ impl ShardedLedger {
         let got = join_all(self.shards.iter().map(call)).await;
         answered_up(what, got.into_iter().enumerate())
     }
-
-    /// `call` on every shard at once; every answer, in shard order, or the first error.
-    async fn each<'a, T, F, Fut>(&'a self, call: F) -> Result<Vec<T>, LedgerError>
-    where
-        F: Fn(&'a SharedLedger) -> Fut,
-        Fut: Future<Output = Result<T, LedgerError>> + 'a,
-    {
-        try_join_all(self.shards.iter().map(call)).await
-    }
 }
 
 /// A shard's lease id as the sharded ledger's (ids past 2^55 would not fit: none is made
@@ -1551,7 +1542,11 @@ impl Ledger for ShardedLedger {
     }
 
     async fn starting_between(&self, from: Millis, to: Millis) -> Result<Vec<String>, LedgerError> {
-        let mut codes = flat(self.each(|l| l.starting_between(from, to)).await?);
+        // The shards that answer: one that is down does not stop every shard's pre-heat.
+        let mut codes = flat(
+            self.each_up("the pre-heat's read", |l| l.starting_between(from, to))
+                .await?,
+        );
         codes.sort();
         Ok(codes)
     }
