@@ -83,8 +83,13 @@ impl World {
             shared.count_short_circuit(now);
             let answer = match answer_from_flag(shared.sold_out_verdict(now, &req), gate) {
                 Some(a) => a,
-                // Its shard down: the frontend answers 503 (the shard's breaker refuses).
-                None if self.shard_down(self.vouchers[v].shard) => Err(EngineError::Unavailable),
+                // Its shard down, or the first one (the claims' directory) with several: the
+                // frontend answers 503 (that breaker refuses).
+                None if self.shard_down(self.vouchers[v].shard)
+                    || (self.shards.len() > 1 && self.shard_down(0)) =>
+                {
+                    Err(EngineError::Unavailable)
+                }
                 None => {
                     let voucher = shared.voucher();
                     let code = &self.vouchers[v].code;

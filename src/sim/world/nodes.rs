@@ -91,9 +91,14 @@ impl World {
         v: usize,
         call: Command<Tag, ()>,
     ) -> Result<(), Finding> {
-        // A shard that is down fails every call to it (drawn first: the draws stay the same).
-        let fail_before =
-            self.fault(Fault::LedgerFail, 2) | self.shard_down(self.vouchers[v].shard);
+        // A shard that is down fails every call to it (drawn first: the draws stay the same);
+        // with several shards a commit claims its orders on the first shard before its own, so
+        // the first one down fails every commit.
+        let claims_down =
+            matches!(call, Command::Commit { .. }) && self.shards.len() > 1 && self.shard_down(0);
+        let fail_before = self.fault(Fault::LedgerFail, 2)
+            | self.shard_down(self.vouchers[v].shard)
+            | claims_down;
         let lose_answer = self.fault(Fault::LedgerLost, 2);
         let mut delay = self.hop();
         if self.shard_slow(v) {
@@ -317,20 +322,24 @@ impl World {
         let up: Vec<usize> = (0..self.shards.len())
             .filter(|s| !self.shard_down(*s))
             .collect();
-        if up.first() == Some(&0) {
-            for &s in &up {
-                let beat = ready(
-                    self.shards[s]
-                        .ledger
-                        .heartbeat(&holder, self.now, DEAD_AFTER_MS),
-                );
-                if let Ok(beat) = beat {
-                    if s == 0 {
-                        self.nodes[n].skew = beat.ledger_ms - self.now;
-                    }
-                    dead.extend(beat.dead);
-                }
+        // Every shard that is up records the beat; the clock and the dead come only with the
+        // first shard's answer (as the sharded ledger's beat fails without it).
+        let mut first = None;
+        for &s in &up {
+            let beat = ready(
+                self.shards[s]
+                    .ledger
+                    .heartbeat(&holder, self.now, DEAD_AFTER_MS),
+            );
+            match (s, beat) {
+                (0, Ok(beat)) => first = Some(beat),
+                (_, Ok(beat)) => dead.extend(beat.dead),
+                _ => {}
             }
+        }
+        if let Some(beat) = first {
+            self.nodes[n].skew = beat.ledger_ms - self.now;
+            dead.extend(beat.dead);
             let now = self.node_now(n);
             for dead in dead {
                 self.note(|| format!("node {n} reaps {dead}"));
@@ -417,6 +426,11 @@ impl World {
         let now = self.node_now(n);
         let name = self.nodes[n].name.clone();
         let Ok(inc) = self.register_node(&name, now) else {
+            // A node cannot start while the first shard is down: tried again once it is back.
+            if self.shard_down(0) {
+                let back = self.shards[0].down_until - self.now + 1;
+                self.at(back, Job::Restart(n));
+            }
             return;
         };
         self.note(|| format!("node {n} restarts as {}", inc.holder));
