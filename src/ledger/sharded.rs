@@ -22,7 +22,7 @@ use super::breaker::Breaker;
 use super::coalesce::{Coalescer, ManyFn};
 use super::postgres::commit::claims_began;
 use super::postgres::directory::{ClaimStart, MISPLACED, NOT_EMPTY};
-use super::postgres::PostgresLedger;
+use super::postgres::{Pending, PostgresLedger};
 use super::{
     Batch, BatchResults, Beat, Counters, Grant, GrantAsk, Incarnation, Lease, Ledger, LedgerError,
     LiveUnits, OpenAsk, Opened, Restock, RowOutcome, SharedLedger,
@@ -185,14 +185,12 @@ fn claims_merged(
     })
 }
 
-type ClaimCall<'a, T> = std::pin::Pin<Box<dyn Future<Output = Result<T, LedgerError>> + Send + 'a>>;
-
 /// `call` through the directory's breaker, done by `until` (the round's deadline: a call that does
 /// not answer in time counts against the breaker as any unreachable one).
 async fn bounded<T>(
     breaker: &Breaker,
     until: tokio::time::Instant,
-    call: ClaimCall<'_, T>,
+    call: Pending<'_, T>,
 ) -> Result<T, LedgerError> {
     breaker
         .call(async move {
@@ -208,7 +206,7 @@ async fn bounded<T>(
 fn claim_statement<'a>(
     directory: &'a PostgresLedger,
     asked: &'a [(&'a str, &'a str, i64)],
-) -> ClaimCall<'a, Vec<String>> {
+) -> Pending<'a, Vec<String>> {
     Box::pin(async move {
         if asked.is_empty() {
             return Ok(Vec::new());
@@ -320,12 +318,7 @@ async fn open_late(store: std::sync::Weak<PostgresLedger>, i: usize, first: Stri
 }
 
 /// One try of [`open_late`] (boxed: the spawned task must be `Send` for every lifetime).
-fn try_open<'a>(
-    s: &'a PostgresLedger,
-    i: usize,
-    first: &'a str,
-    claims: bool,
-) -> ClaimCall<'a, ()> {
+fn try_open<'a>(s: &'a PostgresLedger, i: usize, first: &'a str, claims: bool) -> Pending<'a, ()> {
     Box::pin(async move {
         // Its place first, before any migration: a fresh database has no tables yet (42P01),
         // so no place and no vouchers.

@@ -1560,6 +1560,15 @@ pub async fn fresh_pg_schema(tag: &str) -> Option<String> {
     Some(format!("{base}{sep}options=-c%20search_path%3D{schema}"))
 }
 
+/// `n` fresh schemas, `{tag}0` … (see [`fresh_pg_schema`]); `None` without PostgreSQL.
+pub async fn fresh_pg_schemas(tag: &str, n: usize) -> Option<Vec<String>> {
+    let mut urls = Vec::with_capacity(n);
+    for i in 0..n {
+        urls.push(fresh_pg_schema(&format!("{tag}{i}")).await?);
+    }
+    Some(urls)
+}
+
 #[tokio::test]
 #[cfg_attr(
     no_test_pg,
@@ -1587,13 +1596,9 @@ async fn postgres_ledger_conforms() {
     ignore = "needs TEST_DATABASE_URL (PostgreSQL); .ci/run sets it"
 )]
 async fn sharded_ledger_conforms() {
-    let mut urls = Vec::new();
-    for i in 0..3 {
-        let Some(url) = fresh_pg_schema(&format!("shard{i}")).await else {
-            return;
-        };
-        urls.push(url);
-    }
+    let Some(urls) = fresh_pg_schemas("shard", 3).await else {
+        return;
+    };
     let l = ledger::connect_sharded(&urls, 4, true).await.unwrap();
     AUDIT_URL.scope(Some(urls.clone()), conformance(l)).await;
     // The vouchers were spread: each shard holds some.
@@ -1617,13 +1622,9 @@ async fn sharded_ledger_conforms() {
     ignore = "needs TEST_DATABASE_URL (PostgreSQL); .ci/run sets it"
 )]
 async fn order_claims_keep_an_order_on_one_voucher_across_shards() {
-    let mut urls = Vec::new();
-    for i in 0..2 {
-        let Some(url) = fresh_pg_schema(&format!("claim{i}")).await else {
-            return;
-        };
-        urls.push(url);
-    }
+    let Some(urls) = fresh_pg_schemas("claim", 2).await else {
+        return;
+    };
     let l = ledger::connect_sharded(&urls, 8, true).await.unwrap();
     // Placed by room: X on the first shard, Y on the second.
     l.create_voucher(&voucher("X", 1_000, 1_000), NOW)

@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde_json::Value;
 
 use crate::helpers::{eventually, metric_sum, metrics_text, send, spawn_app_with, TestApp, TOKEN};
-use crate::ledger::fresh_pg_schema;
+use crate::ledger::fresh_pg_schemas;
 use crate::proxy::Proxy;
 
 /// `url`'s `host:port`.
@@ -60,13 +60,9 @@ async fn events(app: &TestApp, after: i64) -> Value {
     ignore = "needs TEST_DATABASE_URL (PostgreSQL); .ci/run sets it"
 )]
 async fn a_sharded_ledger_sells_each_voucher_on_its_shard_and_a_down_shard_stops_only_its_own() {
-    let mut urls = Vec::new();
-    for i in 0..3 {
-        let Some(url) = fresh_pg_schema(&format!("http{i}")).await else {
-            return;
-        };
-        urls.push(url);
-    }
+    let Some(urls) = fresh_pg_schemas("http", 3).await else {
+        return;
+    };
     // The third shard is reached through a link the test can cut, run on a runtime of its own:
     // building the app blocks this test's thread while it connects through the proxy.
     let (_proxy_rt, proxy, via_proxy) = proxied(&urls[2]);
@@ -239,13 +235,9 @@ async fn a_sharded_ledger_sells_each_voucher_on_its_shard_and_a_down_shard_stops
     ignore = "needs TEST_DATABASE_URL (PostgreSQL); .ci/run sets it"
 )]
 async fn order_ids_may_be_kept_per_shard_by_choice() {
-    let mut urls = Vec::new();
-    for i in 0..2 {
-        let Some(url) = fresh_pg_schema(&format!("pershard{i}")).await else {
-            return;
-        };
-        urls.push(url);
-    }
+    let Some(urls) = fresh_pg_schemas("pershard", 2).await else {
+        return;
+    };
     let shards = urls.clone();
     let app = spawn_app_with(|s| {
         s.ledger.shards = shards;
@@ -304,13 +296,9 @@ fn proxied(url: &str) -> (Background, Proxy, String) {
     ignore = "needs TEST_DATABASE_URL (PostgreSQL); .ci/run sets it"
 )]
 async fn a_node_starts_while_a_shard_is_down_and_opens_it_when_it_is_back() {
-    let mut urls = Vec::new();
-    for i in 0..3 {
-        let Some(url) = fresh_pg_schema(&format!("late{i}")).await else {
-            return;
-        };
-        urls.push(url);
-    }
+    let Some(urls) = fresh_pg_schemas("late", 3).await else {
+        return;
+    };
     // A first node, every shard up: three vouchers, one on each shard, one order each.
     let shards = urls.clone();
     let first = spawn_app_with(|s| s.ledger.shards = shards).await;

@@ -28,6 +28,7 @@ pub(crate) mod commit;
 pub(crate) mod directory;
 mod leases;
 mod open;
+pub(crate) use open::Pending;
 mod primary;
 pub mod target;
 

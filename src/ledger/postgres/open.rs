@@ -72,7 +72,8 @@ const REPEATABLE: &[&str] = &[
     include_str!("../../../migrations/postgres/grant.sql"),
 ];
 
-/// A store's call boxed as `Send` (a task that opens a late store spawns it).
+/// A ledger call boxed as `Send` for every lifetime (a task that opens a late store spawns
+/// it; the sharded ledger's claim statements pass the directory's breaker as one).
 pub(crate) type Pending<'a, T> = std::pin::Pin<
     Box<dyn std::future::Future<Output = Result<T, crate::ledger::LedgerError>> + Send + 'a>,
 >;
