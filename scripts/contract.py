@@ -7,7 +7,8 @@ each land on another node than the one before.
   scripts/contract.py --start 3 --shards "url1 url2 url3" [--fresh]   # starts 3 nodes on them
 
 With --start the nodes run `$BIN` (default target/debug/vouchers) with config/cluster.toml and
-Redis at $REDIS_URL (else $TEST_REDIS_URL, else redis://127.0.0.1:6379), on the shards' databases
+Redis at $REDIS_URL (else $TEST_REDIS_URL, else redis://127.0.0.1:6379; a Redis Cluster's seeds
+with VOUCHERS__REDIS__CLUSTER=true, which the nodes inherit), on the shards' databases
 as they are, or with --fresh dropped and created again (they must be on servers this user can
 create databases on). The admin token is $TOKEN, or the one the script gives the nodes it
 starts. Exits non-zero at the first broken rule, saying which.

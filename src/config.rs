@@ -54,8 +54,12 @@ pub struct LimitSettings {
 
 #[derive(Debug, Clone, Deserialize)]
 pub struct RedisSettings {
-    /// Empty: no cluster signals (the embedded default).
+    /// Empty: no cluster signals (the embedded default). With `cluster`, the seed nodes of a
+    /// Redis Cluster separated by spaces.
     pub url: String,
+    /// `url` names a Redis Cluster: the vouchers' own signals go by sharded pub/sub (see
+    /// `signals`), and the feed relay's keys share the stream's slot.
+    pub cluster: bool,
     /// A subscription that hears nothing (not even this node's own keepalive ping) for this
     /// long is taken as dead and reconnected.
     pub keepalive_ms: u64,

@@ -21,12 +21,11 @@
 
 use std::time::Duration;
 
-use redis::aio::MultiplexedConnection;
-
 use crate::domain::FeedEvent;
 use crate::engine::EngineHandle;
 use crate::metrics as m;
 use crate::shutdown::Shutdown;
+use crate::signals::{key_beside, Conn, Target};
 
 /// Events read from the ledger and appended per round trip.
 const PAGE: i64 = 500;
@@ -99,7 +98,7 @@ const TOP: &str = "return top(KEYS[1])";
 /// Where and how the relay writes.
 #[derive(Debug, Clone)]
 pub struct RelaySettings {
-    pub url: String,
+    pub target: Target,
     pub stream: String,
     /// Approximate cap on the stream's length (`XADD MAXLEN ~`).
     pub maxlen: u64,
@@ -113,9 +112,17 @@ pub fn start(
     s: RelaySettings,
     mut shutdown: Shutdown,
 ) -> Result<tokio::task::JoinHandle<()>, redis::RedisError> {
-    let client = redis::Client::open(s.url.as_str())?;
+    let cluster = s.target.is_cluster();
+    let keys =
+        key_beside(&s.stream, "relayer", cluster).zip(key_beside(&s.stream, "origin", cluster));
+    let Some((relayer_key, origin_key)) = keys else {
+        return Err(redis::RedisError::from((
+            redis::ErrorKind::InvalidClientConfig,
+            "on a Redis Cluster redis.events_stream needs a hash tag, e.g. {vouchers}:events",
+        )));
+    };
     Ok(tokio::spawn(async move {
-        let mut conn: Option<MultiplexedConnection> = None;
+        let mut conn: Option<Conn> = None;
         // The ledger's feed origin, read once (it never changes).
         let mut origin: Option<String> = None;
         // The stream is another ledger's (said once until that changes).
@@ -124,7 +131,7 @@ pub fn start(
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         while shutdown.unless(tick.tick()).await.is_some() {
             if conn.is_none() {
-                match crate::signals::connect(&client, TIMEOUT).await {
+                match s.target.connect(TIMEOUT).await {
                     Ok(c) => conn = Some(c),
                     Err(e) => {
                         tracing::debug!(error = %e, "feed relay: redis unreachable");
@@ -133,7 +140,7 @@ pub fn start(
                 }
             }
             let Some(c) = conn.as_mut() else { continue };
-            let res = relay(c, &engine, &s, &mut origin).await;
+            let res = relay(c, &engine, &s, (&relayer_key, &origin_key), &mut origin).await;
             if res.is_ok() {
                 foreign = false;
             }
@@ -179,9 +186,10 @@ enum RelayError {
 /// One round: claims the relayer key, then copies the feed from the stream's last id on, a page
 /// at a time, until it is level. Returns how many events it appended.
 async fn relay(
-    c: &mut MultiplexedConnection,
+    c: &mut Conn,
     engine: &EngineHandle,
     s: &RelaySettings,
+    (relayer_key, origin_key): (&str, &str),
     origin: &mut Option<String>,
 ) -> Result<u64, RelayError> {
     let claim_ms = (s.interval.as_millis() as u64).saturating_mul(5).max(1_000);
@@ -192,8 +200,8 @@ async fn relay(
     let mine: i64 = redis::cmd("EVAL")
         .arg(CLAIM)
         .arg(3)
-        .arg(format!("{}:relayer", s.stream))
-        .arg(format!("{}:origin", s.stream))
+        .arg(relayer_key)
+        .arg(origin_key)
         .arg(&s.stream)
         .arg(&s.node_id)
         .arg(claim_ms)

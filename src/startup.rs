@@ -286,19 +286,24 @@ impl Application {
         let node_id = register_incarnation(&ledger, &settings, &clock).await?;
         let mut signal_tasks = Tasks::new();
         let keepalive = Duration::from_millis(settings.redis.keepalive_ms.max(30));
-        let publisher = if settings.redis.url.is_empty() {
-            Publisher::disabled()
+        let redis = if settings.redis.url.is_empty() {
+            None
         } else {
-            let (p, task) = signals::publisher(
-                &settings.redis.url,
-                &node_id,
-                keepalive,
-                signal_tasks.shutdown(),
+            Some(
+                signals::Target::open(&settings.redis.url, settings.redis.cluster)
+                    .context("redis url")?,
             )
-            .context("redis url")?;
-            signal_tasks.add("signal publisher", task);
-            p
         };
+        let publisher = match &redis {
+            None => Publisher::disabled(),
+            Some(target) => {
+                let (p, task) =
+                    signals::publisher(target, &node_id, keepalive, signal_tasks.shutdown());
+                signal_tasks.add("signal publisher", task);
+                p
+            }
+        };
+        let follows = publisher.follows();
         let engine_settings = EngineSettings {
             // Alone only where the data lock was taken: it keeps a second process off the file.
             sole_node: data_lock.is_some(),
@@ -313,7 +318,7 @@ impl Application {
             publisher,
             &settings,
         );
-        if !settings.redis.url.is_empty() {
+        if let Some(target) = &redis {
             let e = engine.clone();
             let handler: signals::Handler = Arc::new(move |code, signal| e.on_signal(code, signal));
             let e = engine.clone();
@@ -322,24 +327,18 @@ impl Application {
             signal_tasks.add(
                 "signal subscriber",
                 signals::subscribe(
-                    &settings.redis.url,
-                    &node_id,
-                    keepalive,
-                    handler,
-                    on_link,
-                    shutdown,
-                )
-                .context("redis url")?,
+                    target, follows, &node_id, keepalive, handler, on_link, shutdown,
+                ),
             );
         }
-        if !settings.redis.url.is_empty() && !settings.redis.events_stream.is_empty() {
+        if let Some(target) = redis.filter(|_| !settings.redis.events_stream.is_empty()) {
             let shutdown = signal_tasks.shutdown();
             signal_tasks.add(
                 "feed relay",
                 crate::feed::start(
                     engine.clone(),
                     crate::feed::RelaySettings {
-                        url: settings.redis.url.clone(),
+                        target,
                         stream: settings.redis.events_stream.clone(),
                         maxlen: settings.redis.events_stream_maxlen.max(1),
                         interval: Duration::from_millis(settings.redis.events_relay_ms.max(10)),

@@ -179,10 +179,15 @@ impl Node {
 
     /// Removes an actor's registry row when it stops, unless a successor already took it.
     pub(crate) fn forget(&self, code: &str, generation: u64) {
-        if let Some((_, e)) = self
-            .registry
-            .remove_if(code, |_, e| e.generation == generation)
-        {
+        // The follow changes under the registry's lock, in the registry's order: a successor's
+        // `follow(code, true)` cannot come before this one's `false`.
+        if let Some((_, e)) = self.registry.remove_if(code, |_, e| {
+            let gone = e.generation == generation;
+            if gone {
+                self.signals.follow(code, false);
+            }
+            gone
+        }) {
             if e.shared.take_changed() {
                 self.changed(code);
             }
@@ -294,6 +299,8 @@ impl Node {
                     limits.own(spec)
                 })));
                 let (home, on_worker) = self.home(code);
+                // Its signals, on a Redis Cluster, from now on (see `forget` for the order).
+                self.signals.follow(code, true);
                 let (node, c, sh) = (self.clone(), code.to_string(), shared.clone());
                 let addr = VoucherActor::start_in_arbiter(&home, move |_| {
                     VoucherActor::new(c, node, sh, generation)

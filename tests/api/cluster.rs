@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use futures_util::future::join_all;
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
 use serde_json::{json, Value};
 
 use crate::audit::{books, Seen};
@@ -1223,8 +1223,32 @@ async fn switches_reach_every_node_by_signal() {
     let Some((db, redis)) = services("swsig").await else {
         return;
     };
-    let env = [("VOUCHERS__JOBS__SWITCHES_INTERVAL_MS", "3600000")];
-    let cluster = Cluster::start(3, &db, &redis, &env).await;
+    switches_reach_every_node(&db, &redis, false).await;
+}
+
+/// The same on a Redis Cluster, where `SWITCHES` (as `UPDATED` and `WARM`) stays on classic
+/// pub/sub, which the cluster carries to every primary.
+#[actix_web::test]
+#[cfg_attr(
+    any(no_test_pg, no_test_redis_cluster),
+    ignore = "needs TEST_DATABASE_URL and TEST_REDIS_CLUSTER_URL; .ci/run sets them"
+)]
+async fn switches_reach_every_node_by_signal_on_a_redis_cluster() {
+    let Some(db) = fresh_pg_schema("swshard").await else {
+        return;
+    };
+    let Some(seeds) = redis_cluster_url() else {
+        return;
+    };
+    switches_reach_every_node(&db, &seeds, true).await;
+}
+
+async fn switches_reach_every_node(db: &str, redis: &str, redis_cluster: bool) {
+    let mut env = vec![("VOUCHERS__JOBS__SWITCHES_INTERVAL_MS", "3600000")];
+    if redis_cluster {
+        env.push(("VOUCHERS__REDIS__CLUSTER", "true"));
+    }
+    let cluster = Cluster::start(3, db, redis, &env).await;
     let code = code("SWSIG");
     cluster.create(&code, 1000, 1).await;
     let bases = cluster.bases();
@@ -1293,9 +1317,7 @@ async fn switches_reach_every_node_by_signal() {
         all_answer(&cluster.client, &bases, &code, &next, &told, (201, ""))
     })
     .await;
-    books(&db, &code)
-        .await
-        .assert_matches(&code, &told.borrow());
+    books(db, &code).await.assert_matches(&code, &told.borrow());
 }
 
 /// Without Redis the ledger carries the switches: every node reads them within its interval.
@@ -1482,15 +1504,104 @@ async fn sold_out_and_restock_travel_between_nodes_by_signal() {
     let Some((db, redis)) = services("soldsig").await else {
         return;
     };
+    sold_out_and_restock_travel(&db, &redis, None).await;
+}
+
+/// The same on a Redis Cluster: `SOLD_OUT` and `RESTOCK` go by sharded pub/sub (`SPUBLISH`),
+/// to the nodes subscribed to the voucher's channel while they have an actor for it, and the
+/// subscriptions end with the actors.
+#[actix_web::test]
+#[cfg_attr(
+    any(no_test_pg, no_test_redis_cluster),
+    ignore = "needs TEST_DATABASE_URL and TEST_REDIS_CLUSTER_URL; .ci/run sets them"
+)]
+async fn sold_out_and_restock_travel_by_sharded_pub_sub_on_a_redis_cluster() {
+    let Some(db) = fresh_pg_schema("soldshard").await else {
+        return;
+    };
+    let Some(seeds) = redis_cluster_url() else {
+        return;
+    };
+    sold_out_and_restock_travel(&db, &seeds, Some(&seeds)).await;
+}
+
+/// The seed URLs of the test Redis Cluster (`scripts/redis-cluster.sh url`).
+fn redis_cluster_url() -> Option<String> {
+    crate::helpers::service_url("TEST_REDIS_CLUSTER_URL")
+}
+
+/// One connection to each seed of a Redis Cluster (the test cluster's seeds are its primaries).
+async fn primaries(seeds: &str) -> Vec<redis::aio::MultiplexedConnection> {
+    let mut out = Vec::new();
+    for url in seeds.split_whitespace() {
+        let client = redis::Client::open(url).expect("seed url");
+        out.push(
+            client
+                .get_multiplexed_async_connection()
+                .await
+                .expect("connect to a cluster primary"),
+        );
+    }
+    out
+}
+
+/// Nodes subscribed to `code`'s sharded channel, over every primary.
+async fn shard_subscribers(seeds: &str, code: &str) -> i64 {
+    let mut sum = 0;
+    for mut c in primaries(seeds).await {
+        let (_, n): (String, i64) = redis::cmd("PUBSUB")
+            .arg("SHARDNUMSUB")
+            .arg(format!("vouchers:{{{code}}}:signal"))
+            .query_async(&mut c)
+            .await
+            .expect("PUBSUB SHARDNUMSUB");
+        sum += n;
+    }
+    sum
+}
+
+/// `SPUBLISH` and `PUBLISH` calls the primaries served so far, summed.
+async fn publish_calls(seeds: &str) -> (u64, u64) {
+    let (mut sharded, mut classic) = (0, 0);
+    for mut c in primaries(seeds).await {
+        let info: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query_async(&mut c)
+            .await
+            .expect("INFO commandstats");
+        let calls = |name: &str| {
+            info.lines()
+                .find_map(|l| l.strip_prefix(&format!("cmdstat_{name}:calls=")))
+                .and_then(|rest| rest.split(',').next())
+                .map_or(0, |n| n.parse::<u64>().expect("a call count"))
+        };
+        sharded += calls("spublish");
+        classic += calls("publish");
+    }
+    (sharded, classic)
+}
+
+/// Sells a 4-unit voucher out on node 0 while node 1 holds an actor for it, then releases one:
+/// `SOLD_OUT` must raise node 1's flag and `RESTOCK` lower it, by signal alone (probes an hour
+/// apart). With `cluster` (the seeds of a Redis Cluster, also in `redis`), the two go by
+/// `SPUBLISH` to the voucher's subscribers, and node 1's subscription ends with its actor.
+async fn sold_out_and_restock_travel(db: &str, redis: &str, cluster: Option<&str>) {
     // Probes far apart: only the signals can move node 1's flag within the test.
-    let cluster = Cluster::start(
-        2,
-        &db,
-        &redis,
-        &[("VOUCHERS__ENGINE__SOLDOUT_PROBE_MS", "3600000")],
-    )
-    .await;
+    let mut env = vec![("VOUCHERS__ENGINE__SOLDOUT_PROBE_MS", "3600000")];
+    if cluster.is_some() {
+        // Actors stop 10 s after their last request: the subscriptions follow them.
+        env.extend([
+            ("VOUCHERS__REDIS__CLUSTER", "true"),
+            ("VOUCHERS__ENGINE__ACTOR_IDLE_STOP_MS", "10000"),
+        ]);
+    }
+    let cluster_seeds = cluster;
+    let cluster = Cluster::start(2, db, redis, &env).await;
     let code = code("SOLDSIG");
+    let published_before = match cluster_seeds {
+        Some(seeds) => Some(publish_calls(seeds).await),
+        None => None,
+    };
     cluster.create(&code, 4, 1).await;
     let (c, b0, b1) = (cluster.client.clone(), cluster.base(0), cluster.base(1));
     let told = RefCell::new(Seen::default());
@@ -1545,6 +1656,15 @@ async fn sold_out_and_restock_travel_between_nodes_by_signal() {
         }
     })
     .await;
+    if let Some(seeds) = cluster_seeds {
+        // Both nodes have an actor for the voucher now, so both follow its channel.
+        eventually(
+            "both nodes follow the voucher's channel",
+            Duration::from_secs(10),
+            || async { shard_subscribers(seeds, &code).await == 2 },
+        )
+        .await;
+    }
     let before = short_circuits(b1.clone()).await;
     eventually(
         "node 1 answers from its sold-out flag",
@@ -1585,9 +1705,25 @@ async fn sold_out_and_restock_travel_between_nodes_by_signal() {
         },
     )
     .await;
-    let books = books(&db, &code).await;
+    let books = books(db, &code).await;
     books.assert_matches(&code, &told.borrow());
     assert_eq!((books.reserved, books.released), (4, 1), "{books:?}");
+    let (Some(seeds), Some((sharded_before, _))) = (cluster_seeds, published_before) else {
+        return;
+    };
+    // SOLD_OUT and RESTOCK went by SPUBLISH (the classic PUBLISH calls are the keepalive's).
+    let (sharded, _) = publish_calls(seeds).await;
+    assert!(
+        sharded >= sharded_before + 2,
+        "SPUBLISH calls {sharded_before} -> {sharded}"
+    );
+    // Once the actors stop, neither node follows the voucher's channel.
+    eventually(
+        "the subscriptions end with the actors",
+        Duration::from_secs(30),
+        || async { shard_subscribers(seeds, &code).await == 0 },
+    )
+    .await;
 }
 
 #[actix_web::test]
@@ -2524,4 +2660,227 @@ async fn churn_on_three_nodes_through_a_sigkill_ends_on_balanced_books() {
         books.total,
         "{books:?}"
     );
+}
+
+/// A Redis Cluster of a test's own: three primaries on free ports (each with its bus port,
+/// +10000, free too), for a test that stops one of them under the node's feet.
+struct OwnRedisCluster {
+    dir: std::path::PathBuf,
+    ports: Vec<u16>,
+    servers: Vec<Option<std::process::Child>>,
+}
+
+impl OwnRedisCluster {
+    async fn start() -> OwnRedisCluster {
+        let dir = crate::helpers::temp_dir("rcluster");
+        let mut ports = Vec::new();
+        let mut candidate = 20_000 + (std::process::id() % 5_000) as u16;
+        while ports.len() < 3 {
+            candidate += 1;
+            let free = |p: u16| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok();
+            if free(candidate) && free(candidate + 10_000) {
+                ports.push(candidate);
+            }
+        }
+        let mut own = OwnRedisCluster {
+            dir,
+            ports,
+            servers: Vec::new(),
+        };
+        for i in 0..3 {
+            let child = own.spawn(i);
+            own.servers.push(Some(child));
+        }
+        for i in 0..3 {
+            let url = own.url(i);
+            eventually("a cluster server answers", Duration::from_secs(10), || {
+                let url = url.clone();
+                async move { ping(&url).await }
+            })
+            .await;
+        }
+        let hosts: Vec<String> = own.ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+        let made = std::process::Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&hosts)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdout(std::process::Stdio::null())
+            .status()
+            .expect("run redis-cli --cluster create");
+        assert!(made.success(), "redis-cli --cluster create failed");
+        own.wait_ok().await;
+        own
+    }
+
+    fn url(&self, i: usize) -> String {
+        format!("redis://127.0.0.1:{}", self.ports[i])
+    }
+
+    fn seeds(&self) -> String {
+        (0..3).map(|i| self.url(i)).collect::<Vec<_>>().join(" ")
+    }
+
+    /// Starts server `i` (again: its `nodes.conf` keeps its place in the cluster).
+    fn spawn(&self, i: usize) -> std::process::Child {
+        let dir = self.dir.join(self.ports[i].to_string());
+        std::fs::create_dir_all(&dir).expect("a server's directory");
+        std::process::Command::new("redis-server")
+            .args(["--port", &self.ports[i].to_string(), "--bind", "127.0.0.1"])
+            .arg("--dir")
+            .arg(&dir)
+            .args([
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+            ])
+            .args([
+                "--cluster-node-timeout",
+                "2000",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("start redis-server (apt-get install redis-server)")
+    }
+
+    /// SIGKILL of server `i`.
+    fn kill(&mut self, i: usize) {
+        if let Some(mut c) = self.servers[i].take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    async fn restart(&mut self, i: usize) {
+        let child = self.spawn(i);
+        self.servers[i] = Some(child);
+        self.wait_ok().await;
+    }
+
+    /// Every server says `cluster_state:ok`.
+    async fn wait_ok(&self) {
+        for i in 0..3 {
+            let url = self.url(i);
+            eventually("cluster_state:ok", Duration::from_secs(20), || {
+                let url = url.clone();
+                async move {
+                    let Ok(client) = redis::Client::open(url.as_str()) else {
+                        return false;
+                    };
+                    let Ok(mut c) = client.get_multiplexed_async_connection().await else {
+                        return false;
+                    };
+                    let info: redis::RedisResult<String> =
+                        redis::cmd("CLUSTER").arg("INFO").query_async(&mut c).await;
+                    info.is_ok_and(|i| i.contains("cluster_state:ok"))
+                }
+            })
+            .await;
+        }
+    }
+}
+
+impl Drop for OwnRedisCluster {
+    fn drop(&mut self) {
+        for i in 0..self.servers.len() {
+            self.kill(i);
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+async fn ping(url: &str) -> bool {
+    let Ok(client) = redis::Client::open(url) else {
+        return false;
+    };
+    let Ok(mut c) = client.get_multiplexed_async_connection().await else {
+        return false;
+    };
+    let pong: redis::RedisResult<String> = redis::cmd("PING").query_async(&mut c).await;
+    pong.is_ok()
+}
+
+/// A Redis Cluster primary killed: the node's signals link goes down (`vouchers_redis_up` 0:
+/// that primary's vouchers' signals would be lost, so the node re-learns from the ledger) and
+/// stays down while the primary is gone, however the rest of the cluster answers; once it is
+/// back, the node subscribes again and hears signals: a `WARM` published on another node
+/// reaches it.
+#[actix_web::test]
+#[cfg_attr(
+    no_test_redis_cluster,
+    ignore = "needs TEST_REDIS_CLUSTER_URL (redis-server installed); .ci/run sets it"
+)]
+async fn a_redis_cluster_primary_lost_takes_the_signals_link_down_until_it_returns() {
+    if redis_cluster_url().is_none() {
+        return;
+    }
+    let mut rc = OwnRedisCluster::start().await;
+    let seeds = rc.seeds();
+    let env = [
+        ("VOUCHERS__REDIS__URL", seeds.as_str()),
+        ("VOUCHERS__REDIS__CLUSTER", "true"),
+        ("VOUCHERS__REDIS__KEEPALIVE_MS", "600"),
+        ("VOUCHERS__REDIS__EVENTS_STREAM", ""),
+    ];
+    let dir = crate::helpers::temp_dir("rclink");
+    let node = Node::start(&format!("sqlite://{}/l.db", dir.display()), &env).await;
+    let c = client();
+    let redis_up = |base: String| {
+        let c = c.clone();
+        async move {
+            let m = metrics_text(&c, &base).await;
+            m.lines()
+                .any(|l| l.starts_with("vouchers_redis_up"))
+                .then(|| crate::helpers::metric_sum(&m, "vouchers_redis_up", &[]))
+        }
+    };
+    let base = node.base.clone();
+    eventually("subscribed", Duration::from_secs(10), || {
+        redis_up(base.clone()).map(|up| up == Some(1.0))
+    })
+    .await;
+    rc.kill(1);
+    eventually("the lost primary noticed", Duration::from_secs(10), || {
+        redis_up(base.clone()).map(|up| up == Some(0.0))
+    })
+    .await;
+    // Still down a few keepalives later: the rest of the cluster answering is not enough.
+    for _ in 0..5 {
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        assert_eq!(redis_up(base.clone()).await, Some(0.0));
+    }
+    rc.restart(1).await;
+    eventually("subscribed again", Duration::from_secs(20), || {
+        redis_up(base.clone()).map(|up| up == Some(1.0))
+    })
+    .await;
+    // Signals flow again: another node's WARM (classic pub/sub) reaches this one.
+    let dir2 = crate::helpers::temp_dir("rclink2");
+    let other = Node::start(&format!("sqlite://{}/l.db", dir2.display()), &env).await;
+    let received = |base: String| {
+        let c = c.clone();
+        async move {
+            let m = metrics_text(&c, &base).await;
+            crate::helpers::metric_sum(
+                &m,
+                "vouchers_signals_total",
+                &["event=\"received\"", "kind=\"WARM\""],
+            )
+        }
+    };
+    let before = received(base.clone()).await;
+    let body =
+        json!({"code": "RCWARM", "discountAmount": 100, "totalLimit": 10, "perUserLimit": 1});
+    assert_eq!(create_voucher(&c, &other.base, &body).await.0, 201);
+    let warm = format!("{}/admin/vouchers/RCWARM/warm", other.base);
+    let (status, _) = send(&c, "POST", &warm, Some(TOKEN), None).await;
+    assert!(status < 300, "warm: {status}");
+    eventually("WARM heard", Duration::from_secs(10), || {
+        received(base.clone()).map(move |n| n > before)
+    })
+    .await;
 }

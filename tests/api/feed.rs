@@ -129,11 +129,39 @@ async fn the_relay_copies_the_feed_only_to_a_stream_of_its_own_ledger() {
     let Some(redis_url) = crate::helpers::service_url("TEST_REDIS_URL") else {
         return;
     };
+    relay_copies_only_to_its_own_ledgers_stream(&redis_url, false).await;
+}
+
+/// The same on a Redis Cluster: the relay's keys beside the stream (`{stream}:origin`,
+/// `{stream}:relayer`) share its slot, so its scripts run on the stream's primary.
+#[actix_web::test]
+#[cfg_attr(
+    no_test_redis_cluster,
+    ignore = "needs TEST_REDIS_CLUSTER_URL; .ci/run sets it"
+)]
+async fn the_relay_copies_the_feed_to_a_stream_on_a_redis_cluster() {
+    let Some(seeds) = crate::helpers::service_url("TEST_REDIS_CLUSTER_URL") else {
+        return;
+    };
+    relay_copies_only_to_its_own_ledgers_stream(&seeds, true).await;
+}
+
+async fn relay_copies_only_to_its_own_ledgers_stream(redis_url: &str, cluster: bool) {
     let stream = format!("test:events:{}", vouchers::startup::random_hex(4));
-    let client = redis::Client::open(redis_url.as_str()).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    // Where the relay keeps the stream's origin: on a cluster, in the stream's slot.
+    let origin = if cluster {
+        format!("{{{stream}}}:origin")
+    } else {
+        format!("{stream}:origin")
+    };
+    let relayer = origin.replace(":origin", ":relayer");
+    let mut conn = vouchers::signals::Target::open(redis_url, cluster)
+        .unwrap()
+        .connect(std::time::Duration::from_secs(2))
+        .await
+        .unwrap();
     let _: () = redis::cmd("SET")
-        .arg(format!("{stream}:origin"))
+        .arg(&origin)
         .arg("another-ledger")
         .query_async(&mut conn)
         .await
@@ -144,7 +172,11 @@ async fn the_relay_copies_the_feed_only_to_a_stream_of_its_own_ledger() {
     let node = crate::helpers::Node::start(
         &format!("sqlite://{}/ledger.db", dir.display()),
         &[
-            ("VOUCHERS__REDIS__URL", redis_url.as_str()),
+            ("VOUCHERS__REDIS__URL", redis_url),
+            (
+                "VOUCHERS__REDIS__CLUSTER",
+                if cluster { "true" } else { "false" },
+            ),
             ("VOUCHERS__REDIS__EVENTS_STREAM", stream.as_str()),
             ("VOUCHERS__REDIS__EVENTS_RELAY_MS", "20"),
         ],
@@ -182,7 +214,7 @@ async fn the_relay_copies_the_feed_only_to_a_stream_of_its_own_ledger() {
     assert_eq!(len, 0, "nothing was written to another ledger's stream");
     // Cleared by the operator: the relay takes the stream and copies the feed.
     let _: () = redis::cmd("DEL")
-        .arg(format!("{stream}:origin"))
+        .arg(&origin)
         .query_async(&mut conn)
         .await
         .unwrap();
@@ -210,7 +242,22 @@ async fn the_relay_copies_the_feed_only_to_a_stream_of_its_own_ledger() {
     assert!(entries[0]
         .1
         .contains(&("orderId".to_string(), "relay-1".to_string())));
+    let held: Option<String> = redis::cmd("GET")
+        .arg(&origin)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(
+        held.is_some(),
+        "the relay marked the stream as its ledger's"
+    );
     // The relay stops first, or it would take the stream again.
     drop(node);
-    crate::helpers::delete_stream(&mut conn, &stream).await;
+    for key in [&stream, &origin, &relayer] {
+        let _: () = redis::cmd("DEL")
+            .arg(key)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
 }

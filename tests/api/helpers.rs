@@ -548,7 +548,7 @@ pub async fn delete_stream(conn: &mut redis::aio::MultiplexedConnection, stream:
 }
 
 /// How many entries a stream holds (0 when it does not exist).
-pub async fn stream_len(conn: &mut redis::aio::MultiplexedConnection, stream: &str) -> usize {
+pub async fn stream_len(conn: &mut impl redis::aio::ConnectionLike, stream: &str) -> usize {
     redis::cmd("XLEN")
         .arg(stream)
         .query_async(conn)

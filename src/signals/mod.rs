@@ -17,6 +17,16 @@
 //! receives those pings like any signal, reconnects when nothing arrived for a whole keepalive.
 //! A half-open connection (the socket stays, nothing flows) therefore ends within one keepalive,
 //! and `vouchers_redis_up` (owned by the subscriber) says so.
+//!
+//! On a Redis Cluster (`redis.cluster = true`) a voucher's own signals go by sharded pub/sub
+//! to the nodes that follow it (see [`cluster`]); [`link`] says where Redis is for the
+//! publisher and the feed relay.
+
+mod cluster;
+mod link;
+
+pub use cluster::Follows;
+pub use link::{key_beside, Conn, Target};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -51,6 +61,12 @@ impl Signal {
         }
     }
 
+    /// Whether this signal concerns only the nodes selling the voucher (an actor there), and so
+    /// goes by sharded pub/sub on a Redis Cluster; the others reach every node.
+    pub fn sharded(self) -> bool {
+        matches!(self, Self::SoldOut | Self::Restock | Self::Recall)
+    }
+
     pub fn parse(s: &str) -> Option<Self> {
         match s {
             "SOLD_OUT" => Some(Self::SoldOut),
@@ -80,15 +96,55 @@ pub fn code_of(channel: &str) -> Option<&str> {
     channel.strip_prefix("vouchers:{")?.strip_suffix("}:signal")
 }
 
+/// What a message on one of our channels says.
+enum Heard<'a> {
+    /// A node's keepalive ping.
+    Heartbeat,
+    /// Another node's signal about a voucher.
+    Signal(&'a str, Signal),
+    /// Not ours, unreadable, or this node's own.
+    Nothing,
+}
+
+/// Reads a message: its channel and its payload, `KIND NODE_ID`.
+fn hear<'a>(channel_name: &'a str, payload: &str, node_id: &str) -> Heard<'a> {
+    if channel_name == HEARTBEAT {
+        return Heard::Heartbeat;
+    }
+    let mut parts = payload.splitn(2, ' ');
+    let (Some(kind), from) = (parts.next().and_then(Signal::parse), parts.next()) else {
+        return Heard::Nothing;
+    };
+    match code_of(channel_name) {
+        Some(code) if from != Some(node_id) => Heard::Signal(code, kind),
+        _ => Heard::Nothing,
+    }
+}
+
 /// The publishing side, held by the engine. Cheap to clone; a no-op without Redis.
 #[derive(Clone, Default)]
 pub struct Publisher {
     tx: Option<mpsc::Sender<(String, Signal)>>,
+    /// On a Redis Cluster: the vouchers whose sharded channels this node subscribes to.
+    follows: Option<Arc<Follows>>,
 }
 
 impl Publisher {
     pub fn disabled() -> Self {
-        Self { tx: None }
+        Self::default()
+    }
+
+    /// The vouchers to follow, on a Redis Cluster (for the subscriber).
+    pub fn follows(&self) -> Option<Arc<Follows>> {
+        self.follows.clone()
+    }
+
+    /// `code` has an actor on this node now (`true`) or no longer (`false`): on a Redis
+    /// Cluster its sharded channel is subscribed while it has one. A no-op otherwise.
+    pub fn follow(&self, code: &str, on: bool) {
+        if let Some(f) = &self.follows {
+            f.set(code, on);
+        }
     }
 
     /// Whether signals go anywhere (Redis is configured).
@@ -114,31 +170,37 @@ pub type LinkHandler = Arc<dyn Fn(bool) + Send + Sync>;
 
 /// Starts the publisher; the subscriber starts with [`subscribe`] once the handler exists.
 pub fn publisher(
-    url: &str,
+    target: &Target,
     node_id: &str,
     keepalive: Duration,
     shutdown: Shutdown,
-) -> Result<(Publisher, tokio::task::JoinHandle<()>), redis::RedisError> {
-    let client = redis::Client::open(url)?;
+) -> (Publisher, tokio::task::JoinHandle<()>) {
     let (tx, rx) = mpsc::channel(QUEUE);
     let task = tokio::spawn(run_publisher(
-        client,
+        target.clone(),
         node_id.to_string(),
         rx,
         keepalive,
         shutdown,
     ));
-    Ok((Publisher { tx: Some(tx) }, task))
+    let follows = target.is_cluster().then(Arc::default);
+    (
+        Publisher {
+            tx: Some(tx),
+            follows,
+        },
+        task,
+    )
 }
 
 async fn run_publisher(
-    client: redis::Client,
+    target: Target,
     node_id: String,
     mut rx: mpsc::Receiver<(String, Signal)>,
     keepalive: Duration,
     mut shutdown: Shutdown,
 ) {
-    let mut conn: Option<redis::aio::MultiplexedConnection> = None;
+    let mut conn: Option<Conn> = None;
     let mut retry_at = tokio::time::Instant::now();
     let mut ping = tokio::time::interval(keepalive / 3);
     // Shutdown was asked and the queue takes nothing new: what it holds is still sent.
@@ -161,7 +223,7 @@ async fn run_publisher(
             _ = ping.tick(), if !closed => None,
         };
         if conn.is_none() && tokio::time::Instant::now() >= retry_at {
-            match connect(&client, TIMEOUT).await {
+            match target.connect(TIMEOUT).await {
                 Ok(c) => conn = Some(c),
                 Err(e) => {
                     m::redis_up(false);
@@ -177,12 +239,13 @@ async fn run_publisher(
             }
             continue;
         };
-        let (target, payload) = match &next {
+        let (to, payload) = match &next {
             Some((code, signal)) => (channel(code), format!("{} {node_id}", signal.as_str())),
             None => (HEARTBEAT.to_string(), format!("PING {node_id}")),
         };
-        let res: redis::RedisResult<i64> = redis::cmd("PUBLISH")
-            .arg(target)
+        let sharded = target.is_cluster() && next.as_ref().is_some_and(|(_, s)| s.sharded());
+        let res: redis::RedisResult<i64> = redis::cmd(if sharded { "SPUBLISH" } else { "PUBLISH" })
+            .arg(to)
             .arg(payload)
             .query_async(c)
             .await;
@@ -204,32 +267,51 @@ async fn run_publisher(
     }
 }
 
-/// A multiplexed connection whose connect and every command give up after `timeout`.
-pub(crate) async fn connect(
-    client: &redis::Client,
-    timeout: Duration,
-) -> redis::RedisResult<redis::aio::MultiplexedConnection> {
-    let config = redis::AsyncConnectionConfig::new()
-        .set_connection_timeout(timeout)
-        .set_response_timeout(timeout);
-    client
-        .get_multiplexed_async_connection_with_config(&config)
-        .await
-}
-
 /// Subscribes to every voucher's channel and hands other nodes' signals to `handler`,
 /// reconnecting after any failure; `on_link` hears when the subscription is up and when it ends.
+/// On a Redis Cluster the vouchers' own signals come by sharded pub/sub for the vouchers in
+/// the publisher's [`Publisher::follows`] (see [`cluster`]).
 pub fn subscribe(
-    url: &str,
+    target: &Target,
+    follows: Option<Arc<Follows>>,
     node_id: &str,
     keepalive: Duration,
     handler: Handler,
     on_link: LinkHandler,
-    mut shutdown: Shutdown,
-) -> Result<tokio::task::JoinHandle<()>, redis::RedisError> {
-    let client = redis::Client::open(url)?;
+    shutdown: Shutdown,
+) -> tokio::task::JoinHandle<()> {
     let node_id = node_id.to_string();
-    Ok(tokio::spawn(async move {
+    match target {
+        Target::Cluster(seeds) => cluster::subscribe(
+            seeds.clone(),
+            node_id,
+            keepalive,
+            handler,
+            on_link,
+            follows.unwrap_or_default(),
+            shutdown,
+        ),
+        Target::Single(client) => subscribe_single(
+            client.clone(),
+            node_id,
+            keepalive,
+            handler,
+            on_link,
+            shutdown,
+        ),
+    }
+}
+
+/// The subscriber on one Redis server: one pattern subscription for every voucher.
+fn subscribe_single(
+    client: redis::Client,
+    node_id: String,
+    keepalive: Duration,
+    handler: Handler,
+    on_link: LinkHandler,
+    mut shutdown: Shutdown,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
         while !shutdown.asked() {
             match tokio::time::timeout(TIMEOUT, client.get_async_pubsub()).await {
                 Ok(Ok(mut pubsub)) => match pubsub.psubscribe(PATTERN).await {
@@ -249,26 +331,15 @@ pub fn subscribe(
                                     break;
                                 }
                             };
-                            if msg.get_channel_name() == HEARTBEAT {
+                            let payload = msg.get_payload::<String>().unwrap_or_default();
+                            match hear(msg.get_channel_name(), &payload, &node_id) {
                                 // Keeps the gauge fresh (it leaves /metrics when idle).
-                                m::redis_up(true);
-                                continue;
-                            }
-                            let Ok(payload) = msg.get_payload::<String>() else {
-                                continue;
-                            };
-                            let mut parts = payload.splitn(2, ' ');
-                            let (Some(kind), from) =
-                                (parts.next().and_then(Signal::parse), parts.next())
-                            else {
-                                continue;
-                            };
-                            if from == Some(node_id.as_str()) {
-                                continue;
-                            }
-                            if let Some(code) = code_of(msg.get_channel_name()) {
-                                m::signal("received", kind.as_str());
-                                handler(code, kind);
+                                Heard::Heartbeat => m::redis_up(true),
+                                Heard::Signal(code, kind) => {
+                                    m::signal("received", kind.as_str());
+                                    handler(code, kind);
+                                }
+                                Heard::Nothing => {}
                             }
                         }
                         if !shutdown.asked() {
@@ -284,7 +355,7 @@ pub fn subscribe(
             on_link(false);
             shutdown.unless(tokio::time::sleep(BACKOFF)).await;
         }
-    }))
+    })
 }
 
 #[cfg(test)]
@@ -316,13 +387,9 @@ mod tests {
     async fn the_publisher_stops_by_itself_with_signals_queued() {
         for _ in 0..20 {
             let mut tasks = crate::shutdown::Tasks::new();
-            let (publisher, task) = publisher(
-                "redis://127.0.0.1:1",
-                "n",
-                Duration::from_millis(300),
-                tasks.shutdown(),
-            )
-            .unwrap();
+            let target = Target::open("redis://127.0.0.1:1", false).unwrap();
+            let (publisher, task) =
+                publisher(&target, "n", Duration::from_millis(300), tasks.shutdown());
             tasks.add("publisher", task);
             for i in 0..5 {
                 publisher.publish(&format!("V{i}"), Signal::Restock);
