@@ -20,7 +20,8 @@
 //!   simulated nodes against the model ledger, with faults, invariants checked every step.
 //! - [`jobs`]: heartbeat (which reaps dead holders' leases), expiry sweeper, lease reaper,
 //!   reconciler.
-//! - [`signals`]: Redis pub/sub hints between nodes (sold out, restock, recall, updated).
+//! - [`signals`]: Redis pub/sub hints between nodes (sold out, restock, recall, updated), on one
+//!   server or sharded per voucher on a Redis Cluster.
 //! - [`feed`]: the relay that copies the ledger's change feed to a Redis Stream.
 //! - [`shutdown`]: the background tasks' cooperative stop, waited for.
 //! - [`metrics`]: every metric name and the helpers that record them.
