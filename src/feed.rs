@@ -13,7 +13,9 @@
 //!
 //! The stream is tied to the ledger it copies (`<stream>:origin`, the ledger's random feed
 //! origin): a relay of another ledger (a second deployment on the same Redis, a test run)
-//! refuses to touch it, and says so, rather than take that ledger's numbers for its own.
+//! refuses to touch it, and says so, rather than take that ledger's numbers for its own. On a
+//! Redis Cluster the keys beside the stream take its name as their hash tag
+//! (`{<stream>}:origin`, `{<stream>}:relayer`), so that one script can touch all three.
 //!
 //! Not handled: a ledger restored from a backup (or a failover that lost commits) hands out
 //! numbers again that the stream already holds; the relay takes them as copied. Recreate the

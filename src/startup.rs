@@ -294,6 +294,16 @@ impl Application {
                     .context("redis url")?,
             )
         };
+        let stream = &settings.redis.events_stream;
+        if settings.redis.cluster
+            && !stream.is_empty()
+            && signals::key_beside(stream, "origin", true).is_none()
+        {
+            anyhow::bail!(
+                "redis.events_stream {stream:?} holds a '}}' but no hash tag of its own: on a \
+                 Redis Cluster name it with one, e.g. \"{{vouchers}}:events\""
+            );
+        }
         let publisher = match &redis {
             None => Publisher::disabled(),
             Some(target) => {
@@ -328,7 +338,8 @@ impl Application {
                 "signal subscriber",
                 signals::subscribe(
                     target, follows, &node_id, keepalive, handler, on_link, shutdown,
-                ),
+                )
+                .context("redis signals")?,
             );
         }
         if let Some(target) = redis.filter(|_| !settings.redis.events_stream.is_empty()) {

@@ -260,8 +260,17 @@ async fn run_publisher(
                     m::signal("dropped", kind);
                 }
                 tracing::warn!(error = %e, "redis publish failed");
-                conn = None;
-                retry_at = tokio::time::Instant::now() + BACKOFF;
+                // On a cluster a server's refusal (its slots down, a move under way) concerns
+                // that signal's primary only: the others' signals keep the connection.
+                let lost = !target.is_cluster()
+                    || e.is_io_error()
+                    || e.is_timeout()
+                    || e.is_connection_dropped()
+                    || e.is_unrecoverable_error();
+                if lost {
+                    conn = None;
+                    retry_at = tokio::time::Instant::now() + BACKOFF;
+                }
             }
         }
     }
@@ -279,26 +288,30 @@ pub fn subscribe(
     handler: Handler,
     on_link: LinkHandler,
     shutdown: Shutdown,
-) -> tokio::task::JoinHandle<()> {
+) -> Result<tokio::task::JoinHandle<()>, redis::RedisError> {
     let node_id = node_id.to_string();
-    match target {
-        Target::Cluster(seeds) => cluster::subscribe(
+    match (target, follows) {
+        (Target::Cluster(seeds), Some(follows)) => Ok(cluster::subscribe(
             seeds.clone(),
             node_id,
             keepalive,
             handler,
             on_link,
-            follows.unwrap_or_default(),
+            follows,
             shutdown,
-        ),
-        Target::Single(client) => subscribe_single(
+        )),
+        (Target::Cluster(_), None) => Err(redis::RedisError::from((
+            redis::ErrorKind::InvalidClientConfig,
+            "a Redis Cluster subscriber needs the publisher's follows (start the publisher first)",
+        ))),
+        (Target::Single(client), _) => Ok(subscribe_single(
             client.clone(),
             node_id,
             keepalive,
             handler,
             on_link,
             shutdown,
-        ),
+        )),
     }
 }
 

@@ -1519,9 +1519,12 @@ async fn sold_out_and_restock_travel_by_sharded_pub_sub_on_a_redis_cluster() {
     let Some(db) = fresh_pg_schema("soldshard").await else {
         return;
     };
-    let Some(seeds) = redis_cluster_url() else {
+    if redis_cluster_url().is_none() {
         return;
-    };
+    }
+    // A cluster of its own: the SPUBLISH count below is this test's alone.
+    let rc = OwnRedisCluster::start().await;
+    let seeds = rc.seeds();
     sold_out_and_restock_travel(&db, &seeds, Some(&seeds)).await;
 }
 
@@ -2673,8 +2676,13 @@ struct OwnRedisCluster {
 impl OwnRedisCluster {
     async fn start() -> OwnRedisCluster {
         let dir = crate::helpers::temp_dir("rcluster");
+        // Below the ephemeral range (32768 on), bus ports (+10000) included, so that no
+        // outgoing connection takes one between the check and redis-server's bind; each
+        // cluster of this process a block of its own.
+        static NEXT: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(0);
+        let block = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut candidate = 12_000 + (std::process::id() % 200) as u16 * 20 + block * 5;
         let mut ports = Vec::new();
-        let mut candidate = 20_000 + (std::process::id() % 5_000) as u16;
         while ports.len() < 3 {
             candidate += 1;
             let free = |p: u16| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok();
@@ -2724,8 +2732,8 @@ impl OwnRedisCluster {
     fn spawn(&self, i: usize) -> std::process::Child {
         let dir = self.dir.join(self.ports[i].to_string());
         std::fs::create_dir_all(&dir).expect("a server's directory");
-        std::process::Command::new("redis-server")
-            .args(["--port", &self.ports[i].to_string(), "--bind", "127.0.0.1"])
+        let mut cmd = std::process::Command::new("redis-server");
+        cmd.args(["--port", &self.ports[i].to_string(), "--bind", "127.0.0.1"])
             .arg("--dir")
             .arg(&dir)
             .args([
@@ -2742,8 +2750,16 @@ impl OwnRedisCluster {
                 "--appendonly",
                 "no",
             ])
-            .stdout(std::process::Stdio::null())
-            .spawn()
+            .stdout(std::process::Stdio::null());
+        // SAFETY: prctl(PR_SET_PDEATHSIG) takes integers and touches only the child: a test
+        // run killed outright leaves no server behind.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        cmd.spawn()
             .expect("start redis-server (apt-get install redis-server)")
     }
 
@@ -2804,31 +2820,35 @@ async fn ping(url: &str) -> bool {
     pong.is_ok()
 }
 
-/// A Redis Cluster primary killed: the node's signals link goes down (`vouchers_redis_up` 0:
+/// A Redis Cluster primary killed: each node's signals link goes down (`vouchers_redis_up` 0:
 /// that primary's vouchers' signals would be lost, so the node re-learns from the ledger) and
 /// stays down while the primary is gone, however the rest of the cluster answers; once it is
-/// back, the node subscribes again and hears signals: a `WARM` published on another node
-/// reaches it.
+/// back, each node subscribes again to the channels of the vouchers it has actors for, and a
+/// voucher's own signal (`SOLD_OUT`, by `SPUBLISH`) reaches them again.
 #[actix_web::test]
 #[cfg_attr(
-    no_test_redis_cluster,
-    ignore = "needs TEST_REDIS_CLUSTER_URL (redis-server installed); .ci/run sets it"
+    any(no_test_pg, no_test_redis_cluster),
+    ignore = "needs TEST_DATABASE_URL and TEST_REDIS_CLUSTER_URL (redis-server); .ci/run sets them"
 )]
 async fn a_redis_cluster_primary_lost_takes_the_signals_link_down_until_it_returns() {
+    let Some(db) = fresh_pg_schema("rclost").await else {
+        return;
+    };
     if redis_cluster_url().is_none() {
         return;
     }
     let mut rc = OwnRedisCluster::start().await;
     let seeds = rc.seeds();
     let env = [
-        ("VOUCHERS__REDIS__URL", seeds.as_str()),
         ("VOUCHERS__REDIS__CLUSTER", "true"),
         ("VOUCHERS__REDIS__KEEPALIVE_MS", "600"),
-        ("VOUCHERS__REDIS__EVENTS_STREAM", ""),
+        // Only the signal can raise node 1's flag within the test.
+        ("VOUCHERS__ENGINE__SOLDOUT_PROBE_MS", "3600000"),
     ];
-    let dir = crate::helpers::temp_dir("rclink");
-    let node = Node::start(&format!("sqlite://{}/l.db", dir.display()), &env).await;
-    let c = client();
+    let cluster = Cluster::start(2, &db, &seeds, &env).await;
+    let (c, b0, b1) = (cluster.client.clone(), cluster.base(0), cluster.base(1));
+    let code = code("RCLOST");
+    cluster.create(&code, 4, 1).await;
     let redis_up = |base: String| {
         let c = c.clone();
         async move {
@@ -2838,49 +2858,73 @@ async fn a_redis_cluster_primary_lost_takes_the_signals_link_down_until_it_retur
                 .then(|| crate::helpers::metric_sum(&m, "vouchers_redis_up", &[]))
         }
     };
-    let base = node.base.clone();
-    eventually("subscribed", Duration::from_secs(10), || {
-        redis_up(base.clone()).map(|up| up == Some(1.0))
-    })
+    for base in [&b0, &b1] {
+        eventually("subscribed", Duration::from_secs(10), || {
+            redis_up(base.clone()).map(|up| up == Some(1.0))
+        })
+        .await;
+    }
+    // Node 1 has an actor for the voucher, and follows its channel.
+    let first = try_reserve(&c, &b1, &code, 1, "rclost-1").await;
+    assert_eq!(first.as_ref().map(|a| a.0), Some(201), "{first:?}");
+    eventually(
+        "node 1 follows the voucher",
+        Duration::from_secs(10),
+        || shard_subscribers(&seeds, &code).map(|n| n == 1),
+    )
     .await;
     rc.kill(1);
     eventually("the lost primary noticed", Duration::from_secs(10), || {
-        redis_up(base.clone()).map(|up| up == Some(0.0))
+        redis_up(b1.clone()).map(|up| up == Some(0.0))
     })
     .await;
     // Still down a few keepalives later: the rest of the cluster answering is not enough.
     for _ in 0..5 {
         tokio::time::sleep(Duration::from_millis(600)).await;
-        assert_eq!(redis_up(base.clone()).await, Some(0.0));
+        assert_eq!(redis_up(b1.clone()).await, Some(0.0));
     }
     rc.restart(1).await;
-    eventually("subscribed again", Duration::from_secs(20), || {
-        redis_up(base.clone()).map(|up| up == Some(1.0))
-    })
+    for base in [&b0, &b1] {
+        eventually("subscribed again", Duration::from_secs(20), || {
+            redis_up(base.clone()).map(|up| up == Some(1.0))
+        })
+        .await;
+    }
+    // Whichever primary owns the voucher's slot, node 1 follows its channel again.
+    eventually(
+        "node 1 follows the voucher again",
+        Duration::from_secs(10),
+        || shard_subscribers(&seeds, &code).map(|n| n >= 1),
+    )
     .await;
-    // Signals flow again: another node's WARM (classic pub/sub) reaches this one.
-    let dir2 = crate::helpers::temp_dir("rclink2");
-    let other = Node::start(&format!("sqlite://{}/l.db", dir2.display()), &env).await;
-    let received = |base: String| {
-        let c = c.clone();
+    let (spublished, _) = publish_calls(&seeds).await;
+    // Node 0 sells the rest: its SOLD_OUT reaches node 1 by sharded pub/sub.
+    let mut n = 100;
+    let mut sold = 1;
+    while sold < 4 {
+        n += 1;
+        let order = format!("rclost-{n}");
+        match try_reserve(&c, &b0, &code, n, &order).await.map(|a| a.0) {
+            Some(201) => sold += 1,
+            Some(409) | Some(503) | None => {}
+            other => panic!("unexpected answer {other:?}"),
+        }
+        assert!(n < 10_000, "node 0 could not sell the last units");
+    }
+    eventually("node 1 hears SOLD_OUT", Duration::from_secs(10), || {
+        let (c, b1) = (c.clone(), b1.clone());
         async move {
-            let m = metrics_text(&c, &base).await;
+            let m = metrics_text(&c, &b1).await;
             crate::helpers::metric_sum(
                 &m,
                 "vouchers_signals_total",
-                &["event=\"received\"", "kind=\"WARM\""],
-            )
+                &["event=\"received\"", "kind=\"SOLD_OUT\""],
+            ) > 0.0
         }
-    };
-    let before = received(base.clone()).await;
-    let body =
-        json!({"code": "RCWARM", "discountAmount": 100, "totalLimit": 10, "perUserLimit": 1});
-    assert_eq!(create_voucher(&c, &other.base, &body).await.0, 201);
-    let warm = format!("{}/admin/vouchers/RCWARM/warm", other.base);
-    let (status, _) = send(&c, "POST", &warm, Some(TOKEN), None).await;
-    assert!(status < 300, "warm: {status}");
-    eventually("WARM heard", Duration::from_secs(10), || {
-        received(base.clone()).map(move |n| n > before)
     })
     .await;
+    assert!(
+        publish_calls(&seeds).await.0 > spublished,
+        "SOLD_OUT went by SPUBLISH"
+    );
 }
