@@ -126,7 +126,7 @@ impl EngineHandle {
     /// Starts the actor of a voucher known to exist and waits until it holds its first lease.
     async fn warm_actor(&self, code: &str) -> Result<(), EngineError> {
         self.node.known.insert(code);
-        let entry = self.node.entry(code);
+        let entry = self.node.warm_entry(code);
         let (tx, rx) = oneshot::channel();
         entry
             .addr

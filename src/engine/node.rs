@@ -183,7 +183,7 @@ impl Node {
         // `follow(code, true)` cannot come before this one's `false`.
         if let Some((_, e)) = self.registry.remove_if(code, |_, e| {
             let gone = e.generation == generation;
-            if gone {
+            if gone && e.shared.followed() {
                 self.signals.follow(code, false);
             }
             gone
@@ -286,34 +286,53 @@ impl Node {
         }
     }
 
+    /// The registry row of `code`, its actor started if it has none; counts a request towards
+    /// following its signals on a Redis Cluster ([`VoucherShared::follow_now`]).
     pub(super) fn entry(self: &Arc<Self>, code: &str) -> Entry {
+        self.entry_with(code, false)
+    }
+
+    /// [`Node::entry`] for a warm-up: its signals are followed at once.
+    pub(super) fn warm_entry(self: &Arc<Self>, code: &str) -> Entry {
+        self.entry_with(code, true)
+    }
+
+    /// `hot`: follow the voucher's signals now rather than from its second request. The follow
+    /// is asked under the registry's lock on the row (read or write), so it comes before the
+    /// row's removal and its unfollow (see `forget`).
+    fn entry_with(self: &Arc<Self>, code: &str, hot: bool) -> Entry {
+        let follows = self.signals.follows_signals();
         if let Some(e) = self.registry.get(code) {
+            if follows && e.shared.follow_now(hot) {
+                self.signals.follow(code, true);
+            }
             return e.clone();
         }
-        self.registry
-            .entry(code.to_string())
-            .or_insert_with(|| {
-                let generation = self.next_generation.fetch_add(1, Ordering::Relaxed);
-                let limits = self.limits.clone();
-                let shared = Arc::new(VoucherShared::with_limits(Arc::new(move |spec| {
-                    limits.own(spec)
-                })));
-                let (home, on_worker) = self.home(code);
-                // Its signals, on a Redis Cluster, from now on (see `forget` for the order).
-                self.signals.follow(code, true);
-                let (node, c, sh) = (self.clone(), code.to_string(), shared.clone());
-                let addr = VoucherActor::start_in_arbiter(&home, move |_| {
-                    VoucherActor::new(c, node, sh, generation)
-                });
-                Entry {
-                    addr,
-                    shared,
-                    generation,
-                    admission: self.limits.new_admission().map(Arc::new),
-                    on_worker,
-                }
-            })
-            .clone()
+        let row = self.registry.entry(code.to_string()).or_insert_with(|| {
+            let generation = self.next_generation.fetch_add(1, Ordering::Relaxed);
+            let limits = self.limits.clone();
+            let shared = Arc::new(VoucherShared::with_limits(Arc::new(move |spec| {
+                limits.own(spec)
+            })));
+            let (home, on_worker) = self.home(code);
+            // Its first request.
+            shared.follow_now(false);
+            let (node, c, sh) = (self.clone(), code.to_string(), shared.clone());
+            let addr = VoucherActor::start_in_arbiter(&home, move |_| {
+                VoucherActor::new(c, node, sh, generation)
+            });
+            Entry {
+                addr,
+                shared,
+                generation,
+                admission: self.limits.new_admission().map(Arc::new),
+                on_worker,
+            }
+        });
+        if follows && hot && row.shared.follow_now(true) {
+            self.signals.follow(code, true);
+        }
+        row.clone()
     }
 }
 

@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hash};
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, RwLock};
 
 use super::limits::OwnLimits;
@@ -48,7 +48,14 @@ pub struct VoucherShared {
     /// Grants of the actor that found no units (a sold-out voucher's probes among them), for
     /// tests and diagnostics: the node-wide metric counts every voucher's.
     empty_grants: AtomicU64,
+    /// On a Redis Cluster, how far this row is from having its signals followed: requests seen
+    /// (0, 1), then [`FOLLOWED`] from its second request or a warm-up on (see
+    /// [`VoucherShared::follow_now`]).
+    follow: AtomicU8,
 }
+
+/// [`VoucherShared::follow`]: the voucher's sharded channel is (being) subscribed.
+const FOLLOWED: u8 = 2;
 
 /// Makes a voucher's own limiters from the limits its definition sets (`None`: it sets none).
 pub(crate) type LimitsMaker = Arc<dyn Fn(VoucherLimits) -> Option<OwnLimits> + Send + Sync>;
@@ -141,6 +148,27 @@ impl VoucherShared {
             make_limits: MakeLimits(Some(make)),
             ..Self::default()
         }
+    }
+
+    /// Counts a request (or, `hot`, a warm-up) towards following this voucher's signals on a
+    /// Redis Cluster: `true` exactly once, at its second request or first warm-up. A voucher
+    /// asked for once (a long tail's first reserve) is never subscribed: its lease's units go
+    /// back at the idle timeout without a `RECALL`, and a sold-out answer comes from the ledger.
+    pub(crate) fn follow_now(&self, hot: bool) -> bool {
+        if self.follow.load(Ordering::Relaxed) >= FOLLOWED {
+            return false;
+        }
+        let before = if hot {
+            self.follow.swap(FOLLOWED, Ordering::AcqRel)
+        } else {
+            self.follow.fetch_add(1, Ordering::AcqRel)
+        };
+        before == FOLLOWED - 1 || (hot && before < FOLLOWED)
+    }
+
+    /// Whether this voucher's signals are followed (its row unsubscribes when it leaves).
+    pub(crate) fn followed(&self) -> bool {
+        self.follow.load(Ordering::Acquire) >= FOLLOWED
     }
 
     /// The actor changes the voucher's books (see [`VoucherShared::take_changed`]).

@@ -3,9 +3,9 @@
 //! A voucher's own signals (`SOLD_OUT`, `RESTOCK`, `RECALL`: the ones sent during a sale, and
 //! only of use to a node where the voucher has an actor) are published with `SPUBLISH` on the
 //! voucher's channel, which Redis delivers within the primary that owns the channel's slot
-//! only. Each node subscribes (`SSUBSCRIBE`) to the channel of every voucher it has an actor
-//! for, and unsubscribes when the actor stops: the engine reports both through [`Follows`], and
-//! this task keeps the subscriptions in step. So a signal costs one primary's work and reaches
+//! only. Each node subscribes (`SSUBSCRIBE`) to the channel of every voucher its actor served
+//! twice (or that was warmed up), and unsubscribes when that actor stops: the engine reports
+//! both through [`Follows`], and this task keeps the subscriptions in step. So a signal costs one primary's work and reaches
 //! the nodes selling that voucher, not every Redis node and every node of the cluster.
 //!
 //! The rare signals every node needs (`UPDATED`: the catalogue; `WARM`; `SWITCHES`) and the
@@ -23,8 +23,7 @@
 //! push queue overflows. Each such break is reported to the engine (`on_link(false)`) so that
 //! what lost signals would have said is re-learned from the ledger, as on a single server.
 //!
-//! A voucher whose actor just started is subscribed once the batch of (un)subscribes under way
-//! reaches it; a signal published before that is lost to this node, which then learns the same
+//! A voucher just followed is subscribed once the batch of (un)subscribes under way reaches it; a signal published before that is lost to this node, which then learns the same
 //! fact from the ledger (its sold-out probe, lease grants), as with any lost signal.
 
 use std::collections::{HashMap, HashSet};
@@ -48,8 +47,9 @@ const PUSH_QUEUE: usize = 8192;
 /// Subscribe and unsubscribe commands in flight at once.
 const IN_FLIGHT: usize = 64;
 
-/// The vouchers this node follows on a Redis Cluster: the engine says when a voucher's actor
-/// starts and stops, and the subscriber takes the changes.
+/// The vouchers this node follows on a Redis Cluster: the engine says when to follow one (its
+/// actor's second request, a warm-up) and when to stop (that actor stopped), and the subscriber
+/// takes the changes.
 #[derive(Default)]
 pub struct Follows {
     /// Code → followed now or not, since the subscriber last took them (the last word wins).

@@ -139,8 +139,14 @@ impl Publisher {
         self.follows.clone()
     }
 
-    /// `code` has an actor on this node now (`true`) or no longer (`false`): on a Redis
-    /// Cluster its sharded channel is subscribed while it has one. A no-op otherwise.
+    /// Whether [`Publisher::follow`] does anything (a Redis Cluster is configured).
+    pub fn follows_signals(&self) -> bool {
+        self.follows.is_some()
+    }
+
+    /// Follow `code`'s signals now (`true`: its actor here was asked for twice, or warmed) or no
+    /// longer (`false`: that actor stopped): on a Redis Cluster its sharded channel is subscribed
+    /// meanwhile. A no-op otherwise.
     pub fn follow(&self, code: &str, on: bool) {
         if let Some(f) = &self.follows {
             f.set(code, on);

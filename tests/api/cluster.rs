@@ -1618,15 +1618,18 @@ async fn sold_out_and_restock_travel(db: &str, redis: &str, cluster: Option<&str
         };
         status
     };
-    // Node 1 serves the voucher first (its actor exists), then node 0 sells the rest.
-    assert_eq!(
-        record(
-            "n1-first".into(),
-            try_reserve(&c, &b1, &code, 1, "n1-first").await
-        ),
-        Some(201)
-    );
-    let mut sold = 1;
+    // Node 1 serves the voucher first, twice (its actor exists and, on a Redis Cluster, follows
+    // the voucher's channel from its second request on), then node 0 sells the rest.
+    for (customer, order) in [(1, "n1-first"), (2, "n1-second")] {
+        assert_eq!(
+            record(
+                order.into(),
+                try_reserve(&c, &b1, &code, customer, order).await
+            ),
+            Some(201)
+        );
+    }
+    let mut sold = 2;
     let mut n = 100;
     while sold < 4 {
         n += 1;
@@ -1720,6 +1723,34 @@ async fn sold_out_and_restock_travel(db: &str, redis: &str, cluster: Option<&str
         sharded >= sharded_before + 2,
         "SPUBLISH calls {sharded_before} -> {sharded}"
     );
+    // A voucher asked for once (a long tail's first reserve) is not followed; one asked twice
+    // is. Two such barriers in turn: the first voucher's follow, had it been asked, went out in
+    // a batch before the second barrier's.
+    let once = format!("{code}-ONCE");
+    let barriers = [format!("{code}-B1"), format!("{code}-B2")];
+    for v in [&once, &barriers[0], &barriers[1]] {
+        cluster.create(v, 10, 1).await;
+    }
+    let reserve_on_0 = |v: String, customer: i64| {
+        let (c, b0) = (c.clone(), b0.clone());
+        async move {
+            let order = format!("{v}-{customer}");
+            let a = try_reserve(&c, &b0, &v, customer, &order).await;
+            assert_eq!(a.as_ref().map(|a| a.0), Some(201), "{a:?}");
+        }
+    };
+    reserve_on_0(once.clone(), 1).await;
+    for b in &barriers {
+        reserve_on_0(b.clone(), 1).await;
+        reserve_on_0(b.clone(), 2).await;
+        eventually(
+            "a voucher asked twice is followed",
+            Duration::from_secs(10),
+            || async { shard_subscribers(seeds, b).await == 1 },
+        )
+        .await;
+    }
+    assert_eq!(shard_subscribers(seeds, &once).await, 0);
     // Once the actors stop, neither node follows the voucher's channel.
     eventually(
         "the subscriptions end with the actors",
@@ -2864,9 +2895,12 @@ async fn a_redis_cluster_primary_lost_takes_the_signals_link_down_until_it_retur
         })
         .await;
     }
-    // Node 1 has an actor for the voucher, and follows its channel.
-    let first = try_reserve(&c, &b1, &code, 1, "rclost-1").await;
-    assert_eq!(first.as_ref().map(|a| a.0), Some(201), "{first:?}");
+    // Node 1 has an actor for the voucher, asked twice, and follows its channel.
+    for customer in [1, 2] {
+        let order = format!("rclost-{customer}");
+        let a = try_reserve(&c, &b1, &code, customer, &order).await;
+        assert_eq!(a.as_ref().map(|a| a.0), Some(201), "{a:?}");
+    }
     eventually(
         "node 1 follows the voucher",
         Duration::from_secs(10),
@@ -2900,7 +2934,7 @@ async fn a_redis_cluster_primary_lost_takes_the_signals_link_down_until_it_retur
     let (spublished, _) = publish_calls(&seeds).await;
     // Node 0 sells the rest: its SOLD_OUT reaches node 1 by sharded pub/sub.
     let mut n = 100;
-    let mut sold = 1;
+    let mut sold = 2;
     while sold < 4 {
         n += 1;
         let order = format!("rclost-{n}");
