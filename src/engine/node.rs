@@ -308,7 +308,9 @@ impl Node {
             }
             return e.clone();
         }
+        let mut inserted = false;
         let row = self.registry.entry(code.to_string()).or_insert_with(|| {
+            inserted = true;
             let generation = self.next_generation.fetch_add(1, Ordering::Relaxed);
             let limits = self.limits.clone();
             let shared = Arc::new(VoucherShared::with_limits(Arc::new(move |spec| {
@@ -329,7 +331,8 @@ impl Node {
                 on_worker,
             }
         });
-        if follows && hot && row.shared.follow_now(true) {
+        // A warm-up; or a request that lost the race to start the row: its second.
+        if follows && (hot || !inserted) && row.shared.follow_now(hot) {
             self.signals.follow(code, true);
         }
         row.clone()

@@ -409,6 +409,34 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_voucher_is_followed_once_from_its_second_request_or_a_warm_up() {
+        // Its row starts with its first request counted.
+        let v = VoucherShared::default();
+        assert!(!v.follow_now(false));
+        assert!(!v.followed());
+        assert!(v.follow_now(false), "the second request");
+        assert!(v.followed());
+        assert!(!v.follow_now(false) && !v.follow_now(true), "once only");
+        let w = VoucherShared::default();
+        assert!(!w.follow_now(false));
+        assert!(w.follow_now(true), "a warm-up after one request");
+        assert!(!w.follow_now(false));
+        let x = VoucherShared::default();
+        assert!(x.follow_now(true), "a warm-up first");
+        assert!(!x.follow_now(false) && !x.follow_now(false));
+        // Many requests at once: exactly one of them asks.
+        let y = Arc::new(VoucherShared::default());
+        let asked: usize = (0..8)
+            .map(|_| {
+                let y = y.clone();
+                std::thread::spawn(move || (0..100).filter(|_| y.follow_now(false)).count())
+            })
+            .map(|t| t.join().unwrap())
+            .sum();
+        assert_eq!(asked, 1);
+    }
+
+    #[test]
     fn flag_holds_the_winners_and_restock_clears_it() {
         let s = VoucherShared::default();
         let epoch = s.restock_epoch();

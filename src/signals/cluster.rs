@@ -14,14 +14,14 @@
 //!
 //! The redis crate's cluster client (RESP3, one connection per Redis node) carries the
 //! subscriptions. The link counts as down, and is rebuilt on a new client with every followed
-//! voucher subscribed again, when: the slot map or the `CLIENT ID` of our connection to any
-//! primary differs from what it was at link-up, or a primary does not answer (`Topology`, read
-//! before the link is declared up and each third of the keepalive: a primary gone, a failover
-//! or resharding, or the library replacing a connection by itself, which loses that
-//! connection's subscriptions); nothing arrived for a whole keepalive; a subscribe fails; Redis
-//! drops a followed channel by itself (a `SUNSUBSCRIBE` none of ours accounts for); or the
-//! push queue overflows. Each such break is reported to the engine (`on_link(false)`) so that
-//! what lost signals would have said is re-learned from the ledger, as on a single server.
+//! voucher subscribed again, when a reading of the cluster ([`Topology`], before the link is
+//! declared up and each third of the keepalive) differs from the link-up's: the slot map, our
+//! connection to each primary, our pattern, or (no batch under way) the number of sharded
+//! channels held against the vouchers followed; or when a subscribe fails, Redis drops a
+//! followed channel by itself (a `SUNSUBSCRIBE` none of ours accounts for), the push queue
+//! overflows, or nothing (reading, message, keepalive ping) arrived for a whole keepalive. Each
+//! such break is reported to the engine (`on_link(false)`) so that what lost signals would have
+//! said is re-learned from the ledger, as on a single server.
 //!
 //! A voucher just followed is subscribed once the batch of (un)subscribes under way reaches it; a signal published before that is lost to this node, which then learns the same
 //! fact from the ledger (its sold-out probe, lease grants), as with any lost signal.
@@ -46,6 +46,8 @@ use crate::shutdown::Shutdown;
 const PUSH_QUEUE: usize = 8192;
 /// Subscribe and unsubscribe commands in flight at once.
 const IN_FLIGHT: usize = 64;
+/// The longest wait between two links that failed fast.
+const MAX_BACKOFF: Duration = Duration::from_secs(4);
 
 /// The vouchers this node follows on a Redis Cluster: the engine says when to follow one (its
 /// actor's second request, a warm-up) and when to stop (that actor stopped), and the subscriber
@@ -91,7 +93,11 @@ pub(super) fn subscribe(
     tokio::spawn(async move {
         // Every voucher followed now: subscribed again on each new link.
         let mut wanted: HashSet<String> = HashSet::new();
+        // Doubles while links fail fast (a resharding under way, a primary gone), so that the
+        // nodes do not resubscribe everything twice a second meanwhile.
+        let mut backoff = BACKOFF;
         while !shutdown.asked() {
+            let began = tokio::time::Instant::now();
             let ended = run_link(
                 &seeds,
                 &node_id,
@@ -111,12 +117,17 @@ pub(super) fn subscribe(
                     tracing::warn!(reason = %why, "redis cluster signals link down; reconnecting");
                 }
             }
+            backoff = if began.elapsed() > MAX_BACKOFF * 4 {
+                BACKOFF
+            } else {
+                (backoff * 2).min(MAX_BACKOFF)
+            };
             // The engine's changes still count while the link is down: only the set is kept.
-            let backoff = tokio::time::sleep(BACKOFF);
-            tokio::pin!(backoff);
+            let wait = tokio::time::sleep(backoff);
+            tokio::pin!(wait);
             loop {
                 tokio::select! {
-                    _ = &mut backoff => break,
+                    _ = &mut wait => break,
                     _ = follows.wake.notified() => {
                         apply(&mut wanted, follows.take());
                     }
@@ -212,15 +223,18 @@ async fn run_link(
         conn.psubscribe(PATTERN)
             .await
             .map_err(|e| format!("psubscribe: {e}"))?;
+        // Up only once every primary answers (a cluster with one gone would drop its slots'
+        // signals) and holds what was asked, unchanged by the subscribing: what it says now is
+        // what later rounds must find.
+        let before = Topology::read(&conn, None).await?;
         apply(wanted, follows.take());
         let all: Vec<(String, bool)> = wanted.iter().map(|c| (c.clone(), true)).collect();
         send_changes(conn.clone(), all, unsubscribing.clone()).await?;
-        // Up only once every primary answers: a cluster with one gone would drop its slots'
-        // signals. What it answers now is what later rounds must find unchanged.
-        let seen = Topology::read(&mut conn).await?;
+        let seen = Topology::read(&conn, Some(&before)).await?;
+        seen.judge(&before, Some(wanted.len()))?;
         Ok::<_, String>((conn, seen))
     };
-    let (mut conn, seen) = match shutdown.unless(up).await {
+    let (conn, seen) = match shutdown.unless(up).await {
         None => return Ended::Shutdown,
         Some(Err(e)) => return Ended::Broken(e),
         Some(Ok(up)) => up,
@@ -245,6 +259,16 @@ async fn run_link(
         tokio::select! {
             biased;
             _ = shutdown.recv() => return Ended::Shutdown,
+            _ = ping.tick() => {
+                let settled = sending.is_none().then_some(wanted.len());
+                let round = async { Topology::read(&conn, Some(&seen)).await?.judge(&seen, settled) };
+                match shutdown.unless(round).await {
+                    None => return Ended::Shutdown,
+                    // Every primary's connection answered: as good as a heartbeat.
+                    Some(Ok(())) => heard_at = tokio::time::Instant::now(),
+                    Some(Err(e)) => return Ended::Broken(e),
+                }
+            }
             push = rx.recv() => {
                 let Some(push) = push else {
                     return Ended::Broken("the push queue closed".into());
@@ -276,60 +300,130 @@ async fn run_link(
                     sending = Some(Box::pin(send_changes(conn.clone(), changes, unsubscribing.clone())));
                 }
             }
-            _ = ping.tick() => {
-                match Topology::read(&mut conn).await {
-                    // Every primary's connection answered: as good as a heartbeat.
-                    Ok(now) if now == seen => heard_at = tokio::time::Instant::now(),
-                    Ok(_) => return Ended::Broken("the slot map or a primary's connection changed".into()),
-                    Err(e) => return Ended::Broken(e),
-                }
-            }
             _ = quiet => return Ended::Broken("no traffic from redis within the keepalive".into()),
         }
     }
 }
 
-/// Which primary serves which slots, and the id Redis gave this client's connection to each.
-/// Read at link-up and every third of the keepalive: any change (a primary gone, a failover or
-/// resharding moved slots, the library replaced a connection by itself, which loses that
-/// connection's subscriptions) rebuilds the link.
-#[derive(Debug, PartialEq, Eq)]
+/// Which primary serves which slots, and what our connection to each is and holds. Read at
+/// link-up and every third of the keepalive, and judged against what it was at link-up
+/// ([`Topology::judge`]): a primary gone, a failover or resharding that moved slots, the library
+/// replacing a connection by itself (which loses that connection's subscriptions: its own
+/// resubscribe sends every channel in one command, which a cluster refuses across slots), or a
+/// subscription missing for any other reason rebuilds the link.
+#[derive(Debug)]
 struct Topology {
-    /// `(first slot, last slot, host, port)`, in the order `CLUSTER SLOTS` gives them, sorted.
+    /// `(first slot, last slot, host, port)`, sorted.
     ranges: Vec<(i64, i64, String, u16)>,
-    /// `CLIENT ID` of our connection to each primary, by address.
+    /// Per primary, by address: our connection's id there (`CLIENT INFO`).
     clients: Vec<((String, u16), i64)>,
+    /// Sharded channels our connections hold, summed over the primaries.
+    ssub: i64,
+    /// Patterns our connections hold, summed over the primaries (ours: one).
+    psub: i64,
 }
 
 impl Topology {
-    async fn read(conn: &mut ClusterConnection) -> Result<Self, String> {
-        let slots: Value = redis::cmd("CLUSTER")
-            .arg("SLOTS")
-            .query_async(conn)
-            .await
-            .map_err(|e| format!("cluster slots: {e}"))?;
+    /// `CLUSTER SLOTS` from the first primary of `from` (one node's view each round, not a
+    /// random node's), or from any node, then `CLIENT INFO` from every primary at once.
+    async fn read(conn: &ClusterConnection, from: Option<&Topology>) -> Result<Self, String> {
+        let mut c = conn.clone();
+        let ask = from
+            .and_then(|t| t.clients.first())
+            .map(|((host, port), _)| {
+                RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+                    host: host.clone(),
+                    port: *port,
+                })
+            });
+        let cmd = redis::cmd("CLUSTER").arg("SLOTS").clone();
+        let slots = match ask {
+            Some(to) => c.route_command(&cmd, to).await,
+            None => cmd.query_async(&mut c).await,
+        }
+        .map_err(|e| format!("cluster slots: {e}"))?;
         let ranges = ranges_of(&slots)?;
         let mut primaries: Vec<(String, u16)> =
             ranges.iter().map(|(_, _, h, p)| (h.clone(), *p)).collect();
         primaries.sort();
         primaries.dedup();
-        let mut clients = Vec::with_capacity(primaries.len());
-        for (host, port) in primaries {
-            let to = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
-                host: host.clone(),
-                port,
-            });
-            let id = conn
-                .route_command(redis::cmd("CLIENT").arg("ID"), to)
-                .await
-                .map_err(|e| format!("client id at {host}:{port}: {e}"))?;
-            let Value::Int(id) = id else {
-                return Err(format!("client id at {host}:{port}: {id:?}"));
-            };
-            clients.push(((host, port), id));
+        let infos = futures_util::future::join_all(primaries.into_iter().map(|(host, port)| {
+            let mut c = conn.clone();
+            async move {
+                let to = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+                    host: host.clone(),
+                    port,
+                });
+                let info = c
+                    .route_command(redis::cmd("CLIENT").arg("INFO"), to)
+                    .await
+                    .map_err(|e| format!("client info at {host}:{port}: {e}"))?;
+                let fields = text(&info)
+                    .map(|t| client_fields(&t))
+                    .ok_or_else(|| format!("client info at {host}:{port}: {info:?}"))?;
+                Ok::<_, String>(((host, port), fields))
+            }
+        }))
+        .await;
+        let (mut clients, mut ssub, mut psub) = (Vec::new(), 0, 0);
+        for info in infos {
+            let (at, fields) = info?;
+            clients.push((at, fields.id));
+            ssub += fields.ssub;
+            psub += fields.psub;
         }
-        Ok(Self { ranges, clients })
+        Ok(Self {
+            ranges,
+            clients,
+            ssub,
+            psub,
+        })
     }
+
+    /// Whether this reading still matches `seen` (the link-up's): the same slot map, the same
+    /// connections, our one pattern, and with `followed` (no batch under way) exactly that many
+    /// sharded channels.
+    fn judge(&self, seen: &Topology, followed: Option<usize>) -> Result<(), String> {
+        if self.ranges != seen.ranges {
+            return Err("the cluster's slot map changed".into());
+        }
+        if self.clients != seen.clients {
+            return Err("a primary's connection was replaced".into());
+        }
+        if self.psub != 1 {
+            return Err(format!("{} pattern subscriptions held, 1 asked", self.psub));
+        }
+        match followed {
+            Some(n) if self.ssub != n as i64 => Err(format!(
+                "{} sharded subscriptions held, {n} vouchers followed",
+                self.ssub
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// What `CLIENT INFO` says of a connection that matters here.
+#[derive(Debug, Default, PartialEq)]
+struct ClientFields {
+    id: i64,
+    ssub: i64,
+    psub: i64,
+}
+
+/// Reads `id=…`, `psub=…` and `ssub=…` from a `CLIENT INFO` line (Redis 7: `ssub`).
+fn client_fields(line: &str) -> ClientFields {
+    let mut f = ClientFields::default();
+    for (key, value) in line.split_whitespace().filter_map(|kv| kv.split_once('=')) {
+        let n = value.parse().unwrap_or(0);
+        match key {
+            "id" => f.id = n,
+            "psub" => f.psub = n,
+            "ssub" => f.ssub = n,
+            _ => {}
+        }
+    }
+    f
 }
 
 /// The slot ranges of a `CLUSTER SLOTS` answer with their primaries (each range: start, end,
@@ -375,6 +469,7 @@ fn text(v: &Value) -> Option<String> {
     match v {
         Value::BulkString(b) => std::str::from_utf8(b).ok().map(str::to_string),
         Value::SimpleString(s) => Some(s.clone()),
+        Value::VerbatimString { text, .. } => Some(text.clone()),
         _ => None,
     }
 }
@@ -510,6 +605,38 @@ mod tests {
         }
         assert!(ranges_of(&Value::Array(vec![])).is_err());
         assert!(ranges_of(&Value::Nil).is_err());
+    }
+
+    #[test]
+    fn a_reading_must_match_the_link_ups() {
+        let top = |port: u16, id: i64, ssub: i64, psub: i64| Topology {
+            ranges: vec![(0, 16383, "127.0.0.1".to_string(), port)],
+            clients: vec![(("127.0.0.1".to_string(), port), id)],
+            ssub,
+            psub,
+        };
+        let seen = top(7101, 5, 3, 1);
+        assert!(top(7101, 5, 3, 1).judge(&seen, Some(3)).is_ok());
+        // A batch under way: the count is not judged.
+        assert!(top(7101, 5, 1, 1).judge(&seen, None).is_ok());
+        assert!(top(7101, 5, 1, 1).judge(&seen, Some(3)).is_err());
+        assert!(
+            top(7101, 6, 3, 1).judge(&seen, Some(3)).is_err(),
+            "replaced"
+        );
+        assert!(top(7102, 5, 3, 1).judge(&seen, Some(3)).is_err(), "moved");
+        assert!(
+            top(7101, 5, 3, 0).judge(&seen, Some(3)).is_err(),
+            "no pattern"
+        );
+        assert_eq!(
+            client_fields("id=42 addr=127.0.0.1:5 name= db=0 sub=0 psub=1 ssub=7 multi=-1"),
+            ClientFields {
+                id: 42,
+                ssub: 7,
+                psub: 1
+            }
+        );
     }
 
     #[test]

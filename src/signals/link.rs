@@ -63,14 +63,18 @@ impl Target {
     }
 }
 
-/// A cluster client's settings: short timeouts and one retry, so that a command to a primary
-/// that is gone fails within about two `timeout`s instead of queueing behind the client's
-/// default sixteen retries (signals are hints; the caller drops or retries them itself).
+/// A cluster client's settings: short timeouts and one quick retry, so that a command to a
+/// primary that is gone, or that a cluster refuses for now (`CLUSTERDOWN`, `TRYAGAIN`), fails
+/// within about one `timeout` with the server's own error, instead of queueing behind the
+/// client's default sixteen retries at 1.28 s and more each (signals are hints; the caller drops
+/// or retries them itself).
 pub(super) fn cluster_builder(seeds: &[String], timeout: Duration) -> ClusterClientBuilder {
     ClusterClient::builder(seeds.to_vec())
         .connection_timeout(timeout)
         .response_timeout(timeout)
         .retries(1)
+        .min_retry_wait(20)
+        .max_retry_wait(100)
 }
 
 /// Connects to a cluster within `timeout` (the client's own connect walks every seed).

@@ -1629,6 +1629,15 @@ async fn sold_out_and_restock_travel(db: &str, redis: &str, cluster: Option<&str
             Some(201)
         );
     }
+    if let Some(seeds) = cluster_seeds {
+        // Node 1 follows the voucher's channel before node 0 sells it out.
+        eventually(
+            "node 1 follows the voucher's channel",
+            Duration::from_secs(10),
+            || async { shard_subscribers(seeds, &code).await == 1 },
+        )
+        .await;
+    }
     let mut sold = 2;
     let mut n = 100;
     while sold < 4 {
@@ -2712,15 +2721,18 @@ impl OwnRedisCluster {
         // cluster of this process a block of its own.
         static NEXT: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(0);
         let block = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let mut candidate = 12_000 + (std::process::id() % 200) as u16 * 20 + block * 5;
-        let mut ports = Vec::new();
-        while ports.len() < 3 {
-            candidate += 1;
-            let free = |p: u16| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok();
-            if free(candidate) && free(candidate + 10_000) {
-                ports.push(candidate);
-            }
-        }
+        let first = 12_000 + ((std::process::id() as u16 % 50) * 4 + block % 4) * 20;
+        let free = |p: u16| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok();
+        let ports: Vec<u16> = (first..first + 20)
+            .filter(|p| free(*p) && free(p + 10_000))
+            .take(3)
+            .collect();
+        assert_eq!(
+            ports.len(),
+            3,
+            "no three free ports in {first}..{}",
+            first + 20
+        );
         let mut own = OwnRedisCluster {
             dir,
             ports,
@@ -2901,12 +2913,50 @@ async fn a_redis_cluster_primary_lost_takes_the_signals_link_down_until_it_retur
         let a = try_reserve(&c, &b1, &code, customer, &order).await;
         assert_eq!(a.as_ref().map(|a| a.0), Some(201), "{a:?}");
     }
-    eventually(
-        "node 1 follows the voucher",
-        Duration::from_secs(10),
-        || shard_subscribers(&seeds, &code).map(|n| n == 1),
-    )
-    .await;
+    // And a second voucher (its channel most likely in another slot).
+    let code2 = format!("{code}-2");
+    cluster.create(&code2, 4, 1).await;
+    for customer in [1, 2] {
+        let order = format!("rclost2-{customer}");
+        let a = try_reserve(&c, &b1, &code2, customer, &order).await;
+        assert_eq!(a.as_ref().map(|a| a.0), Some(201), "{a:?}");
+    }
+    for v in [&code, &code2] {
+        eventually(
+            "node 1 follows the voucher",
+            Duration::from_secs(10),
+            || shard_subscribers(&seeds, v).map(|n| n == 1),
+        )
+        .await;
+    }
+    // Redis closes the connections that hold the subscriptions: the client library would
+    // reconnect and resubscribe both channels in one command, which a cluster refuses across
+    // slots; the node notices and subscribes them again.
+    for mut p in primaries(&seeds).await {
+        let list: String = redis::cmd("CLIENT")
+            .arg("LIST")
+            .query_async(&mut p)
+            .await
+            .unwrap();
+        for line in list.lines().filter(|l| !l.contains(" ssub=0 ")) {
+            if let Some(id) = line.strip_prefix("id=").and_then(|r| r.split(' ').next()) {
+                let _: redis::RedisResult<i64> = redis::cmd("CLIENT")
+                    .arg("KILL")
+                    .arg("ID")
+                    .arg(id)
+                    .query_async(&mut p)
+                    .await;
+            }
+        }
+    }
+    for v in [&code, &code2] {
+        eventually(
+            "subscribed again after the kill",
+            Duration::from_secs(20),
+            || shard_subscribers(&seeds, v).map(|n| n == 1),
+        )
+        .await;
+    }
     rc.kill(1);
     eventually("the lost primary noticed", Duration::from_secs(10), || {
         redis_up(b1.clone()).map(|up| up == Some(0.0))
