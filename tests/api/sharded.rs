@@ -365,3 +365,48 @@ async fn a_node_starts_while_a_shard_is_down_and_opens_it_when_it_is_back() {
             .assert_balanced(c);
     }
 }
+
+/// A burst of creates spreads over every shard, however unequal their vouchers: a shard just
+/// added (or back from an outage) no longer takes a whole campaign. Two shards hold 1,000
+/// vouchers each, the third none; 24 vouchers created at once go eight to each (placed by
+/// recent placements in steps of eight, then by the fewest vouchers). With the fewest vouchers
+/// alone all 24 went to the third.
+#[actix_web::test]
+#[cfg_attr(
+    no_test_pg,
+    ignore = "needs TEST_DATABASE_URL (PostgreSQL); .ci/run sets it"
+)]
+async fn a_burst_of_creates_spreads_over_every_shard_however_full() {
+    let Some(urls) = fresh_pg_schemas("spread", 3).await else {
+        return;
+    };
+    let shards = urls.clone();
+    let app = spawn_app_with(|s| s.ledger.shards = shards).await;
+    let directory = sqlx::PgPool::connect(&urls[0]).await.unwrap();
+    let set = sqlx::query("UPDATE shard_room SET vouchers = 1000 WHERE shard < 2")
+        .execute(&directory)
+        .await
+        .unwrap();
+    assert_eq!(set.rows_affected(), 2);
+    let codes: Vec<String> = (0..24).map(|i| format!("SPREAD{i:02}")).collect();
+    for c in &codes {
+        let (status, body) = app
+            .create_voucher_with(crate::helpers::voucher_body(c, 5, 1))
+            .await;
+        assert_eq!(status, 201, "{body}");
+    }
+    let placed = placement(&urls).await;
+    let mut per_shard = [0; 3];
+    for c in &codes {
+        per_shard[placed[c]] += 1;
+    }
+    assert_eq!(per_shard, [8, 8, 8], "{placed:?}");
+    // The emptiest shard still gets a trickle's vouchers once the burst has decayed: the room
+    // counts are what they were plus eight each.
+    let rooms: Vec<(i32, i64)> =
+        sqlx::query_as("SELECT shard, vouchers FROM shard_room ORDER BY shard")
+            .fetch_all(&directory)
+            .await
+            .unwrap();
+    assert_eq!(rooms, vec![(0, 1008), (1, 1008), (2, 8)]);
+}

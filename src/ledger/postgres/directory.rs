@@ -38,14 +38,29 @@ pub(crate) enum ClaimStart {
 }
 
 const PLACED_SQL: &str = "SELECT code, shard FROM voucher_shards WHERE code = ANY($1)";
-/// The shard with the fewest vouchers that no other create holds now (`SKIP LOCKED`: under
-/// concurrent creates the rows' order is not checked again after a wait, so waiting would put
-/// a campaign's vouchers all on one shard), else any, waiting for it.
-/// Shards in `$2` (down now) are passed over.
-const ROOM_SQL: &str = "SELECT shard FROM shard_room WHERE shard < $1 AND shard <> ALL($2) \
-                        ORDER BY vouchers, shard LIMIT 1 FOR UPDATE SKIP LOCKED";
-const ANY_ROOM_SQL: &str = "SELECT shard FROM shard_room WHERE shard < $1 AND shard <> ALL($2) \
-                            ORDER BY vouchers, shard LIMIT 1 FOR UPDATE";
+/// The shard with the fewest recent placements (in steps of eight, see migration 14), then the
+/// fewest vouchers, that no other create holds now (`SKIP LOCKED`: under concurrent creates the
+/// rows' order is not checked again after a wait, so waiting would put a campaign's vouchers
+/// all on one shard), else any, waiting for it. Shards in `$2` (down now) are passed over; `$3`
+/// is the placing node's clock. The decay stops at 60 halvings (10 hours), where PostgreSQL's
+/// `power` would underflow, which it refuses rather than round to 0.
+const ROOM_SQL: &str = concat!(
+    "SELECT shard FROM shard_room WHERE shard < $1 AND shard <> ALL($2) ",
+    "ORDER BY floor(recent * power(0.5::float8, least(greatest($3 - recent_at, 0), 36000000)::float8 / 600000.0) / 8), ",
+    "vouchers, shard LIMIT 1 FOR UPDATE SKIP LOCKED"
+);
+const ANY_ROOM_SQL: &str = concat!(
+    "SELECT shard FROM shard_room WHERE shard < $1 AND shard <> ALL($2) ",
+    "ORDER BY floor(recent * power(0.5::float8, least(greatest($3 - recent_at, 0), 36000000)::float8 / 600000.0) / 8), ",
+    "vouchers, shard LIMIT 1 FOR UPDATE"
+);
+/// One more voucher on shard `$1`, placed at `$2`: its recent placements decayed to `$2`, plus
+/// one.
+const PLACED_ONE_SQL: &str = concat!(
+    "UPDATE shard_room SET vouchers = vouchers + 1, ",
+    "recent = recent * power(0.5::float8, least(greatest($2 - recent_at, 0), 36000000)::float8 / 600000.0) + 1, ",
+    "recent_at = greatest(recent_at, $2) WHERE shard = $1"
+);
 const PLACE_SQL: &str = "INSERT INTO voucher_shards (code, shard, placed_at) \
                          VALUES ($1, $2, $3) ON CONFLICT (code) DO NOTHING";
 const MERGED_SQL: &str = "SELECT seq, kind, voucher_code, order_id, customer_id, at \
@@ -297,8 +312,8 @@ impl PostgresLedger {
     }
 
     /// The shard of `code`: where the directory placed it, or else the one of the first
-    /// `shards` with the fewest vouchers, recorded now, passing over those in `down` (unless
-    /// every shard is).
+    /// `shards` with the fewest recent placements, then the fewest vouchers (`ROOM_SQL`),
+    /// recorded now, passing over those in `down` (unless every shard is).
     pub(crate) async fn place(
         &self,
         code: &str,
@@ -319,6 +334,7 @@ impl PostgresLedger {
         let free: Option<i32> = sqlx::query_scalar(ROOM_SQL)
             .bind(shards)
             .bind(down)
+            .bind(now)
             .fetch_optional(&mut *tx)
             .await?;
         let shard: i32 = match free {
@@ -327,6 +343,7 @@ impl PostgresLedger {
                 sqlx::query_scalar(ANY_ROOM_SQL)
                     .bind(shards)
                     .bind(down)
+                    .bind(now)
                     .fetch_one(&mut *tx)
                     .await?
             }
@@ -345,8 +362,9 @@ impl PostgresLedger {
                 None => Err(LedgerError::Inconsistent("a placement vanished")),
             };
         }
-        sqlx::query("UPDATE shard_room SET vouchers = vouchers + 1 WHERE shard = $1")
+        sqlx::query(PLACED_ONE_SQL)
             .bind(shard)
+            .bind(now)
             .execute(&mut *tx)
             .await?;
         tx.commit().await?;

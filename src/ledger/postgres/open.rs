@@ -61,6 +61,10 @@ const MIGRATIONS: &[(i64, &str)] = &[
         13,
         include_str!("../../../migrations/postgres/0013_claim_mode.sql"),
     ),
+    (
+        14,
+        include_str!("../../../migrations/postgres/0014_recent_placements.sql"),
+    ),
 ];
 
 /// Definitions applied on every start after the versioned migrations (each is `CREATE OR
