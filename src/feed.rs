@@ -120,7 +120,8 @@ pub fn start(
     let Some((relayer_key, origin_key)) = keys else {
         return Err(redis::RedisError::from((
             redis::ErrorKind::InvalidClientConfig,
-            "on a Redis Cluster redis.events_stream needs a hash tag, e.g. {vouchers}:events",
+            "on a Redis Cluster a stream name holding '}' needs a hash tag of its own, \
+             e.g. {vouchers}:events",
         )));
     };
     Ok(tokio::spawn(async move {

@@ -294,16 +294,7 @@ impl Application {
                     .context("redis url")?,
             )
         };
-        let stream = &settings.redis.events_stream;
-        if settings.redis.cluster
-            && !stream.is_empty()
-            && signals::key_beside(stream, "origin", true).is_none()
-        {
-            anyhow::bail!(
-                "redis.events_stream {stream:?} holds a '}}' but no hash tag of its own: on a \
-                 Redis Cluster name it with one, e.g. \"{{vouchers}}:events\""
-            );
-        }
+
         let publisher = match &redis {
             None => Publisher::disabled(),
             Some(target) => {
@@ -357,7 +348,7 @@ impl Application {
                     },
                     shutdown,
                 )
-                .context("redis url")?,
+                .context("redis.events_stream")?,
             );
         }
         let signals = signal_tasks;

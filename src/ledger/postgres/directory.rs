@@ -38,28 +38,39 @@ pub(crate) enum ClaimStart {
 }
 
 const PLACED_SQL: &str = "SELECT code, shard FROM voucher_shards WHERE code = ANY($1)";
-/// The shard with the fewest recent placements (in steps of eight, see migration 14), then the
-/// fewest vouchers, that no other create holds now (`SKIP LOCKED`: under concurrent creates the
-/// rows' order is not checked again after a wait, so waiting would put a campaign's vouchers
-/// all on one shard), else any, waiting for it. Shards in `$2` (down now) are passed over; `$3`
-/// is the placing node's clock. The decay stops at 60 halvings (10 hours), where PostgreSQL's
-/// `power` would underflow, which it refuses rather than round to 0.
+/// A shard's recent placements (migration 14) decayed to the placing node's clock, the SQL
+/// parameter named: halving every 10 minutes, stopped at 60 halvings (10 hours), where
+/// PostgreSQL's `power` would underflow, which it refuses rather than round to 0.
+macro_rules! recent_at {
+    ($now:literal) => {
+        concat!(
+            "recent * power(0.5::float8, least(greatest(",
+            $now,
+            " - recent_at, 0), 36000000)::float8 / 600000.0)"
+        )
+    };
+}
+/// The shard with the fewest recent placements (in steps of eight), then the fewest vouchers,
+/// that no other create holds now (`SKIP LOCKED`: under concurrent creates the rows' order is
+/// not checked again after a wait, so waiting would put a campaign's vouchers all on one
+/// shard), else any, waiting for it. Shards in `$2` (down now) are passed over; `$3` is the
+/// placing node's clock.
 const ROOM_SQL: &str = concat!(
-    "SELECT shard FROM shard_room WHERE shard < $1 AND shard <> ALL($2) ",
-    "ORDER BY floor(recent * power(0.5::float8, least(greatest($3 - recent_at, 0), 36000000)::float8 / 600000.0) / 8), ",
-    "vouchers, shard LIMIT 1 FOR UPDATE SKIP LOCKED"
+    "SELECT shard FROM shard_room WHERE shard < $1 AND shard <> ALL($2) ORDER BY floor(",
+    recent_at!("$3"),
+    " / 8), vouchers, shard LIMIT 1 FOR UPDATE SKIP LOCKED"
 );
 const ANY_ROOM_SQL: &str = concat!(
-    "SELECT shard FROM shard_room WHERE shard < $1 AND shard <> ALL($2) ",
-    "ORDER BY floor(recent * power(0.5::float8, least(greatest($3 - recent_at, 0), 36000000)::float8 / 600000.0) / 8), ",
-    "vouchers, shard LIMIT 1 FOR UPDATE"
+    "SELECT shard FROM shard_room WHERE shard < $1 AND shard <> ALL($2) ORDER BY floor(",
+    recent_at!("$3"),
+    " / 8), vouchers, shard LIMIT 1 FOR UPDATE"
 );
 /// One more voucher on shard `$1`, placed at `$2`: its recent placements decayed to `$2`, plus
 /// one.
 const PLACED_ONE_SQL: &str = concat!(
-    "UPDATE shard_room SET vouchers = vouchers + 1, ",
-    "recent = recent * power(0.5::float8, least(greatest($2 - recent_at, 0), 36000000)::float8 / 600000.0) + 1, ",
-    "recent_at = greatest(recent_at, $2) WHERE shard = $1"
+    "UPDATE shard_room SET vouchers = vouchers + 1, recent = ",
+    recent_at!("$2"),
+    " + 1, recent_at = greatest(recent_at, $2) WHERE shard = $1"
 );
 const PLACE_SQL: &str = "INSERT INTO voucher_shards (code, shard, placed_at) \
                          VALUES ($1, $2, $3) ON CONFLICT (code) DO NOTHING";
