@@ -108,22 +108,28 @@ pub struct RelaySettings {
     pub node_id: String,
 }
 
+/// The relay's keys beside `stream` (`:relayer`, `:origin`), in the stream's slot on a Redis
+/// Cluster; an error for a stream name no hash tag can name there. Checked at start-up before
+/// anything is written, and by [`start`].
+pub fn relay_keys(stream: &str, cluster: bool) -> Result<(String, String), redis::RedisError> {
+    key_beside(stream, "relayer", cluster)
+        .zip(key_beside(stream, "origin", cluster))
+        .ok_or_else(|| {
+            redis::RedisError::from((
+                redis::ErrorKind::InvalidClientConfig,
+                "on a Redis Cluster a stream name holding '}' needs a hash tag of its own, \
+                 e.g. {vouchers}:events",
+            ))
+        })
+}
+
 /// Starts the relay loop; it runs until shutdown is asked, finishing the round under way.
 pub fn start(
     engine: EngineHandle,
     s: RelaySettings,
     mut shutdown: Shutdown,
 ) -> Result<tokio::task::JoinHandle<()>, redis::RedisError> {
-    let cluster = s.target.is_cluster();
-    let keys =
-        key_beside(&s.stream, "relayer", cluster).zip(key_beside(&s.stream, "origin", cluster));
-    let Some((relayer_key, origin_key)) = keys else {
-        return Err(redis::RedisError::from((
-            redis::ErrorKind::InvalidClientConfig,
-            "on a Redis Cluster a stream name holding '}' needs a hash tag of its own, \
-             e.g. {vouchers}:events",
-        )));
-    };
+    let (relayer_key, origin_key) = relay_keys(&s.stream, s.target.is_cluster())?;
     Ok(tokio::spawn(async move {
         let mut conn: Option<Conn> = None;
         // The ledger's feed origin, read once (it never changes).

@@ -242,6 +242,11 @@ impl Application {
         ledger_rt: &mut Option<tokio::runtime::Runtime>,
     ) -> anyhow::Result<Self> {
         check_liveness_settings(&settings.node)?;
+        // Before anything is written: a stream name the relay could not use on a Redis Cluster.
+        if !settings.redis.url.is_empty() && !settings.redis.events_stream.is_empty() {
+            crate::feed::relay_keys(&settings.redis.events_stream, settings.redis.cluster)
+                .context("redis.events_stream")?;
+        }
         let kind = settings
             .ledger
             .kind()

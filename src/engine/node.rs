@@ -304,7 +304,7 @@ impl Node {
         let follows = self.signals.follows_signals();
         if let Some(e) = self.registry.get(code) {
             if follows && e.shared.follow_now(hot) {
-                self.signals.follow(code, true);
+                self.follow(code, &e.shared);
             }
             return e.clone();
         }
@@ -333,9 +333,17 @@ impl Node {
         });
         // A warm-up; or a request that lost the race to start the row: its second.
         if follows && (hot || !inserted) && row.shared.follow_now(hot) {
-            self.signals.follow(code, true);
+            self.follow(code, &row.shared);
         }
         row.clone()
+    }
+
+    /// Follows `code`'s signals from now on. A sold-out flag its actor raised before is no
+    /// longer taken on trust: a `RESTOCK` sent while the node did not follow the voucher was
+    /// never heard, so the next reserve asks the ledger.
+    fn follow(&self, code: &str, shared: &VoucherShared) {
+        shared.unverify();
+        self.signals.follow(code, true);
     }
 }
 

@@ -38,9 +38,9 @@ pub(crate) enum ClaimStart {
 }
 
 const PLACED_SQL: &str = "SELECT code, shard FROM voucher_shards WHERE code = ANY($1)";
-/// A shard's recent placements (migration 14) decayed to the placing node's clock, the SQL
-/// parameter named: halving every 10 minutes, stopped at 60 halvings (10 hours), where
-/// PostgreSQL's `power` would underflow, which it refuses rather than round to 0.
+/// A shard's recent placements (`migrations/postgres/placement.sql`) decayed to the placing
+/// node's clock, the SQL parameter named: halving every 10 minutes, stopped at 60 halvings (10
+/// hours), where PostgreSQL's `power` would underflow, which it refuses rather than round to 0.
 macro_rules! recent_at {
     ($now:literal) => {
         concat!(
@@ -50,21 +50,21 @@ macro_rules! recent_at {
         )
     };
 }
-/// The shard with the fewest recent placements (in steps of eight), then the fewest vouchers,
-/// that no other create holds now (`SKIP LOCKED`: under concurrent creates the rows' order is
-/// not checked again after a wait, so waiting would put a campaign's vouchers all on one
-/// shard), else any, waiting for it. Shards in `$2` (down now) are passed over; `$3` is the
-/// placing node's clock.
+/// The shard with the fewest recent placements in steps of eight (rounded: eight placements a
+/// few milliseconds apart have decayed to a hair under eight), then the fewest vouchers, that
+/// no other create holds now (`SKIP LOCKED`: under concurrent creates the rows' order is not
+/// checked again after a wait). Shards in `$2` (down now) are passed over; `$3` is the placing
+/// node's clock.
 const ROOM_SQL: &str = concat!(
-    "SELECT shard FROM shard_room WHERE shard < $1 AND shard <> ALL($2) ORDER BY floor(",
+    "SELECT shard FROM shard_room WHERE shard < $1 AND shard <> ALL($2) ORDER BY floor((",
     recent_at!("$3"),
-    " / 8), vouchers, shard LIMIT 1 FOR UPDATE SKIP LOCKED"
+    " + 0.5) / 8), vouchers, shard LIMIT 1 FOR UPDATE SKIP LOCKED"
 );
-const ANY_ROOM_SQL: &str = concat!(
-    "SELECT shard FROM shard_room WHERE shard < $1 AND shard <> ALL($2) ORDER BY floor(",
-    recent_at!("$3"),
-    " / 8), vouchers, shard LIMIT 1 FOR UPDATE"
-);
+/// Every shard is held by another create: one at random, waiting for it. More creates at once
+/// than shards are a burst, and waiting on the first row in order would queue all of them on
+/// one shard (the order is not checked again after the wait).
+const ANY_ROOM_SQL: &str = "SELECT shard FROM shard_room WHERE shard < $1 AND shard <> ALL($2) \
+                            ORDER BY random() LIMIT 1 FOR UPDATE";
 /// One more voucher on shard `$1`, placed at `$2`: its recent placements decayed to `$2`, plus
 /// one.
 const PLACED_ONE_SQL: &str = concat!(
@@ -354,7 +354,6 @@ impl PostgresLedger {
                 sqlx::query_scalar(ANY_ROOM_SQL)
                     .bind(shards)
                     .bind(down)
-                    .bind(now)
                     .fetch_one(&mut *tx)
                     .await?
             }

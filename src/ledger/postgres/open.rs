@@ -61,10 +61,6 @@ const MIGRATIONS: &[(i64, &str)] = &[
         13,
         include_str!("../../../migrations/postgres/0013_claim_mode.sql"),
     ),
-    (
-        14,
-        include_str!("../../../migrations/postgres/0014_recent_placements.sql"),
-    ),
 ];
 
 /// Definitions applied on every start after the versioned migrations (each is `CREATE OR
@@ -74,6 +70,7 @@ const REPEATABLE: &[&str] = &[
     include_str!("../../../migrations/postgres/0002_merged_commit.sql"),
     include_str!("../../../migrations/postgres/0008_settle.sql"),
     include_str!("../../../migrations/postgres/grant.sql"),
+    include_str!("../../../migrations/postgres/placement.sql"),
 ];
 
 /// A ledger call boxed as `Send` for every lifetime (a task that opens a late store spawns
