@@ -61,7 +61,14 @@ const MIGRATIONS: &[(i64, &str)] = &[
         13,
         include_str!("../../../migrations/postgres/0013_claim_mode.sql"),
     ),
+    // 14: retired, never to be reused (the next is 15). Builds of 1c59448 and b87f195 applied
+    // `placement.sql` as version 14; it is now repeatable, and `migrate` deletes the row.
 ];
+
+/// Versions a build of this project once applied and later retired: their rows are deleted
+/// before the schema's version is judged, so a database one of them touched opens here, and a
+/// build from before them opens it again.
+const RETIRED: &[i64] = &[14];
 
 /// Definitions applied on every start after the versioned migrations (each is `CREATE OR
 /// REPLACE`): a database made by an earlier build gets the function of this one. Version 2 made
@@ -201,6 +208,10 @@ async fn migrate(pool: &PgPool) -> Result<(), sqlx::Error> {
     // on a spawned task).
     (&mut *tx)
         .execute("CREATE TABLE IF NOT EXISTS schema_migrations (version BIGINT PRIMARY KEY)")
+        .await?;
+    sqlx::query("DELETE FROM schema_migrations WHERE version = ANY($1)")
+        .bind(RETIRED)
+        .execute(&mut *tx)
         .await?;
     // An older build would put back its own commit function (below) and write rows the
     // feed cannot see: it refuses a ledger a newer build migrated.
