@@ -4,7 +4,7 @@
 -- the vouchers about to be hot, all on one shard.
 --
 -- `recent` counts the vouchers placed on a shard lately, halving every 10 minutes from
--- `recent_at` (the placing node's clock, ms). A new voucher goes to the shard with the fewest
+-- `recent_at` (the directory's own clock, ms). A new voucher goes to the shard with the fewest
 -- recent placements, counted in steps of eight, and among those to the one with the fewest
 -- vouchers: a burst goes round the shards eight at a time, the emptiest first, and a trickle
 -- still fills the emptiest shard.

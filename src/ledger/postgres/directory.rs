@@ -38,14 +38,15 @@ pub(crate) enum ClaimStart {
 }
 
 const PLACED_SQL: &str = "SELECT code, shard FROM voucher_shards WHERE code = ANY($1)";
-/// A shard's recent placements (`migrations/postgres/placement.sql`) decayed to the placing
-/// node's clock, the SQL parameter named: halving every 10 minutes, stopped at 60 halvings (10
-/// hours), where PostgreSQL's `power` would underflow, which it refuses rather than round to 0.
-macro_rules! recent_at {
-    ($now:literal) => {
+/// A shard's recent placements (`migrations/postgres/placement.sql`) decayed to now on the
+/// directory's own clock (so no node's clock skews them): halving every 10 minutes, stopped at
+/// 60 halvings (10 hours), where PostgreSQL's `power` would underflow, which it refuses rather
+/// than round to 0.
+macro_rules! recent_now {
+    () => {
         concat!(
             "recent * power(0.5::float8, least(greatest(",
-            $now,
+            ledger_now!(),
             " - recent_at, 0), 36000000)::float8 / 600000.0)"
         )
     };
@@ -53,11 +54,10 @@ macro_rules! recent_at {
 /// The shard with the fewest recent placements in steps of eight (rounded: eight placements a
 /// few milliseconds apart have decayed to a hair under eight), then the fewest vouchers, that
 /// no other create holds now (`SKIP LOCKED`: under concurrent creates the rows' order is not
-/// checked again after a wait). Shards in `$2` (down now) are passed over; `$3` is the placing
-/// node's clock.
+/// checked again after a wait). Shards in `$2` (down now) are passed over.
 const ROOM_SQL: &str = concat!(
     "SELECT shard FROM shard_room WHERE shard < $1 AND shard <> ALL($2) ORDER BY floor((",
-    recent_at!("$3"),
+    recent_now!(),
     " + 0.5) / 8), vouchers, shard LIMIT 1 FOR UPDATE SKIP LOCKED"
 );
 /// Every shard is held by another create: one at random, waiting for it. More creates at once
@@ -65,12 +65,13 @@ const ROOM_SQL: &str = concat!(
 /// one shard (the order is not checked again after the wait).
 const ANY_ROOM_SQL: &str = "SELECT shard FROM shard_room WHERE shard < $1 AND shard <> ALL($2) \
                             ORDER BY random() LIMIT 1 FOR UPDATE";
-/// One more voucher on shard `$1`, placed at `$2`: its recent placements decayed to `$2`, plus
-/// one.
+/// One more voucher on shard `$1`: its recent placements decayed to now, plus one.
 const PLACED_ONE_SQL: &str = concat!(
     "UPDATE shard_room SET vouchers = vouchers + 1, recent = ",
-    recent_at!("$2"),
-    " + 1, recent_at = greatest(recent_at, $2) WHERE shard = $1"
+    recent_now!(),
+    " + 1, recent_at = ",
+    ledger_now!(),
+    " WHERE shard = $1"
 );
 const PLACE_SQL: &str = "INSERT INTO voucher_shards (code, shard, placed_at) \
                          VALUES ($1, $2, $3) ON CONFLICT (code) DO NOTHING";
@@ -345,7 +346,6 @@ impl PostgresLedger {
         let free: Option<i32> = sqlx::query_scalar(ROOM_SQL)
             .bind(shards)
             .bind(down)
-            .bind(now)
             .fetch_optional(&mut *tx)
             .await?;
         let shard: i32 = match free {
@@ -374,7 +374,6 @@ impl PostgresLedger {
         }
         sqlx::query(PLACED_ONE_SQL)
             .bind(shard)
-            .bind(now)
             .execute(&mut *tx)
             .await?;
         tx.commit().await?;

@@ -324,7 +324,7 @@ impl PostgresLedger {
 
 /// The ledger's clock, in milliseconds since the epoch: liveness is judged on it, so no node's
 /// own clock can make a live holder look dead.
-const LEDGER_NOW: &str = "(extract(epoch from clock_timestamp()) * 1000)::BIGINT";
+const LEDGER_NOW: &str = ledger_now!();
 
 /// Returns or reaps leases: their vouchers are locked first (in code order), then the leases
 /// close and their unused units go back to `free`.

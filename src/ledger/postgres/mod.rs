@@ -24,6 +24,14 @@
 //! holders' beats. [`target`] reads the servers a multi-host `ledger.url` lists, and [`primary`]
 //! keeps the node's pools on the writable one through a failover.
 
+/// The ledger's own clock in SQL, milliseconds since the epoch: liveness and the placement's
+/// decay are judged on it, so no node's clock can skew them (a macro, for `concat!`).
+macro_rules! ledger_now {
+    () => {
+        "(extract(epoch from clock_timestamp()) * 1000)::BIGINT"
+    };
+}
+
 pub(crate) mod commit;
 pub(crate) mod directory;
 mod leases;
