@@ -118,6 +118,16 @@ impl Cluster {
     }
 }
 
+/// Signals of `kind` a node says it received from other nodes so far.
+async fn signals_received(c: &awc::Client, base: &str, kind: &str) -> f64 {
+    let kind = format!("kind=\"{kind}\"");
+    crate::helpers::metric_sum(
+        &metrics_text(c, base).await,
+        "vouchers_signals_total",
+        &["event=\"received\"", &kind],
+    )
+}
+
 /// A unique voucher code per run (Redis channels are shared between tests).
 fn code(tag: &str) -> String {
     format!("{tag}-{}", vouchers::startup::random_hex(3))
@@ -1260,13 +1270,7 @@ async fn switches_reach_every_node(db: &str, redis: &str, redis_cluster: bool) {
     let told = RefCell::new(seen(&warm));
     let received = |base: String| {
         let c = cluster.client.clone();
-        async move {
-            crate::helpers::metric_sum(
-                &metrics_text(&c, &base).await,
-                "vouchers_signals_total",
-                &["event=\"received\"", "kind=\"SWITCHES\""],
-            )
-        }
+        async move { signals_received(&c, &base, "SWITCHES").await }
     };
     let mut before = Vec::new();
     for base in &bases {
@@ -1661,14 +1665,7 @@ async fn sold_out_and_restock_travel(db: &str, redis: &str, cluster: Option<&str
     // SOLD_OUT reaches node 1, which then answers late traffic from its flag.
     eventually("node 1 hears SOLD_OUT", Duration::from_secs(10), || {
         let (c, b1) = (c.clone(), b1.clone());
-        async move {
-            let m = metrics_text(&c, &b1).await;
-            crate::helpers::metric_sum(
-                &m,
-                "vouchers_signals_total",
-                &["event=\"received\"", "kind=\"SOLD_OUT\""],
-            ) > 0.0
-        }
+        async move { signals_received(&c, &b1, "SOLD_OUT").await > 0.0 }
     })
     .await;
     if let Some(seeds) = cluster_seeds {
@@ -2994,14 +2991,7 @@ async fn a_redis_cluster_primary_lost_takes_the_signals_link_down_until_it_retur
     }
     eventually("node 1 hears SOLD_OUT", Duration::from_secs(10), || {
         let (c, b1) = (c.clone(), b1.clone());
-        async move {
-            let m = metrics_text(&c, &b1).await;
-            crate::helpers::metric_sum(
-                &m,
-                "vouchers_signals_total",
-                &["event=\"received\"", "kind=\"SOLD_OUT\""],
-            ) > 0.0
-        }
+        async move { signals_received(&c, &b1, "SOLD_OUT").await > 0.0 }
     })
     .await;
     assert!(
