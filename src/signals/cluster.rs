@@ -37,7 +37,7 @@ use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use redis::{PushInfo, PushKind, Value};
 use tokio::sync::mpsc;
 
-use super::{channel, code_of, hear, link, Handler, Heard, LinkHandler, BACKOFF, PATTERN, TIMEOUT};
+use super::{channel, code_of, deliver, link, Handler, LinkHandler, BACKOFF, PATTERN, TIMEOUT};
 use crate::metrics as m;
 use crate::shutdown::Shutdown;
 
@@ -502,14 +502,7 @@ fn on_push(
     else {
         return None;
     };
-    match hear(&channel_name, &payload, node_id) {
-        Heard::Heartbeat => m::redis_up(true),
-        Heard::Signal(code, kind) => {
-            m::signal("received", kind.as_str());
-            handler(code, kind);
-        }
-        Heard::Nothing => {}
-    }
+    deliver(&channel_name, &payload, node_id, handler);
     None
 }
 

@@ -96,28 +96,22 @@ pub fn code_of(channel: &str) -> Option<&str> {
     channel.strip_prefix("vouchers:{")?.strip_suffix("}:signal")
 }
 
-/// What a message on one of our channels says.
-enum Heard<'a> {
-    /// A node's keepalive ping.
-    Heartbeat,
-    /// Another node's signal about a voucher.
-    Signal(&'a str, Signal),
-    /// Not ours, unreadable, or this node's own.
-    Nothing,
-}
-
-/// Reads a message: its channel and its payload, `KIND NODE_ID`.
-fn hear<'a>(channel_name: &'a str, payload: &str, node_id: &str) -> Heard<'a> {
+/// Acts on a message of one of our channels (its payload `KIND NODE_ID`): a keepalive ping
+/// keeps `vouchers_redis_up` fresh (it leaves /metrics when idle); another node's signal about
+/// a voucher goes to `handler`; anything else, and this node's own, is ignored. Both
+/// subscribers (one server, a cluster) hand every message here.
+fn deliver(channel_name: &str, payload: &str, node_id: &str, handler: &Handler) {
     if channel_name == HEARTBEAT {
-        return Heard::Heartbeat;
+        m::redis_up(true);
+        return;
     }
     let mut parts = payload.splitn(2, ' ');
     let (Some(kind), from) = (parts.next().and_then(Signal::parse), parts.next()) else {
-        return Heard::Nothing;
+        return;
     };
-    match code_of(channel_name) {
-        Some(code) if from != Some(node_id) => Heard::Signal(code, kind),
-        _ => Heard::Nothing,
+    if let Some(code) = code_of(channel_name).filter(|_| from != Some(node_id)) {
+        m::signal("received", kind.as_str());
+        handler(code, kind);
     }
 }
 
@@ -351,15 +345,7 @@ fn subscribe_single(
                                 }
                             };
                             let payload = msg.get_payload::<String>().unwrap_or_default();
-                            match hear(msg.get_channel_name(), &payload, &node_id) {
-                                // Keeps the gauge fresh (it leaves /metrics when idle).
-                                Heard::Heartbeat => m::redis_up(true),
-                                Heard::Signal(code, kind) => {
-                                    m::signal("received", kind.as_str());
-                                    handler(code, kind);
-                                }
-                                Heard::Nothing => {}
-                            }
+                            deliver(msg.get_channel_name(), &payload, &node_id, &handler);
                         }
                         if !shutdown.asked() {
                             tracing::warn!("redis subscription ended; reconnecting");
