@@ -75,3 +75,37 @@ CREATE OR REPLACE FUNCTION vouchers_grant_v1(
 LANGUAGE sql AS $$
     SELECT * FROM vouchers_grant_v2(p_code, p_node, p_want, p_now, p_expires)
 $$;
+
+-- Version 3: version 2 for a holder that is live here. An incarnation (`name#number`) whose row
+-- is gone (a reaper forgot it while it was silent) or retired (`beat_at = 0`) is refused with
+-- SQLSTATE VH001 and takes nothing: a lease it took and then crashed with would be listed by
+-- nobody's beat (no row), and would wait for its TTL. Its next beat records it again. The row
+-- is held FOR KEY SHARE until the grant commits: a reaper's delete of it (FOR UPDATE SKIP
+-- LOCKED) skips it meanwhile, and one that got there first makes this grant wait and then find
+-- no row; a beat's update does not wait. A holder without a number (a build's from before
+-- incarnations) is not checked.
+CREATE OR REPLACE FUNCTION vouchers_grant_v3(
+    p_code    TEXT,
+    p_node    TEXT,
+    p_want    BIGINT,
+    p_now     BIGINT,
+    p_expires BIGINT
+) RETURNS TABLE (
+    out_free   BIGINT,
+    out_units  BIGINT,
+    out_unused BIGINT,
+    out_lease  BIGINT,
+    out_ever   BIGINT
+)
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF strpos(p_node, '#') > 0 THEN
+        PERFORM 1 FROM nodes WHERE holder = p_node AND beat_at <> 0 FOR KEY SHARE;
+        IF NOT FOUND THEN
+            RAISE EXCEPTION 'lease holder % is not live on this ledger', p_node
+                USING ERRCODE = 'VH001';
+        END IF;
+    END IF;
+    RETURN QUERY SELECT * FROM vouchers_grant_v2(p_code, p_node, p_want, p_now, p_expires);
+END
+$$;

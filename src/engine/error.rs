@@ -45,6 +45,7 @@ impl From<LedgerError> for EngineError {
                 Self::Unavailable
             }
             LedgerError::Fenced
+            | LedgerError::NotLive
             | LedgerError::Deadline
             | LedgerError::QueueFull
             | LedgerError::WorkerGone

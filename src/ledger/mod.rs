@@ -61,6 +61,12 @@ pub enum LedgerError {
     /// must not commit (DESIGN §3, the fence).
     #[error("lease fenced")]
     Fenced,
+    /// A grant's holder (an incarnation, `name#number`) has no live row on this ledger: a
+    /// reaper forgot it while it was silent, or it retired. It takes no lease until its next
+    /// beat records it again: a lease it took and then crashed with would be listed by nobody's
+    /// beat, and would wait for its TTL.
+    #[error("lease holder is not live on this ledger")]
+    NotLive,
     #[error("reservation was released")]
     Released,
     #[error("reservation is already confirmed")]
@@ -226,6 +232,12 @@ pub struct Beat {
 /// The holder name of incarnation `number` of node `name`.
 pub fn holder_name(name: &str, number: i64) -> String {
     format!("{name}#{number}")
+}
+
+/// Whether `holder` names an incarnation (`name#number`), whose grants need its live row. A
+/// holder without a number (a build's from before incarnations, or a test's) is not checked.
+pub(crate) fn is_incarnation(holder: &str) -> bool {
+    holder.contains('#')
 }
 
 /// `name#number` split back (a holder without a number is a build's from before incarnations).
@@ -449,7 +461,9 @@ pub trait Ledger: Send + Sync + 'static {
         code: &str,
         patch: &VoucherPatch,
     ) -> Result<(Voucher, Option<Restock>), LedgerError>;
-    /// Moves `min(want, free)` units into a new ACTIVE lease for `node`.
+    /// Moves `min(want, free)` units into a new ACTIVE lease for `node`. An incarnation with no
+    /// live row here (reaped while silent, or retired) is refused with
+    /// [`LedgerError::NotLive`], and nothing changes: its next beat records it again.
     async fn grant(
         &self,
         code: &str,

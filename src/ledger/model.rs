@@ -28,8 +28,8 @@ use async_trait::async_trait;
 
 use super::merged::{plan_merged, LeaseRoom, MergedReads, Rules};
 use super::{
-    group_restocks, holder_name, split_holder, Batch, BatchResults, Beat, Closing, Counters, Grant,
-    Incarnation, Lease, Ledger, LedgerError, LiveUnits, Restock,
+    group_restocks, holder_name, is_incarnation, split_holder, Batch, BatchResults, Beat, Closing,
+    Counters, Grant, Incarnation, Lease, Ledger, LedgerError, LiveUnits, Restock,
 };
 use crate::clock::Millis;
 use crate::domain::{
@@ -496,6 +496,9 @@ impl Ledger for ModelLedger {
         ttl_ms: i64,
     ) -> Result<Grant, LedgerError> {
         let mut s = self.state();
+        if is_incarnation(node) && !s.nodes.get(node).is_some_and(|n| n.beat_at != 0) {
+            return Err(LedgerError::NotLive);
+        }
         let leased_unused = s.leased_unused(code);
         let last_id = s.last_lease_id;
         let v = s.vouchers.get_mut(code).ok_or(LedgerError::NotFound)?;

@@ -350,11 +350,19 @@ mod tests {
         })
     }
 
+    /// A holder reaped while it was paused asks for a grant before its next beat has recorded
+    /// it again, and is refused.
+    fn reaped_holder_refused_a_grant(t: &[String]) -> bool {
+        t.iter()
+            .position(|l| l.contains(" reaps "))
+            .is_some_and(|i| t[i..].iter().any(|l| l.contains("NotLive")))
+    }
+
     type Reaches = fn(&[String]) -> bool;
 
     #[test]
     fn regression_seeds_hold() {
-        let seeds: [(u64, &str, &str, Reaches); 7] = [
+        let seeds: [(u64, &str, &str, Reaches); 8] = [
             // A return that failed while the idle core stopped in the same tick: the lease kept
             // its units until its TTL. Returns are now answered; a failed one is retried, and a
             // core does not stop while one is in flight.
@@ -428,6 +436,15 @@ mod tests {
                 "pause,clock,ledger-fail,ledger-slow,raise",
                 "backward clock jump stretched a hold",
                 clock_jump_of_seconds,
+            ),
+            // A holder reaped while paused took leases when it resumed, then crashed before
+            // its next beat: no row, so no beat listed it, and its units waited for the lease
+            // TTL (30 s). A grant now needs the holder's live row.
+            (
+                5693623272484113371,
+                "crash,pause,ledger-fail,ledger-lost,signal-drop,signal-dup,redis-down,raise,confirm",
+                "reaped holder's grants stranded units",
+                reaped_holder_refused_a_grant,
             ),
         ];
         let mut lost = Vec::new();

@@ -545,6 +545,14 @@ async fn holders_that_stop_beating_are_reaped_at_once(l: &SharedLedger) {
     );
     let r = l.reap_holder(&b1.holder, wall_ms()).await.unwrap();
     assert_eq!(reaped_of(&r, "HB"), 4, "hb-b#1's unused units: {r:?}");
+    // Reaped, hb-b#1 has no row: a grant it asks for before its next beat is refused and takes
+    // nothing (else a lease it then crashed with would be listed by nobody; the counters below
+    // show nothing moved).
+    let refused = l.grant("HB", &b1.holder, 1, NOW, 10 * 60_000).await;
+    assert!(
+        matches!(refused, Err(LedgerError::NotLive)),
+        "a grant to a reaped holder: {refused:?}"
+    );
     assert!(
         l.reap_holder(&b1.holder, wall_ms())
             .await
@@ -557,6 +565,19 @@ async fn holders_that_stop_beating_are_reaped_at_once(l: &SharedLedger) {
         .await
         .unwrap()
         .is_empty());
+    let refused = l
+        .grant_many(&[GrantAsk {
+            code: "HB".into(),
+            node: b2.holder.clone(),
+            want: 1,
+            now: NOW,
+            ttl_ms: 10 * 60_000,
+        }])
+        .await;
+    assert!(
+        matches!(refused, Err(LedgerError::NotLive)),
+        "a merged grant to a reaped holder: {refused:?}"
+    );
     assert!(
         l.reap_holder(&a.holder, wall_ms())
             .await
@@ -585,6 +606,11 @@ async fn holders_that_stop_beating_are_reaped_at_once(l: &SharedLedger) {
     );
     // A retired holder is dead at once, whatever its limit.
     l.retire_node(&c.holder).await.unwrap();
+    let refused = l.grant("HB", &c.holder, 1, NOW, 10 * 60_000).await;
+    assert!(
+        matches!(refused, Err(LedgerError::NotLive)),
+        "a grant to a retired holder: {refused:?}"
+    );
     // A beat of its own process that lands after the retire (sent before it) brings it back
     // to life for nobody.
     let late = l.heartbeat(&c.holder, wall_ms(), LIMIT).await;
@@ -595,15 +621,17 @@ async fn holders_that_stop_beating_are_reaped_at_once(l: &SharedLedger) {
     beat_until_dead(l, &a.holder, LIMIT, &[&c.holder]).await;
     let r = l.reap_holder(&c.holder, wall_ms()).await.unwrap();
     assert_eq!(reaped_of(&r, "HB"), 1, "{r:?}");
-    // A dead holder that beats again is recorded again. Then everyone falls silent: back from
-    // its silence (its row still there), hb-b#1 judges nobody, though hb-a was silent as long;
-    // once it has beaten without a gap for hb-a's limit, it finds hb-a dead.
+    // A dead holder that beats again is recorded again, and may take leases again. Then
+    // everyone falls silent: back from its silence (its row still there), hb-b#1 judges nobody,
+    // though hb-a was silent as long; once it has beaten without a gap for hb-a's limit, it
+    // finds hb-a dead.
     assert!(l
         .heartbeat(&b1.holder, wall_ms(), LIMIT)
         .await
         .unwrap()
         .dead
         .is_empty());
+    lease(b1.holder.clone(), 1).await;
     let silent = std::time::Instant::now();
     while silent.elapsed() < std::time::Duration::from_millis(2 * LIMIT as u64) {
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
@@ -620,11 +648,12 @@ async fn holders_that_stop_beating_are_reaped_at_once(l: &SharedLedger) {
     beat_until_dead(l, &b1.holder, LIMIT, &[&a.holder]).await;
     let r = l.reap_holder(&a.holder, wall_ms()).await.unwrap();
     assert_eq!(reaped_of(&r, "HB"), 2, "hb-a#1's two unused units: {r:?}");
-    // The pre-incarnation holder has no beat to judge: its lease waits for its TTL.
+    // The pre-incarnation holder has no beat to judge: its lease waits for its TTL; so does
+    // hb-b#1's, which still beats.
     let c_ = balanced(l, "HB").await;
     assert_eq!(
         (c_.free, c_.leased_unused, c_.reserved),
-        (17, 1, 2),
+        (16, 1 + 1, 2),
         "{c_:?}"
     );
     // Numbers are never reused.

@@ -1,4 +1,4 @@
-//! Leases and their holders on PostgreSQL: a grant (one call of `vouchers_grant_v2`), returns
+//! Leases and their holders on PostgreSQL: a grant (one call of `vouchers_grant_v3`), returns
 //! and reaps with their locks in a fixed order (vouchers by code, then leases by id), and the
 //! holders' incarnations and beats, judged on the ledger's own clock.
 
@@ -21,7 +21,7 @@ async fn lock_vouchers(tx: &mut Tx, codes: &[String]) -> Result<Vec<String>, sql
         .await
 }
 
-/// `vouchers_grant_v2`'s answer: units free before the grant, units granted, units unused in
+/// `vouchers_grant_v3`'s answer: units free before the grant, units granted, units unused in
 /// the voucher's other active leases, the new lease (none when nothing was free), and how many
 /// reservations the voucher ever had (when nothing was granted).
 type GrantRow = (i64, i64, i64, Option<i64>, Option<i64>);
@@ -37,7 +37,7 @@ type ManyGrantRow = (
     Option<i64>,
 );
 
-/// A grant from `vouchers_grant_v2`'s row.
+/// A grant from `vouchers_grant_v3`'s row.
 fn grant_of(row: GrantRow, expires_at: Millis) -> Result<Grant, LedgerError> {
     let (free, units, leased_unused, lease_id, ever_reserved) = row;
     let lease = lease_id.map(|id| Lease {
@@ -63,12 +63,13 @@ impl PostgresLedger {
         now: Millis,
         ttl_ms: i64,
     ) -> Result<Grant, LedgerError> {
-        // One round trip: `vouchers_grant_v2` (migrations/postgres/grant.sql) locks the voucher,
-        // moves the units and inserts the lease; the deferred check runs as the call commits.
+        // One round trip: `vouchers_grant_v3` (migrations/postgres/grant.sql) checks that the
+        // holder is live, locks the voucher, moves the units and inserts the lease; the deferred
+        // check runs as the call commits.
         let expires_at = now + ttl_ms;
         let row: Option<GrantRow> = sqlx::query_as(
             "SELECT out_free, out_units, out_unused, out_lease, out_ever \
-             FROM vouchers_grant_v2($1, $2, $3, $4, $5)",
+             FROM vouchers_grant_v3($1, $2, $3, $4, $5)",
         )
         .bind(code)
         .bind(node)
@@ -85,7 +86,8 @@ impl PostgresLedger {
                     crate::metrics::ledger_error(crate::metrics::LedgerOp::GrantPastTotal);
                 }
             }
-        })?;
+        })
+        .map_err(not_live)?;
         grant_of(row.ok_or(LedgerError::NotFound)?, expires_at)
     }
 
@@ -107,7 +109,7 @@ impl PostgresLedger {
                                             $5::bigint[]) \
                             WITH ORDINALITY AS u(code, node, want, now, expires, i) \
                        ORDER BY u.code) AS a \
-                 LEFT JOIN LATERAL vouchers_grant_v2(a.code, a.node, a.want, a.now, a.expires) g \
+                 LEFT JOIN LATERAL vouchers_grant_v3(a.code, a.node, a.want, a.now, a.expires) g \
                       ON true \
                  ORDER BY a.i",
         )
@@ -117,7 +119,8 @@ impl PostgresLedger {
         .bind(pick(|a| a.now))
         .bind(pick(|a| a.now + a.ttl_ms))
         .fetch_all(&self.pool())
-        .await?;
+        .await
+        .map_err(not_live)?;
         let mut answers: Vec<Option<Result<Grant, LedgerError>>> =
             asks.iter().map(|_| None).collect();
         for (i, free, units, unused, lease, ever) in rows {
@@ -319,6 +322,15 @@ impl PostgresLedger {
             "reaped the leases of a holder that stopped beating"
         );
         Ok(restocks)
+    }
+}
+
+/// `vouchers_grant_v3`'s refusal of a holder that is not live (SQLSTATE VH001) as
+/// [`LedgerError::NotLive`]; any other error as it is.
+fn not_live(e: sqlx::Error) -> LedgerError {
+    match &e {
+        sqlx::Error::Database(d) if d.code().as_deref() == Some("VH001") => LedgerError::NotLive,
+        _ => e.into(),
     }
 }
 

@@ -7,8 +7,8 @@ use sqlx::Connection;
 use super::{json_list, raw, SqliteLedger};
 use crate::clock::Millis;
 use crate::ledger::{
-    group_restocks, holder_name, restock_of_each, split_holder, Beat, Closing, Grant, GrantAsk,
-    Incarnation, Lease, LedgerError, Restock,
+    group_restocks, holder_name, is_incarnation, restock_of_each, split_holder, Beat, Closing,
+    Grant, GrantAsk, Incarnation, Lease, LedgerError, Restock,
 };
 
 /// Moves `min(want, free)` units into a new ACTIVE lease, in one transaction.
@@ -46,7 +46,8 @@ pub(super) fn grant_many_on(
     Ok(answers)
 }
 
-/// One grant inside the caller's transaction (a voucher not found writes nothing).
+/// One grant inside the caller's transaction (a voucher not found, or a holder that is not
+/// live, writes nothing).
 fn grant_in(
     db: &raw::Db,
     code: &str,
@@ -55,6 +56,13 @@ fn grant_in(
     now: Millis,
     ttl_ms: i64,
 ) -> Result<Grant, LedgerError> {
+    if is_incarnation(node) {
+        let mut live = db.prepare("SELECT 1 FROM nodes WHERE holder = ?1 AND beat_at <> 0")?;
+        live.bind_text(1, node)?;
+        if !live.step()? {
+            return Err(LedgerError::NotLive);
+        }
+    }
     let (free, leased_unused, ever_reserved) = {
         let mut q = db.prepare(
             "SELECT free, (SELECT COALESCE(SUM(granted - consumed), 0) FROM leases \
