@@ -472,9 +472,9 @@ pub trait Ledger: Send + Sync + 'static {
         now: Millis,
         ttl_ms: i64,
     ) -> Result<Grant, LedgerError>;
-    /// Several grants in one transaction (the node merges its actors' grants into one), each
-    /// with its own answer in order: `NotFound` for a voucher that does not exist. The outer
-    /// error means the transaction failed and no grant of it applied.
+    /// Several grants of one holder in one transaction (the node merges its actors' grants
+    /// into one), each with its own answer in order: `NotFound` for a voucher that does not
+    /// exist. The outer error means the transaction failed and no grant of it applied.
     async fn grant_many(
         &self,
         asks: &[GrantAsk],

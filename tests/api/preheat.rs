@@ -123,10 +123,11 @@ async fn a_warm_up_recalls_nothing_but_a_waiting_reserve_does() {
     // A code of its own: Redis channels are shared with the other tests.
     let code = format!("RECALL{}", vouchers::startup::random_hex(3).to_uppercase());
     assert_eq!(app.create_voucher(&code, 10, 1).await.0, 201);
-    // Every unit sits, unused, in the lease of another holder.
+    // Every unit sits, unused, in the lease of another holder (one without a number, whose
+    // lease nobody reaps before its TTL).
     let ghost = app
         .ledger
-        .grant(&code, "ghost#1", 10, app.engine.now_ms(), 3_600_000)
+        .grant(&code, "ghost", 10, app.engine.now_ms(), 3_600_000)
         .await
         .unwrap();
     assert_eq!(ghost.lease.map(|l| l.granted), Some(10));

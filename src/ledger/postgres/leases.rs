@@ -100,6 +100,10 @@ impl PostgresLedger {
         &self,
         asks: &[GrantAsk],
     ) -> Result<Vec<Result<Grant, LedgerError>>, LedgerError> {
+        // One holder per call (a node merges its own actors' grants): `vouchers_grant_v3` locks
+        // the holder's row at the first ask, before any voucher; holders mixed in one call
+        // would lock their rows between vouchers, and could deadlock with a reaper.
+        debug_assert!(asks.windows(2).all(|w| w[0].node == w[1].node));
         let pick = |f: fn(&GrantAsk) -> i64| -> Vec<i64> { asks.iter().map(f).collect() };
         let codes: Vec<&str> = asks.iter().map(|a| a.code.as_str()).collect();
         let nodes: Vec<&str> = asks.iter().map(|a| a.node.as_str()).collect();
