@@ -496,7 +496,7 @@ impl Ledger for ModelLedger {
         ttl_ms: i64,
     ) -> Result<Grant, LedgerError> {
         let mut s = self.state();
-        if is_incarnation(node) && !s.nodes.get(node).is_some_and(|n| n.beat_at != 0) {
+        if is_incarnation(node) && s.nodes.get(node).is_none_or(|n| n.beat_at == 0) {
             return Err(LedgerError::NotLive);
         }
         let leased_unused = s.leased_unused(code);
