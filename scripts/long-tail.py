@@ -107,7 +107,8 @@ def main():
                     help="after the idle-out, print where the node's RSS is (smaps)")
     ap.add_argument("--settle-min", type=int, default=0,
                     help="after the idle-out, RSS and CPU once a minute for this many minutes: "
-                         "where the node settles once the flood's backlog is recounted")
+                         "where the node settles once the flood's backlog is recounted; with "
+                         "--touch 0, the untouched node watched as long (the control)")
     ap.add_argument("--skip-customers", action="store_true")
     ap.add_argument("--skip-create", action="store_true")
     args = ap.parse_args()
@@ -150,6 +151,14 @@ def main():
         print(f"untouched, after 2 s of GET /health/live over 256 connections: "
               f"RSS {before:.1f} MB")
 
+        if not args.touch:
+            # The control: the untouched node watched as long as a flood's settling is, for
+            # what it gains with time alone (the ledger's page caches filling, say).
+            for minute in range(args.settle_min):
+                cpu = idle_cpu(p.pid, 60)
+                rss = bench.rss_mb(p.pid)
+                print(f"  untouched +{minute + 1} min: CPU {cpu:.1f} % of a core, "
+                      f"RSS {rss:.1f} MB ({rss / before:.2f}x)")
         touched = 0
         for flood in range(args.floods if args.touch else 0):
             # Codes never wrap (the rest of the catalogue is in range), so every request is a

@@ -8,6 +8,7 @@ pub mod openapi;
 pub mod reservations;
 pub mod vouchers;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use actix_web::body::BoxBody;
@@ -226,9 +227,47 @@ pub fn app(
                 let res = fut.await?;
                 let route = route_label(res.request().path());
                 crate::metrics::request_latency(route, started.elapsed());
-                Ok(res)
+                Ok(drop_request_headers(res))
             }
         })
+}
+
+/// Drops the request's headers once its response is built, so the request actix keeps for reuse
+/// does not keep its connection's read buffer.
+///
+/// actix-http parses header values as slices of the connection's 8 KiB read buffer, and both of
+/// actix's request pools (128 requests per HTTP worker each) keep a finished request's headers
+/// until the request is reused. After a flood, each pooled request kept the read buffer of the
+/// last connection it served, allocated amid the flood's short-lived blocks, so each held a
+/// mimalloc page that was otherwise empty once every actor had idled out (docs/PERFORMANCE.md,
+/// "The long tail"). Nothing reads a request's headers after its response is built.
+///
+/// The request is normally the only handle on it here; when something still holds a copy (a
+/// body that streams from it, say), actix would panic on the mutable borrow. That is caught,
+/// logged once, and the clearing is off for the rest of the process: memory, never a request,
+/// pays for it.
+fn drop_request_headers(res: ServiceResponse) -> ServiceResponse {
+    static OFF: AtomicBool = AtomicBool::new(false);
+    drop_headers_unless(&OFF, res)
+}
+
+/// [`drop_request_headers`], with the switch that turns it off given (tests have their own).
+fn drop_headers_unless(off: &AtomicBool, res: ServiceResponse) -> ServiceResponse {
+    // Built to abort on a panic, a shared request would end the process: then never.
+    if !cfg!(panic = "unwind") || off.load(Ordering::Relaxed) {
+        return res;
+    }
+    let (req, res) = res.into_parts();
+    let mut req = ServiceRequest::from_request(req);
+    let cleared = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        req.head_mut().headers.clear()
+    }));
+    if cleared.is_err() && !off.swap(true, Ordering::Relaxed) {
+        tracing::warn!(
+            "a request was still shared after its response: request headers are kept from now on"
+        );
+    }
+    ServiceResponse::new(req.into_parts().0, res)
 }
 
 /// A bounded label for the latency histogram, from the path by hand: asking the router for the
@@ -306,7 +345,104 @@ pub fn check_order_id(order_id: &str) -> Result<(), ApiError> {
 
 #[cfg(test)]
 mod tests {
-    use super::route_label;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use actix_web::dev::Service;
+    use actix_web::test as http;
+    use actix_web::{web, App, HttpRequest, HttpResponse};
+
+    use super::{drop_headers_unless, route_label};
+
+    /// An app behind the clearing switched by `$off`: `/echo/{name}` answers its name and the
+    /// `x-secret` header it was sent, `/shared` answers with a body that still holds the request.
+    macro_rules! echo_app {
+        ($off:expr) => {
+            http::init_service(
+                App::new()
+                    .wrap_fn(|req, srv| {
+                        let fut = srv.call(req);
+                        async move { Ok(drop_headers_unless($off, fut.await?)) }
+                    })
+                    .route(
+                        "/echo/{name}",
+                        web::get().to(|req: HttpRequest| async move {
+                            let secret = req
+                                .headers()
+                                .get("x-secret")
+                                .and_then(|v| v.to_str().ok())
+                                .unwrap_or("");
+                            let name = req.match_info().get("name").unwrap_or("");
+                            HttpResponse::Ok().body(format!("{name} {secret}"))
+                        }),
+                    )
+                    .route(
+                        "/shared",
+                        web::get().to(|req: HttpRequest| async move {
+                            HttpResponse::Ok().streaming(futures_util::stream::once(async move {
+                                Ok::<_, actix_web::Error>(web::Bytes::from(req.path().to_string()))
+                            }))
+                        }),
+                    ),
+            )
+            .await
+        };
+    }
+
+    #[actix_web::test]
+    async fn a_request_keeps_no_headers_once_answered() {
+        static OFF: AtomicBool = AtomicBool::new(false);
+        let app = echo_app!(&OFF);
+        let res = http::call_service(
+            &app,
+            http::TestRequest::get()
+                .uri("/echo/e1?q=1")
+                .insert_header(("x-secret", "s3"))
+                .to_request(),
+        )
+        .await;
+        assert!(
+            res.request().headers().is_empty(),
+            "{:?}",
+            res.request().headers()
+        );
+        assert!(!OFF.load(Ordering::Relaxed));
+        assert_eq!(
+            http::read_body(res).await,
+            "e1 s3",
+            "the handler saw its path and the header"
+        );
+    }
+
+    #[actix_web::test]
+    async fn a_request_still_shared_keeps_its_headers_and_turns_the_clearing_off() {
+        static OFF: AtomicBool = AtomicBool::new(false);
+        let app = echo_app!(&OFF);
+        let res = http::call_service(
+            &app,
+            http::TestRequest::get()
+                .uri("/shared")
+                .insert_header(("x-secret", "s3"))
+                .to_request(),
+        )
+        .await;
+        assert_eq!(res.request().headers().len(), 1);
+        assert!(OFF.load(Ordering::Relaxed));
+        assert_eq!(
+            http::read_body(res).await,
+            "/shared",
+            "the body was still served"
+        );
+        // Off for every later request.
+        let res = http::call_service(
+            &app,
+            http::TestRequest::get()
+                .uri("/echo/e2")
+                .insert_header(("x-secret", "s3"))
+                .to_request(),
+        )
+        .await;
+        assert_eq!(res.request().headers().len(), 1);
+    }
 
     #[test]
     fn route_labels_follow_the_routes() {
