@@ -14,7 +14,8 @@ create databases on). The admin token is $TOKEN, or the one the script gives the
 starts. Exits non-zero at the first broken rule, saying which.
 
 What it checks (every rule from the outside, by its status code and body):
-  admin auth (401 changes nothing), create/duplicate/invalid voucher, reads on every node;
+  admin auth (401 changes nothing), create/duplicate/invalid voucher, reads on every node (once
+  each knows the new code: see `voucher`);
   reserve, its retry on other nodes (same 201), one order on a second customer or voucher (409
   ALREADY_USED, on another shard where there are several), the per-customer limit, minimum
   order, unknown voucher, bad bodies (400 with detail), oversized bodies (413); confirm and
@@ -107,6 +108,12 @@ def voucher(code, total=10, per_user=1, min_order=0, starts=PAST, ends=FUTURE, d
     body = {"code": code, "discountAmount": discount, "minOrderAmount": min_order,
             "totalLimit": total, "perUserLimit": per_user, "startsAt": starts, "endsAt": ends}
     got = expect(f"create {code}", call("POST", "/admin/vouchers", body), 201, code=code)
+    # The other nodes learn a new code by the UPDATED signal or by their next read of the codes
+    # (`engine.known_codes_refresh_ms`); until then they answer 404 from memory (DESIGN §6,
+    # "Unknown codes"). Every rule below starts once every node knows it.
+    for base in bases:
+        until(f"{code} known on {base}", 10,
+              lambda: call("GET", f"/vouchers/{code}", base=base)[0] == 200 or "not yet")
     return got
 
 
