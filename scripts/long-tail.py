@@ -84,6 +84,18 @@ def print_memory(pid):
         print(f"  {kb / 1024:8.1f} MB  {name}")
 
 
+def heap(base):
+    """What a `--features heap-count` build reports of its heap, else nothing."""
+    text = bench.scrape(base)
+    live = bench.metric(text, 'vouchers_heap_bytes{kind="live"}')
+    committed = bench.metric(text, 'vouchers_heap_bytes{kind="committed"}')
+    glibc = bench.metric(text, 'vouchers_heap_bytes{kind="glibc"}')
+    if not committed:
+        return ""
+    return (f", heap live {live / 1e6:.1f} MB, mimalloc committed {committed / 1e6:.1f} MB, "
+            f"glibc live {glibc / 1e6:.1f} MB")
+
+
 def wrk_lua(script, base, args, threads=1, conns=256, duration=10):
     argv = ["wrk", f"-t{threads}", f"-c{conns}", f"-d{duration}s", "-s",
             os.path.join(bench.ROOT, "load-tests", script), base, "--"] + args
@@ -149,7 +161,7 @@ def main():
         time.sleep(3)
         before = bench.rss_mb(p.pid)
         print(f"untouched, after 2 s of GET /health/live over 256 connections: "
-              f"RSS {before:.1f} MB")
+              f"RSS {before:.1f} MB{heap(base)}")
 
         if not args.touch:
             # The control: the untouched node watched as long as a flood's settling is, for
@@ -158,7 +170,7 @@ def main():
                 cpu = idle_cpu(p.pid, 60)
                 rss = bench.rss_mb(p.pid)
                 print(f"  untouched +{minute + 1} min: CPU {cpu:.1f} % of a core, "
-                      f"RSS {rss:.1f} MB ({rss / before:.2f}x)")
+                      f"RSS {rss:.1f} MB ({rss / before:.2f}x){heap(base)}")
         touched = 0
         for flood in range(args.floods if args.touch else 0):
             # Codes never wrap (the rest of the catalogue is in range), so every request is a
@@ -196,14 +208,14 @@ def main():
             rss = bench.rss_mb(p.pid)
             print(f"idled out (actors {actors:.0f}): CPU {idle_cpu(p.pid):.1f} % of a core, "
                   f"RSS {rss:.1f} MB ({rss / before:.2f}x; {rss / fresh:.2f}x the fresh node), "
-                  f"/metrics {series:,} series, {size / 1e6:.2f} MB, {took:.0f} ms")
+                  f"/metrics {series:,} series, {size / 1e6:.2f} MB, {took:.0f} ms{heap(base)}")
             if args.memory:
                 print_memory(p.pid)
             for minute in range(args.settle_min):
                 cpu = idle_cpu(p.pid, 60)
                 rss = bench.rss_mb(p.pid)
                 print(f"  +{minute + 1} min: CPU {cpu:.1f} % of a core, "
-                      f"RSS {rss:.1f} MB ({rss / before:.2f}x)")
+                      f"RSS {rss:.1f} MB ({rss / before:.2f}x){heap(base)}")
             if args.settle_min and args.memory:
                 print_memory(p.pid)
 

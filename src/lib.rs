@@ -37,6 +37,9 @@ pub mod engine;
 pub mod feed;
 pub mod jobs;
 pub mod ledger;
+#[cfg(feature = "heap-count")]
+pub mod memory;
+#[cfg(not(feature = "heap-count"))]
 mod memory;
 pub mod metrics;
 pub mod shutdown;

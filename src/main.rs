@@ -10,8 +10,15 @@ use vouchers::startup::Application;
 /// mimalloc rather than glibc's malloc: the embedded ledger's commit allocates on the ledger's
 /// thread what the HTTP workers free, and glibc's arenas spent a tenth of a never-sells-out
 /// request's CPU on it (`_int_malloc`, `_int_free`, `malloc_consolidate` in a perf profile).
+#[cfg(not(any(feature = "heap-count", feature = "system-alloc")))]
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// The same, counting what it holds (`--features heap-count`, for diagnosis).
+#[cfg(all(feature = "heap-count", not(feature = "system-alloc")))]
+#[global_allocator]
+static ALLOCATOR: vouchers::memory::Counting<mimalloc::MiMalloc> =
+    vouchers::memory::Counting(mimalloc::MiMalloc);
 
 fn main() -> anyhow::Result<()> {
     no_huge_pages();

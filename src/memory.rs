@@ -76,3 +76,75 @@ pub(crate) fn mostly_empty(capacity: usize, len: usize) -> bool {
 
 /// Entries a table keeps room for however empty it is.
 const ROOM_KEPT: usize = 1024;
+
+/// The global allocator of a `heap-count` build: `A`, counting the bytes its callers hold.
+#[cfg(feature = "heap-count")]
+pub struct Counting<A>(pub A);
+
+/// Bytes allocated through [`Counting`] and not yet freed.
+#[cfg(feature = "heap-count")]
+static LIVE: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(0);
+
+#[cfg(feature = "heap-count")]
+// SAFETY: every call is passed to `A` unchanged; only the counter is added.
+unsafe impl<A: std::alloc::GlobalAlloc> std::alloc::GlobalAlloc for Counting<A> {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        let p = unsafe { self.0.alloc(layout) };
+        if !p.is_null() {
+            LIVE.fetch_add(layout.size() as i64, Ordering::Relaxed);
+        }
+        p
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
+        let p = unsafe { self.0.alloc_zeroed(layout) };
+        if !p.is_null() {
+            LIVE.fetch_add(layout.size() as i64, Ordering::Relaxed);
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        unsafe { self.0.dealloc(ptr, layout) };
+        LIVE.fetch_sub(layout.size() as i64, Ordering::Relaxed);
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, size: usize) -> *mut u8 {
+        let p = unsafe { self.0.realloc(ptr, layout, size) };
+        if !p.is_null() {
+            LIVE.fetch_add(size as i64 - layout.size() as i64, Ordering::Relaxed);
+        }
+        p
+    }
+}
+
+/// Sets `vouchers_heap_bytes`: what Rust's allocations hold (a `heap-count` build only), what
+/// mimalloc has committed for them, and what glibc's malloc has handed out (SQLite's memory).
+/// A no-op in other builds.
+pub(crate) fn record_heap() {
+    #[cfg(feature = "heap-count")]
+    {
+        extern "C" {
+            fn mi_process_info(
+                elapsed_msecs: *mut usize,
+                user_msecs: *mut usize,
+                system_msecs: *mut usize,
+                current_rss: *mut usize,
+                peak_rss: *mut usize,
+                current_commit: *mut usize,
+                peak_commit: *mut usize,
+                page_faults: *mut usize,
+            );
+        }
+        let mut v = [0usize; 8];
+        let [a, b, c, d, e, f, g, h] = &mut v;
+        // SAFETY: eight valid pointers to usize, each written once by mimalloc.
+        unsafe { mi_process_info(a, b, c, d, e, f, g, h) };
+        // SAFETY: mallinfo2 takes no argument and only reads glibc's arena statistics.
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        let glibc = unsafe { libc::mallinfo2() }.uordblks;
+        #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+        let glibc = 0;
+        crate::metrics::heap_bytes(LIVE.load(Ordering::Relaxed), v[5], glibc);
+    }
+}

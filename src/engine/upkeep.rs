@@ -157,6 +157,7 @@ impl EngineHandle {
             }
         }
         m::voucher_view(on_sale.len(), self.node.known.len());
+        crate::memory::record_heap();
         // The books of a voucher that just sold out, recounted now rather than at the
         // reconciler's next round (one after the other); charged to the recounts' budget.
         let sold_out: Vec<String> =
