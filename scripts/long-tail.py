@@ -84,9 +84,16 @@ def print_memory(pid):
         print(f"  {kb / 1024:8.1f} MB  {name}")
 
 
+HEAP_GAUGES = {}
+
+
 def heap(base):
-    """What a `--features heap-count` build reports of its heap, else nothing."""
+    """What a `--features heap-count` build reports of its heap, else nothing (a node that does
+    not export the gauges is asked once)."""
+    if HEAP_GAUGES.get(base) is False:
+        return ""
     text = bench.scrape(base)
+    HEAP_GAUGES[base] = any(k.startswith("vouchers_heap_bytes") for k in text)
     live = bench.metric(text, 'vouchers_heap_bytes{kind="live"}')
     committed = bench.metric(text, 'vouchers_heap_bytes{kind="committed"}')
     glibc = bench.metric(text, 'vouchers_heap_bytes{kind="glibc"}')

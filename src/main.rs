@@ -20,6 +20,12 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 static ALLOCATOR: vouchers::memory::Counting<mimalloc::MiMalloc> =
     vouchers::memory::Counting(mimalloc::MiMalloc);
 
+/// glibc's malloc, counted (`--features heap-count,system-alloc`: under heaptrack too).
+#[cfg(all(feature = "heap-count", feature = "system-alloc"))]
+#[global_allocator]
+static ALLOCATOR: vouchers::memory::Counting<std::alloc::System> =
+    vouchers::memory::Counting(std::alloc::System);
+
 fn main() -> anyhow::Result<()> {
     no_huge_pages();
     tracing_subscriber::fmt()

@@ -140,9 +140,14 @@ pub(crate) fn record_heap() {
         let [a, b, c, d, e, f, g, h] = &mut v;
         // SAFETY: eight valid pointers to usize, each written once by mimalloc.
         unsafe { mi_process_info(a, b, c, d, e, f, g, h) };
-        // SAFETY: mallinfo2 takes no argument and only reads glibc's arena statistics.
+        // SAFETY: mallinfo2 (glibc 2.33 and later) takes no argument; it locks each arena in
+        // turn and walks its free lists (SQLite's allocations wait that long, once a second,
+        // in a diagnosis build). In use: the arenas' blocks and the mmapped ones.
         #[cfg(all(target_os = "linux", target_env = "gnu"))]
-        let glibc = unsafe { libc::mallinfo2() }.uordblks;
+        let glibc = {
+            let info = unsafe { libc::mallinfo2() };
+            info.uordblks + info.hblkhd
+        };
         #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
         let glibc = 0;
         crate::metrics::heap_bytes(LIVE.load(Ordering::Relaxed), v[5], glibc);

@@ -131,6 +131,7 @@ impl EngineHandle {
     pub async fn live_numbers(&self) -> Result<usize, EngineError> {
         // These gauges are set here, so that they never go idle (see `metrics::install`).
         m::actors(self.node.registry.len());
+        crate::memory::record_heap();
         if self.node.tidy_registry() {
             self.node.give_back.make_due();
         }
@@ -157,7 +158,6 @@ impl EngineHandle {
             }
         }
         m::voucher_view(on_sale.len(), self.node.known.len());
-        crate::memory::record_heap();
         // The books of a voucher that just sold out, recounted now rather than at the
         // reconciler's next round (one after the other); charged to the recounts' budget.
         let sold_out: Vec<String> =
