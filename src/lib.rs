@@ -25,7 +25,8 @@
 //! - [`feed`]: the relay that copies the ledger's change feed to a Redis Stream.
 //! - [`shutdown`]: the background tasks' cooperative stop, waited for.
 //! - [`metrics`]: every metric name and the helpers that record them.
-//! - `memory`: hands what a flood left behind back to the system once it is over.
+//! - `memory`: hands what a flood left behind back to the system once it is over; in a
+//!   `heap-count` build (diagnosis), counts what Rust's allocations hold.
 //! - [`domain`]: vouchers, reservations, eligibility and input rules.
 //! - [`clock`]: the injected clock that lease and expiry logic read.
 

@@ -1,4 +1,5 @@
-//! Handing memory the node no longer uses back to the system.
+//! Handing memory the node no longer uses back to the system; and, in a `heap-count` build
+//! (for diagnosis, `Counting`), counting what the node's Rust allocations hold.
 //!
 //! Both allocators of the process keep freed memory for reuse: mimalloc (Rust's allocations,
 //! the global allocator of the `vouchers` binary) frees a page only when the thread that owns
