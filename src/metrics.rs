@@ -42,6 +42,8 @@ pub const ACTIVE_ACTORS: &str = "vouchers_active_actors";
 /// is capped (`metrics.top_vouchers` hottest here, plus the watched).
 pub const VOUCHER_VIEW: &str = "vouchers_voucher_view";
 pub const SWITCH: &str = "vouchers_switch";
+/// Only in a `heap-count` build (diagnosis): not part of what a serving node exports.
+#[cfg(feature = "heap-count")]
 pub const HEAP_BYTES: &str = "vouchers_heap_bytes";
 pub const KNOWN_CODES_READS: &str = "vouchers_known_codes_reads_total";
 pub const RATE_LIMITED: &str = "vouchers_rate_limited_total";
@@ -501,6 +503,7 @@ pub fn voucher_view(shown: usize, catalogue: usize) {
 /// `vouchers_heap_bytes{kind}` of a `heap-count` build: `live`, the bytes Rust's allocations
 /// hold; `committed`, what mimalloc has committed from the system for them; `glibc`, what
 /// glibc's malloc has handed out and not had back (SQLite's page caches and statements).
+#[cfg(feature = "heap-count")]
 pub fn heap_bytes(live: i64, committed: usize, glibc: usize) {
     gauge!(HEAP_BYTES, "kind" => "live").set(live as f64);
     gauge!(HEAP_BYTES, "kind" => "committed").set(committed as f64);
