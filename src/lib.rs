@@ -38,12 +38,13 @@ pub mod engine;
 pub mod feed;
 pub mod jobs;
 pub mod ledger;
-#[cfg(feature = "heap-count")]
-pub mod memory;
-#[cfg(not(feature = "heap-count"))]
 mod memory;
 pub mod metrics;
 pub mod shutdown;
 pub mod signals;
 pub mod sim;
 pub mod startup;
+
+/// The counting global allocator of a `heap-count` build (diagnosis).
+#[cfg(feature = "heap-count")]
+pub use memory::Counting;

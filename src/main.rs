@@ -17,14 +17,12 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// The same, counting what it holds (`--features heap-count`, for diagnosis).
 #[cfg(all(feature = "heap-count", not(feature = "system-alloc")))]
 #[global_allocator]
-static ALLOCATOR: vouchers::memory::Counting<mimalloc::MiMalloc> =
-    vouchers::memory::Counting(mimalloc::MiMalloc);
+static ALLOCATOR: vouchers::Counting<mimalloc::MiMalloc> = vouchers::Counting(mimalloc::MiMalloc);
 
 /// glibc's malloc, counted (`--features heap-count,system-alloc`: under heaptrack too).
 #[cfg(all(feature = "heap-count", feature = "system-alloc"))]
 #[global_allocator]
-static ALLOCATOR: vouchers::memory::Counting<std::alloc::System> =
-    vouchers::memory::Counting(std::alloc::System);
+static ALLOCATOR: vouchers::Counting<std::alloc::System> = vouchers::Counting(std::alloc::System);
 
 fn main() -> anyhow::Result<()> {
     no_huge_pages();
