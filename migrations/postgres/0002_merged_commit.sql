@@ -8,7 +8,10 @@
 --
 -- Locks, in this order, so that calls of different nodes never wait on each other in a cycle:
 --   1. the batches' leases, in id order (the fence);
---   2. the customers' usage rows, created if missing, in (voucher, customer) order;
+--   2. one transaction-level advisory lock per (voucher, customer) of the call, in key order
+--      (migration 15: usage is counted from the reservation rows; the lock serialises two
+--      calls that decide for the same customer, as the usage rows' own locks did). The key is
+--      a 32-bit hash of the pair: two pairs that share one only wait for each other;
 --   3. new reservation rows, in order-id order (a row another transaction stored meanwhile is
 --      skipped and reported LOST; the caller reads the stored row after commit);
 --   4. the change feed's head (`feed_head`, migration 7), last, held to commit: the call's new
@@ -83,13 +86,13 @@ BEGIN
 
     PERFORM 1 FROM leases WHERE id = ANY (p_lease) ORDER BY id FOR UPDATE;
 
-    -- Creates the missing usage rows and locks the existing ones in one pass (an upsert that
-    -- changes nothing still locks the row it meets). Rows still at zero when the call ends are
-    -- deleted again (a usage of zero is the same as none), so refused rows leave no trace.
-    INSERT INTO customer_usage AS u (voucher_code, customer_id, used)
-    SELECT DISTINCT p_code[t.b], t.c, 0::BIGINT FROM unnest(p_batch, p_customer) AS t (b, c)
-    ORDER BY 1, 2
-    ON CONFLICT (voucher_code, customer_id) DO UPDATE SET used = u.used;
+    -- The customers' locks (see 2. above; class 1447253331 is this function's own). A call
+    -- takes one per distinct pair: the caller keeps a call under a bounded number of them
+    -- (PostgreSQL's lock table is shared and sized by max_locks_per_transaction).
+    PERFORM pg_advisory_xact_lock(1447253331, d.k) FROM (
+        SELECT DISTINCT hashtext(p_code[t.b] || ' ' || t.c::text) AS k
+        FROM unnest(p_batch, p_customer) AS t (b, c)) d
+    ORDER BY d.k;
 
     -- A new statement: its snapshot sees everything committed before the locks were granted.
     WITH r AS (
@@ -149,7 +152,12 @@ BEGIN
                     THEN 'INSERT'
                     ELSE 'ALREADY_USED' END AS v1
         FROM p
-        LEFT JOIN customer_usage u ON u.voucher_code = p.code AND u.customer_id = p.c
+        -- The customer's live rows, by `reservations_by_customer`: committed before the lock
+        -- was had, so every earlier decision for the pair is counted.
+        LEFT JOIN LATERAL (
+            SELECT count(*) AS used FROM reservations x
+            WHERE x.voucher_code = p.code AND x.customer_id = p.c AND x.status <> 'RELEASED'
+        ) u ON p.v0 = 'CANDIDATE'
     ),
     -- The fence, only for batches that would take units: a batch of replays and refusals
     -- answers even on a lease that is gone.
@@ -176,21 +184,6 @@ BEGIN
         UPDATE leases l SET consumed = l.consumed + d.n
         FROM (SELECT ins.lease_id, count(*) AS n FROM ins GROUP BY ins.lease_id) d
         WHERE l.id = d.lease_id
-    ),
-    uu AS (
-        UPDATE customer_usage u SET used = u.used + d.n
-        FROM (SELECT ins.voucher_code, ins.customer_id, count(*) AS n
-              FROM ins GROUP BY ins.voucher_code, ins.customer_id) d
-        WHERE u.voucher_code = d.voucher_code AND u.customer_id = d.customer_id
-    ),
-    zero AS (
-        DELETE FROM customer_usage u
-        USING (SELECT DISTINCT q.code, q.c FROM q) d
-        WHERE u.voucher_code = d.code AND u.customer_id = d.c AND u.used = 0
-          -- NOT IN over the inserted pairs is one hashed lookup per row; an anti-join to the
-          -- CTE was planned as a nested loop (the generic plan takes `ins` for one row), which
-          -- is quadratic in the batch.
-          AND (d.code, d.c) NOT IN (SELECT ins.voucher_code, ins.customer_id FROM ins)
     )
     SELECT array_agg(o.idx ORDER BY o.idx), array_agg(o.verdict ORDER BY o.idx),
            array_agg(o.discount ORDER BY o.idx), array_agg(o.s_voucher ORDER BY o.idx),

@@ -3,9 +3,10 @@
 --
 -- Locks, in this order (the merged commit's order, and the change feed's head last, as every
 -- transaction takes it): the reservation rows (their status guards "exactly once"), the voucher
--- rows in code order, the customers' usage rows in (voucher, customer) order, the feed's head.
--- Each reservation row is written once, with its new status and its feed number. Re-applied on
--- every start (CREATE OR REPLACE).
+-- rows in code order, the feed's head. A customer's usage is counted from the rows (migration
+-- 15), so a release or an expiry lowers it by writing the row's status, nothing else. Each
+-- reservation row is written once, with its new status and its feed number. Re-applied on every
+-- start (CREATE OR REPLACE).
 
 CREATE OR REPLACE FUNCTION vouchers_settle(
     p_code    TEXT,
@@ -37,8 +38,6 @@ BEGIN
         UPDATE vouchers SET confirmed = confirmed + 1 WHERE code = p_code;
     ELSE
         UPDATE vouchers SET free = free + 1, released = released + 1 WHERE code = p_code;
-        UPDATE customer_usage SET used = used - 1
-        WHERE customer_usage.voucher_code = p_code AND customer_usage.customer_id = v_customer;
     END IF;
     UPDATE feed_head SET last = last + 1 WHERE id = 1 RETURNING last INTO v_seq;
     IF v_seq IS NULL THEN
@@ -78,15 +77,6 @@ BEGIN
     FROM (SELECT r.voucher_code AS code, count(*) AS n FROM reservations r
           WHERE r.order_id = ANY (v_orders) GROUP BY r.voucher_code) c
     WHERE v.code = c.code;
-    PERFORM 1 FROM customer_usage u
-    WHERE (u.voucher_code, u.customer_id) IN
-          (SELECT r.voucher_code, r.customer_id FROM reservations r WHERE r.order_id = ANY (v_orders))
-    ORDER BY u.voucher_code, u.customer_id FOR UPDATE;
-    UPDATE customer_usage u SET used = u.used - c.n
-    FROM (SELECT r.voucher_code AS code, r.customer_id AS customer, count(*) AS n
-          FROM reservations r WHERE r.order_id = ANY (v_orders)
-          GROUP BY r.voucher_code, r.customer_id) c
-    WHERE u.voucher_code = c.code AND u.customer_id = c.customer;
     UPDATE feed_head SET last = last + cardinality(v_orders) WHERE id = 1
     RETURNING last - cardinality(v_orders) INTO v_base;
     IF v_base IS NULL THEN

@@ -44,12 +44,10 @@ pub struct Books {
     pub kept_confirmed: i64,
     pub kept_released: i64,
     pub kept_reserved: Option<i64>,
-    /// Σ used over the customers' usage rows.
+    /// Σ used over the customers' usage (`customer_usage`, on both stores a view of the
+    /// reservation rows: comparing it customer by customer would compare the rows with
+    /// themselves, so the limit is judged from the rows alone).
     pub usage: i64,
-    /// Each customer's `used`, where it is a table of its own (PostgreSQL). On SQLite
-    /// `customer_usage` is a view of the reservation rows, so comparing it with them would
-    /// compare the rows with themselves: `None`, and the limit is judged from the rows alone.
-    pub usage_by_customer: Option<BTreeMap<i64, i64>>,
     /// Every reservation row of the voucher, by order id.
     pub rows: BTreeMap<String, Row>,
     /// Order ids of the RESERVED and CONFIRMED rows.
@@ -150,7 +148,6 @@ macro_rules! read_books {
             (kept_confirmed, kept_released, kept_reserved),
             rows,
             usage,
-            !$sqlite,
         )
     }};
 }
@@ -180,7 +177,6 @@ impl Books {
         (kept_confirmed, kept_released, kept_reserved): (i64, i64, Option<i64>),
         rows: Vec<RowTuple>,
         usage: Vec<(i64, i64)>,
-        usage_is_a_table: bool,
     ) -> Books {
         let rows: BTreeMap<String, Row> = rows
             .into_iter()
@@ -217,8 +213,6 @@ impl Books {
             kept_released,
             kept_reserved,
             usage: usage.iter().map(|(_, n)| n).sum(),
-            usage_by_customer: usage_is_a_table
-                .then(|| usage.into_iter().filter(|(_, n)| *n != 0).collect()),
             rows,
             live,
         }
@@ -333,13 +327,7 @@ impl Books {
                 self.per_user_limit
             ));
         }
-        if let Some(usage) = &self.usage_by_customer {
-            if usage != &holdings {
-                v.push(format!(
-                    "usage: usage rows {usage:?} != live rows per customer {holdings:?}"
-                ));
-            }
-        } else if self.usage != sold {
+        if self.usage != sold {
             v.push(format!(
                 "usage: usage {} != live reservations {sold}",
                 self.usage
@@ -585,7 +573,7 @@ async fn a_total_under_the_units_sold_is_noticed_on_postgres() {
 
 /// A customer holding more live reservations than `perUserLimit` (2 here): rows moved to
 /// customer 1. The reconciler sums usage and does not judge customers; the auditor does, from the
-/// rows (on PostgreSQL it also sees the usage rows disagree with them).
+/// rows.
 const OVER_THE_LIMIT: &str =
     "UPDATE reservations SET customer_id = 1 WHERE order_id IN ('sens-2', 'sens-3')";
 
@@ -682,45 +670,27 @@ async fn rows_that_differ_from_what_the_clients_saw_are_noticed() {
 const USAGE_PLUS_ONE: &str =
     "UPDATE customer_usage SET used = used + 1 WHERE voucher_code = 'SENS' AND customer_id = 1";
 
-/// PostgreSQL keeps each customer's usage in rows of its own (locked by every node's batches),
-/// which can drift from the reservations: the reconciler must see it.
-#[actix_web::test]
-#[cfg_attr(no_test_pg, ignore = "needs TEST_DATABASE_URL; .ci/run sets it")]
-async fn usage_off_by_one_is_noticed() {
-    let Some(url) = crate::ledger::fresh_pg_schema("usage").await else {
-        return;
-    };
-    let app = crate::helpers::spawn_app_with(|s| s.ledger.url = url).await;
-    corruption_is_noticed_on(app, USAGE_PLUS_ONE, both("usage")).await;
-}
-
-/// The embedded ledger counts a customer's usage from their reservations: `customer_usage` is a
-/// view of them, so there is no second copy to drift, and it cannot be written.
-#[actix_web::test]
-async fn sqlite_usage_is_counted_from_the_reservations() {
-    let app = spawn_app().await;
+/// Both ledgers count a customer's usage from their reservations: `customer_usage` is a view of
+/// them (PostgreSQL since migration 15), so there is no second copy to drift, and it cannot be
+/// written.
+async fn usage_is_counted_from_the_reservations_on(app: crate::helpers::TestApp) {
     assert_eq!(app.create_voucher("SENS", 10, 2).await.0, 201);
     assert_eq!(app.reserve("SENS", 1, "use-1").await.0, 201);
     assert_eq!(app.reserve("SENS", 1, "use-2").await.0, 201);
-    let pool = sqlx::SqlitePool::connect(&app.db_url).await.unwrap();
-    let used: i64 = sqlx::query_scalar(
-        "SELECT used FROM customer_usage WHERE voucher_code = 'SENS' AND customer_id = 1",
-    )
-    .fetch_one(&pool)
-    .await
-    .unwrap();
-    assert_eq!(used, 2);
+    assert_eq!(books(&app.db_url, "SENS").await.usage, 2);
     assert!(
-        sqlx::query(USAGE_PLUS_ONE).execute(&pool).await.is_err(),
+        crate::helpers::try_execute(&app.db_url, USAGE_PLUS_ONE)
+            .await
+            .is_err(),
         "customer_usage took a write"
     );
-    pool.close().await;
     assert_eq!(
         app.call("DELETE", "/vouchers/SENS/reservations/use-1")
             .await
             .0,
         200
     );
+    assert_eq!(books(&app.db_url, "SENS").await.usage, 1);
     assert_eq!(
         app.reserve("SENS", 1, "use-3").await.0,
         201,
@@ -732,6 +702,21 @@ async fn sqlite_usage_is_counted_from_the_reservations() {
         "two live reservations are the limit"
     );
     books(&app.db_url, "SENS").await.assert_balanced("SENS");
+}
+
+#[actix_web::test]
+async fn sqlite_usage_is_counted_from_the_reservations() {
+    usage_is_counted_from_the_reservations_on(spawn_app().await).await;
+}
+
+#[actix_web::test]
+#[cfg_attr(no_test_pg, ignore = "needs TEST_DATABASE_URL; .ci/run sets it")]
+async fn postgres_usage_is_counted_from_the_reservations() {
+    let Some(url) = crate::ledger::fresh_pg_schema("usage").await else {
+        return;
+    };
+    let app = crate::helpers::spawn_app_with(|s| s.ledger.url = url).await;
+    usage_is_counted_from_the_reservations_on(app).await;
 }
 
 #[actix_web::test]

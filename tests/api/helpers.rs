@@ -351,16 +351,19 @@ pub async fn blocked_by(pool: &sqlx::PgPool, holder: i32, what: &str) {
 /// Runs one statement on the ledger at `db_url` (SQLite or PostgreSQL, on a pool of its own
 /// kind) behind the engine's back; the rows it changed.
 pub async fn execute(db_url: &str, sql: &str) -> u64 {
+    try_execute(db_url, sql)
+        .await
+        .unwrap_or_else(|e| panic!("`{sql}`: {e}"))
+}
+
+/// [`execute`], with the database's refusal as an error.
+pub async fn try_execute(db_url: &str, sql: &str) -> Result<u64, sqlx::Error> {
     macro_rules! on {
         ($pool:ty) => {{
             let pool = <$pool>::connect(db_url).await.expect("connect the ledger");
-            let n = sqlx::query(sql)
-                .execute(&pool)
-                .await
-                .unwrap_or_else(|e| panic!("`{sql}`: {e}"))
-                .rows_affected();
+            let n = sqlx::query(sql).execute(&pool).await;
             pool.close().await;
-            n
+            n.map(|done| done.rows_affected())
         }};
     }
     if matches!(

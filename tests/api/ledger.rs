@@ -131,6 +131,7 @@ async fn conformance(l: SharedLedger) {
     release_confirm_and_expiry_move_units_exactly_once(&l).await;
     concurrent_grants_and_batches_never_oversell(&l).await;
     concurrent_batches_agree_on_customers_and_orders(&l).await;
+    concurrent_batches_keep_each_customer_to_the_limit(&l).await;
     edits_follow_the_rules(&l).await;
     merged_batches_settle_each_batch_on_its_own(&l).await;
     an_order_id_is_not_taken_by_a_row_that_never_inserts(&l).await;
@@ -1140,6 +1141,52 @@ async fn concurrent_batches_agree_on_customers_and_orders(l: &SharedLedger) {
     assert_eq!(c.reserved, 20);
 }
 
+/// Nodes that commit the same customers at once, each with order ids of its own: every row would
+/// insert on its own, so only the ledger's serialisation of each (voucher, customer) keeps the
+/// per-customer limit (1 here): each customer ends with exactly one reservation.
+async fn concurrent_batches_keep_each_customer_to_the_limit(l: &SharedLedger) {
+    l.create_voucher(&voucher("Y", 10_000, 1), NOW)
+        .await
+        .unwrap();
+    let nodes = (0..6).map(|node| {
+        let l = l.clone();
+        async move {
+            let lease = leased(&l, "Y", &format!("y{node}"), 1000).await;
+            let mut created = Vec::new();
+            for round in 0..8 {
+                let rs: Vec<BatchRow> = (0..40)
+                    .map(|c| BatchRow {
+                        order_id: format!("y-{node}-{round}-{c}"),
+                        customer_id: 1 + round * 40 + c,
+                    })
+                    .collect();
+                let out = l.commit_batch(&batch("Y", lease.id, rs)).await.unwrap();
+                for o in out {
+                    match o {
+                        RowOutcome::Created(r) => created.push(r.customer_id),
+                        other => assert_eq!(other, RowOutcome::AlreadyUsed),
+                    }
+                }
+            }
+            created
+        }
+    });
+    let mut per_customer: HashMap<i64, i64> = HashMap::new();
+    for c in join_all(nodes).await.into_iter().flatten() {
+        *per_customer.entry(c).or_insert(0) += 1;
+    }
+    assert_eq!(per_customer.len(), 320, "every customer got one");
+    let over: Vec<_> = per_customer.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(
+        over.is_empty(),
+        "{} customers over the limit of 1, such as {:?}",
+        over.len(),
+        &over[..over.len().min(5)]
+    );
+    let c = balanced(l, "Y").await;
+    assert_eq!(c.reserved, 320);
+}
+
 /// The node-wide group commit: batches of several vouchers (and a voucher twice) in one
 /// transaction, as if committed one after the other. A fenced batch takes nothing and the others
 /// commit; limits, replays and order-id clashes are decided per row, across batches too.
@@ -1948,6 +1995,60 @@ async fn orders_stored_before_claims_begin_stay_on_their_voucher() {
         .err()
         .expect("refused");
     assert!(format!("{err:#}").contains("does not list"), "{err:#}");
+}
+
+/// A merge of more customers than one call may lock (512, see `MAX_CUSTOMERS_PER_CALL`) goes in
+/// several calls, each its own transaction with its own change-feed batch, and every row of
+/// every batch is decided as in one call.
+#[tokio::test]
+#[cfg_attr(
+    no_test_pg,
+    ignore = "needs TEST_DATABASE_URL (PostgreSQL); .ci/run sets it"
+)]
+async fn postgres_a_merge_of_many_customers_goes_in_several_calls() {
+    let Some(url) = fresh_pg_schema("wide").await else {
+        return;
+    };
+    let l = ledger::connect(&url, 2).await.unwrap();
+    let mut batches = Vec::new();
+    for v in 0..3 {
+        let code = format!("W{v}");
+        l.create_voucher(&voucher(&code, 1000, 1), NOW)
+            .await
+            .unwrap();
+        let lease = leased(&l, &code, "n1", 400).await;
+        // 300 customers each, and customer 1 twice (the second is over the limit).
+        let mut rs: Vec<BatchRow> = (1..=300)
+            .map(|c| BatchRow {
+                order_id: format!("w{v}-{c}"),
+                customer_id: c,
+            })
+            .collect();
+        rs.push(BatchRow {
+            order_id: format!("w{v}-again"),
+            customer_id: 1,
+        });
+        batches.push(batch(&code, lease.id, rs));
+    }
+    let out = l.commit_batches(&batches).await.unwrap();
+    for (b, res) in batches.iter().zip(out) {
+        let res = res.unwrap();
+        assert_eq!(res.len(), 301);
+        let created = res
+            .iter()
+            .filter(|o| matches!(o, RowOutcome::Created(_)))
+            .count();
+        assert_eq!(created, 300, "{}", b.voucher_code);
+        assert_eq!(res[300], RowOutcome::AlreadyUsed);
+        assert_eq!(balanced(&l, &b.voucher_code).await.reserved, 300);
+    }
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let calls: i64 = sqlx::query_scalar("SELECT count(*) FROM feed_batches")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    pool.close().await;
+    assert_eq!(calls, 3, "300 + 300 customers pass 512: one call per batch");
 }
 
 /// DESIGN §3's last line on PostgreSQL after leases close: the grant check reads what closed

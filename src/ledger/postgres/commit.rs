@@ -33,7 +33,12 @@ impl PostgresLedger {
                         "merged commit deadlocked; retrying"
                     );
                 }
-                other => return other,
+                other => {
+                    if let Err(e) = &other {
+                        warn_if_out_of_locks(e);
+                    }
+                    return other;
+                }
             }
         }
     }
@@ -83,6 +88,7 @@ impl PostgresLedger {
             let mut rows = match rows {
                 Ok(rows) => rows.into_iter(),
                 Err(e) => {
+                    warn_if_out_of_locks(&e);
                     tracing::warn!(error = %e, "a later call of a merged commit failed");
                     let failed = Arc::new(e);
                     for &i in group {
@@ -115,45 +121,82 @@ impl PostgresLedger {
     }
 }
 
+/// A call refused for want of room in PostgreSQL's lock table (SQLSTATE 53200, "out of shared
+/// memory"): said once per failed call with the remedy, since the error alone does not name it.
+fn warn_if_out_of_locks(e: &LedgerError) {
+    if matches!(e, LedgerError::Database { code: Some(c), .. } if c == "53200") {
+        tracing::error!(
+            error = %e,
+            "merged commit refused: PostgreSQL's lock table is full (one advisory lock per \
+             customer of each call); raise max_locks_per_transaction (docs/OPERATIONS.md)"
+        );
+    }
+}
+
 /// PostgreSQL chose this call as a deadlock's victim (it ran nothing).
 fn is_deadlock(e: &LedgerError) -> bool {
     matches!(e, LedgerError::Database { code: Some(c), .. } if c == "40P01")
 }
 
+/// Most distinct (voucher, customer) pairs in one call: the call holds an advisory lock on each
+/// until it commits (migration 15), and PostgreSQL's lock table, shared by every session, holds
+/// about `max_locks_per_transaction × max_connections` locks (6,400 by default; the sizing is in
+/// docs/OPERATIONS.md). A larger merge goes in several calls, one after the other; a call's
+/// fixed cost (about 0.7 ms of PostgreSQL CPU) is then spread over at least this many rows. One
+/// batch (at most `engine.max_batch` rows) is never split.
+const MAX_CUSTOMERS_PER_CALL: usize = 512;
+
 /// Batch indexes split into groups in which no voucher and no order id appears in two batches
-/// (the precondition of `vouchers_commit_batches_v2`). The node's committer sends each voucher
-/// once per transaction, so this is one group in slice order unless two vouchers' batches
-/// share an order id.
+/// (the precondition of `vouchers_commit_batches_v2`) and that hold at most
+/// [`MAX_CUSTOMERS_PER_CALL`] customers (unless one batch alone has more). The node's committer
+/// sends each voucher once per transaction, so this is one group in slice order unless two
+/// vouchers' batches share an order id or the merge is that large.
 fn independent_groups(batches: &[Batch]) -> Vec<Vec<usize>> {
+    independent_groups_of(batches, MAX_CUSTOMERS_PER_CALL)
+}
+
+fn independent_groups_of(batches: &[Batch], max_customers: usize) -> Vec<Vec<usize>> {
     struct Group<'a> {
         codes: HashSet<&'a str>,
         orders: HashSet<&'a str>,
+        /// Distinct (voucher, customer) pairs: the call's advisory locks.
+        customers: usize,
         members: Vec<usize>,
     }
     let mut groups: Vec<Group> = Vec::new();
     for (i, b) in batches.iter().enumerate() {
-        let fits = |g: &Group| {
-            !g.codes.contains(b.voucher_code.as_str())
-                && b.rows
+        let clashes = |g: &Group| {
+            g.codes.contains(b.voucher_code.as_str())
+                || b.rows
                     .iter()
-                    .all(|r| !g.orders.contains(r.order_id.as_str()))
+                    .any(|r| g.orders.contains(r.order_id.as_str()))
         };
-        // A batch goes after every group it clashes with, so the slice order holds.
-        let last_clash = groups.iter().rposition(|g| !fits(g));
-        let at = match last_clash {
-            Some(j) => j + 1,
-            None => 0,
+        let customers = b
+            .rows
+            .iter()
+            .map(|r| r.customer_id)
+            .collect::<HashSet<_>>()
+            .len();
+        // A batch goes after every group it clashes with, so the slice order holds; then into
+        // the first of those with room for its customers.
+        let after = groups.iter().rposition(clashes).map_or(0, |j| j + 1);
+        let room = |g: &Group| g.members.is_empty() || g.customers + customers <= max_customers;
+        let at = match groups.iter().skip(after).position(room) {
+            Some(k) => after + k,
+            None => {
+                groups.push(Group {
+                    codes: HashSet::new(),
+                    orders: HashSet::new(),
+                    customers: 0,
+                    members: Vec::new(),
+                });
+                groups.len() - 1
+            }
         };
-        if at == groups.len() {
-            groups.push(Group {
-                codes: HashSet::new(),
-                orders: HashSet::new(),
-                members: Vec::new(),
-            });
-        }
         let g = &mut groups[at];
         g.codes.insert(&b.voucher_code);
         g.orders.extend(b.rows.iter().map(|r| r.order_id.as_str()));
+        g.customers += customers;
         g.members.push(i);
     }
     groups.into_iter().map(|g| g.members).collect()
@@ -346,4 +389,75 @@ fn resolve_verdicts(
     }
     let created = created_rows(batch, won, discount);
     Ok(resolve_plan(plan, &created))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ledger::BatchRow;
+
+    fn batch(code: &str, rows: &[(&str, i64)]) -> Batch {
+        Batch {
+            voucher_code: code.to_string(),
+            lease_id: 1,
+            now: 0,
+            expires_at: 1,
+            rows: rows
+                .iter()
+                .map(|(o, c)| BatchRow {
+                    order_id: o.to_string(),
+                    customer_id: *c,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn batches_that_share_a_voucher_or_an_order_go_in_later_calls_in_order() {
+        let batches = [
+            batch("A", &[("o1", 1)]),
+            batch("B", &[("o2", 1)]),
+            batch("A", &[("o3", 2)]),
+            batch("C", &[("o2", 3)]),
+            batch("D", &[("o4", 4)]),
+        ];
+        assert_eq!(
+            independent_groups_of(&batches, 1024),
+            vec![vec![0, 1, 4], vec![2, 3]]
+        );
+    }
+
+    #[test]
+    fn a_call_holds_a_bounded_number_of_customers_and_never_splits_a_batch() {
+        // Customers count once per batch (the same customer twice is one lock).
+        let batches = [
+            batch("A", &[("a1", 1), ("a2", 1), ("a3", 2)]),
+            batch("B", &[("b1", 1), ("b2", 2)]),
+            batch(
+                "C",
+                &[("c1", 1), ("c2", 2), ("c3", 3), ("c4", 4), ("c5", 5)],
+            ),
+            batch("D", &[("d1", 1)]),
+            batch("A", &[("a4", 9)]),
+        ];
+        // A and B make four pairs; C alone has five and takes a call of its own; D fits
+        // neither beside them, so it opens a third call; A's second batch must come after the
+        // first call (it shares A) and joins D's.
+        assert_eq!(
+            independent_groups_of(&batches, 4),
+            vec![vec![0, 1], vec![2], vec![3, 4]]
+        );
+        for g in independent_groups_of(&batches, 4) {
+            let pairs: HashSet<(&str, i64)> = g
+                .iter()
+                .flat_map(|&i| {
+                    let b = &batches[i];
+                    b.rows
+                        .iter()
+                        .map(move |r| (b.voucher_code.as_str(), r.customer_id))
+                })
+                .collect();
+            assert!(pairs.len() <= 4 || g.len() == 1, "{g:?}: {pairs:?}");
+        }
+    }
 }

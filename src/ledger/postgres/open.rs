@@ -61,8 +61,12 @@ const MIGRATIONS: &[(i64, &str)] = &[
         13,
         include_str!("../../../migrations/postgres/0013_claim_mode.sql"),
     ),
-    // 14: retired, never to be reused (the next is 15). Builds of 1c59448 and b87f195 applied
-    // `placement.sql` as version 14; it is now repeatable, and `migrate` deletes the row.
+    // 14: retired, never to be reused. Builds of 1c59448 and b87f195 applied `placement.sql`
+    // as version 14; it is now repeatable, and `migrate` deletes the row.
+    (
+        15,
+        include_str!("../../../migrations/postgres/0015_usage_from_rows.sql"),
+    ),
 ];
 
 /// Versions a build of this project once applied and later retired: their rows are deleted
