@@ -613,13 +613,6 @@ impl Ledger for PostgresLedger {
         .bind(codes)
         .fetch_all(&mut *tx)
         .await?;
-        let usage: Vec<(String, i64)> = sqlx::query_as(
-            "SELECT voucher_code, COALESCE(SUM(used), 0)::BIGINT FROM customer_usage \
-             WHERE voucher_code = ANY($1) GROUP BY voucher_code",
-        )
-        .bind(codes)
-        .fetch_all(&mut *tx)
-        .await?;
         tx.commit().await?;
         let mut by_status: HashMap<String, Vec<(String, i64)>> = HashMap::new();
         for (code, status, n) in rows {
@@ -629,12 +622,20 @@ impl Ledger for PostgresLedger {
             .into_iter()
             .map(|(c, a, b, d)| (c, (a, b, d)))
             .collect();
-        let usage: HashMap<String, i64> = usage.into_iter().collect();
         let mut found: HashMap<String, Counters> = HashMap::with_capacity(heads.len());
         for (code, total_limit, free, confirmed, released, kept_closed) in heads {
             let (leased_unused, consumed, closed) = leases.get(&code).copied().unwrap_or_default();
             // Units taken by batches, less those confirmed or released since (see the migration).
             let reserved = consumed - confirmed - released;
+            let statuses = by_status.get(&code).map_or(&[][..], Vec::as_slice);
+            // Usage is the count of the rows that are not RELEASED (`customer_usage` is a view
+            // of it since migration 15, as on SQLite): it cannot drift from them, so it is not
+            // read again (summing the view cost more than the rows' count by status).
+            let usage = statuses
+                .iter()
+                .filter(|(s, _)| s != "RELEASED")
+                .map(|(_, n)| n)
+                .sum();
             let mut counters = super::reconcile(
                 Counters {
                     total_limit,
@@ -645,9 +646,9 @@ impl Ledger for PostgresLedger {
                     released,
                     balanced: false,
                 },
-                by_status.get(&code).map_or(&[][..], Vec::as_slice),
+                statuses,
                 consumed,
-                usage.get(&code).copied().unwrap_or(0),
+                usage,
             );
             // The grant check reads closed leases' consumption from the voucher row (migration
             // 10): a copy that drifted from the leases would weaken DESIGN §3's last line unseen.
