@@ -61,6 +61,22 @@ pub fn random_hex(bytes: usize) -> String {
     buf.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// `engine.max_batch` as the ledger takes it: on PostgreSQL a batch's customers each hold an
+/// advisory lock until the batch's call commits, and a call holds at most
+/// `MAX_CUSTOMERS_PER_CALL` of them (the server's lock table is shared; DESIGN §4).
+fn batch_bound(kind: LedgerKind, max_batch: usize) -> usize {
+    let bound = ledger::postgres::commit::MAX_CUSTOMERS_PER_CALL;
+    if kind == LedgerKind::Postgres && max_batch > bound {
+        tracing::info!(
+            max_batch,
+            bound,
+            "engine.max_batch held to the PostgreSQL ledger's bound on customers per call"
+        );
+        return bound;
+    }
+    max_batch
+}
+
 /// The embedded ledger's file belongs to one process. A second process on the same data
 /// directory refuses to start before it touches anything (it would take the running node's
 /// leases back as an earlier run's). The lock is a POSIX record lock on `<ledger file>.lock`,
@@ -313,6 +329,7 @@ impl Application {
         let engine_settings = EngineSettings {
             // Alone only where the data lock was taken: it keeps a second process off the file.
             sole_node: data_lock.is_some(),
+            max_batch: batch_bound(kind, settings.engine.max_batch),
             ..settings.engine.clone()
         };
         let (engine, shards) = EngineHandle::start(

@@ -66,6 +66,7 @@ DECLARE
     a_expires  BIGINT[];
     v_inserted TEXT[];  -- the order ids this call inserted, in order-id order
     v_last     BIGINT;  -- the feed number of the last of them
+    v_keys     INT[];   -- the customers' lock keys, in order
 BEGIN
     -- The fence of the order claims across shards (migration 13): a commit not made by a node
     -- that claims its orders (`vouchers.claimed`, set by vouchers_commit_batches_claimed) is
@@ -73,10 +74,11 @@ BEGIN
     -- fresh snapshot, so it sees a copier's row committed while this call waited for the lock.
     -- The read needs a snapshot newer than the lock: READ COMMITTED (the default) takes one
     -- per statement; a session set to a stricter level is refused.
+    -- Every path: the customers' locks (below) rely on it too.
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'the merged commit needs READ COMMITTED' USING ERRCODE = 'VC002';
+    END IF;
     IF current_setting('vouchers.claimed', true) IS DISTINCT FROM 'on' THEN
-        IF current_setting('transaction_isolation') <> 'read committed' THEN
-            RAISE EXCEPTION 'the merged commit needs READ COMMITTED' USING ERRCODE = 'VC002';
-        END IF;
         PERFORM pg_advisory_xact_lock_shared(8534436735584641637);
         IF EXISTS (SELECT 1 FROM claims_begun) THEN
             RAISE EXCEPTION 'order claims began here: list every shard in ledger.shards'
@@ -86,13 +88,22 @@ BEGIN
 
     PERFORM 1 FROM leases WHERE id = ANY (p_lease) ORDER BY id FOR UPDATE;
 
-    -- The customers' locks (see 2. above; class 1447253331 is this function's own). A call
-    -- takes one per distinct pair: the caller keeps a call under a bounded number of them
-    -- (PostgreSQL's lock table is shared and sized by max_locks_per_transaction).
-    PERFORM pg_advisory_xact_lock(1447253331, d.k) FROM (
-        SELECT DISTINCT hashtext(p_code[t.b] || ' ' || t.c::text) AS k
-        FROM unnest(p_batch, p_customer) AS t (b, c)) d
-    ORDER BY d.k;
+    -- The customers' locks (see 2. above; class 1447253331 is this function's own), one per
+    -- distinct key, in key order. They live in PostgreSQL's lock table, which every session
+    -- of the server shares (about max_locks_per_transaction x the backends) and which, once
+    -- full, fails every writing transaction of the server: the caller keeps a call under 512
+    -- of them, and a call over 1024 (a caller that does not, such as an older build) is
+    -- refused here before it takes any.
+    v_keys := ARRAY(
+        SELECT DISTINCT hashtext(p_code[t.b] || ' ' || t.c::text)
+        FROM unnest(p_batch, p_customer) AS t (b, c)
+        ORDER BY 1);
+    IF cardinality(v_keys) > 1024 THEN
+        RAISE EXCEPTION 'a merged commit of % customers: at most 1024 per call',
+            cardinality(v_keys) USING ERRCODE = 'VC003';
+    END IF;
+    PERFORM pg_advisory_xact_lock(1447253331, k.k)
+    FROM unnest(v_keys) WITH ORDINALITY AS k (k, i) ORDER BY k.i;
 
     -- A new statement: its snapshot sees everything committed before the locks were granted.
     WITH r AS (
@@ -152,11 +163,16 @@ BEGIN
                     THEN 'INSERT'
                     ELSE 'ALREADY_USED' END AS v1
         FROM p
-        -- The customer's live rows, by `reservations_by_customer`: committed before the lock
-        -- was had, so every earlier decision for the pair is counted.
+        -- The customer's live rows, by `reservations_by_customer` (migration 15): committed
+        -- before the lock was had, so every earlier decision for the pair is counted. The two
+        -- live statuses are index conditions (released rows, however many a customer made,
+        -- are never read), and no more than the limit is counted: that is all a verdict needs.
         LEFT JOIN LATERAL (
-            SELECT count(*) AS used FROM reservations x
-            WHERE x.voucher_code = p.code AND x.customer_id = p.c AND x.status <> 'RELEASED'
+            SELECT count(*) AS used FROM (
+                SELECT 1 FROM reservations x
+                WHERE x.voucher_code = p.code AND x.customer_id = p.c
+                  AND x.status IN ('RESERVED', 'CONFIRMED')
+                LIMIT p.per_user_limit) live
         ) u ON p.v0 = 'CANDIDATE'
     ),
     -- The fence, only for batches that would take units: a batch of replays and refusals

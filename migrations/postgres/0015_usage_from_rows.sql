@@ -8,18 +8,25 @@
 -- the same voucher, the merged commit now does with a transaction-level advisory lock per
 -- (voucher, customer) (migration 2): no row, no WAL; held to commit.
 --
--- One index serves both the usage count (voucher, customer) and the per-voucher reads the old
--- index by (voucher, status) served: the reconciliation's counts by status read the voucher's
--- range of it.
+-- The order of the steps is what keeps this migration out of deadlocks with nodes of the build
+-- before it that are still serving: their commits lock usage rows, then write reservations;
+-- their confirms, releases and expiries lock reservation rows, then write usage. So this
+-- migration takes one table's exclusive lock only: it drops `customer_usage` first (waiting
+-- for the transactions in flight on it), then builds the index with the lock that blocks only
+-- writes, which those transactions' reservation-row locks do not conflict with. The index by
+-- (voucher, status) that this one replaces is dropped after the migration's transaction, with
+-- `DROP INDEX CONCURRENTLY` (src/ledger/postgres/open.rs, AFTER_MIGRATION): dropping it here
+-- would take that table's exclusive lock too.
 DROP TABLE IF EXISTS customer_usage;
 CREATE OR REPLACE VIEW customer_usage AS
     SELECT voucher_code, customer_id, count(*)::BIGINT AS used
-    FROM reservations WHERE status <> 'RELEASED'
+    FROM reservations WHERE status IN ('RESERVED', 'CONFIRMED')
     GROUP BY voucher_code, customer_id;
 
--- The build of the index reads every reservation and blocks writes meanwhile (as any migration
--- that adds an index here does): no statement deadline for it.
+-- One index serves both the usage count (voucher, customer) and the per-voucher reads the old
+-- index served (the reconciliation's counts by status read the voucher's range of it). Its build
+-- reads every reservation and blocks their writes meanwhile: no statement deadline for it (lock
+-- waits keep theirs).
 SET LOCAL statement_timeout = 0;
 CREATE INDEX IF NOT EXISTS reservations_by_customer
     ON reservations (voucher_code, customer_id, status);
-DROP INDEX IF EXISTS reservations_by_voucher;

@@ -605,8 +605,8 @@ pub trait Ledger: Send + Sync + 'static {
     /// set of §5, and who is at their limit.
     async fn won_orders(&self, code: &str) -> Result<Vec<(String, i64)>, LedgerError>;
     /// `(customer, used)` of the given customers of a voucher that hold reservations of it (a
-    /// customer left out has used none): usage rows on PostgreSQL, a count of the customer's
-    /// reservations that are not RELEASED on SQLite.
+    /// customer left out has used none): on both stores a count of the customer's reservations
+    /// that are not RELEASED.
     async fn customer_usage(
         &self,
         code: &str,
@@ -1071,8 +1071,9 @@ pub fn apply_patch(current: &Voucher, patch: &VoucherPatch) -> Result<(Voucher, 
 
 /// The reconciliation verdict: recomputes each term from the rows and compares it with the
 /// counters (DESIGN §3). `by_status` counts reservation rows per status, `consumed` sums
-/// `consumed` over every lease of the voucher, `usage` sums the per-customer usage (PostgreSQL's
-/// usage rows; on SQLite, where usage is counted from the rows, it holds by construction).
+/// `consumed` over every lease of the voucher, `usage` sums the per-customer usage (both stores
+/// count usage from the rows, so that check holds by construction: the per-customer limit is
+/// judged by the ledger's commit and, from the rows, by the tests' auditor).
 pub fn reconcile(
     mut c: Counters,
     by_status: &[(String, i64)],

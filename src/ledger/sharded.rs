@@ -220,12 +220,22 @@ fn claim_statement<'a>(
 
 /// The server's refusals of a merged call's one statement, which roll its transaction back: a
 /// deadlock victim, a serialization failure, a lock or statement timeout, the claims' fence
-/// (and its isolation check), a missing table or function. Any other code (and every lost
-/// connection, `Unreachable`) may have come after the rows were stored.
+/// (and its isolation check), a call over the customers' lock bound, a full lock table, a
+/// missing table or function. Any other code (and every lost connection, `Unreachable`) may
+/// have come after the rows were stored.
 fn rolled_back(code: &str) -> bool {
     matches!(
         code,
-        "40P01" | "40001" | "55P03" | "57014" | "VC001" | "VC002" | "42883" | "42P01"
+        "40P01"
+            | "40001"
+            | "55P03"
+            | "57014"
+            | "VC001"
+            | "VC002"
+            | "VC003"
+            | "53200"
+            | "42883"
+            | "42P01"
     )
 }
 

@@ -2049,6 +2049,25 @@ async fn postgres_a_merge_of_many_customers_goes_in_several_calls() {
         .unwrap();
     pool.close().await;
     assert_eq!(calls, 3, "300 + 300 customers pass 512: one call per batch");
+
+    // One batch of more customers than the function takes locks for (1,024), as a caller that
+    // does not bound its calls would send: refused before anything is locked or written.
+    l.create_voucher(&voucher("W9", 5000, 1), NOW)
+        .await
+        .unwrap();
+    let lease = leased(&l, "W9", "n1", 2000).await;
+    let wide: Vec<BatchRow> = (1..=1025)
+        .map(|c| BatchRow {
+            order_id: format!("w9-{c}"),
+            customer_id: c,
+        })
+        .collect();
+    let refused = l.commit_batch(&batch("W9", lease.id, wide)).await;
+    assert!(
+        matches!(&refused, Err(LedgerError::Database { code: Some(c), .. }) if c == "VC003"),
+        "{refused:?}"
+    );
+    assert_eq!(balanced(&l, "W9").await.reserved, 0);
 }
 
 /// DESIGN §3's last line on PostgreSQL after leases close: the grant check reads what closed

@@ -47,11 +47,14 @@ impl PostgresLedger {
     /// transaction) for the batches of distinct vouchers and order ids; then, only when another
     /// transaction stored one of the order ids meanwhile, one read of those rows.
     ///
-    /// Batches that share a voucher or an order id go in later calls, one after the other, each
-    /// its own transaction: a call holds the change feed's head (its last lock) until it
-    /// commits, so a second call in the same transaction would take lease and usage locks after
-    /// the head and could deadlock with every other writer. A later call that fails fails only
-    /// its own batches; the outer error means the first call failed and nothing committed.
+    /// Batches that share a voucher or an order id, or past [`MAX_CUSTOMERS_PER_CALL`]
+    /// customers, go in later calls, one after the other, each its own transaction: a call
+    /// holds the change feed's head (its last lock) until it commits, so a second call in the
+    /// same transaction would take lease and customer locks after the head and could deadlock
+    /// with every other writer. A later call that fails fails only its own batches; the outer
+    /// error means the first call failed and nothing committed. The calls share the merged
+    /// commit's one deadline: one that runs out after an earlier call committed answers that
+    /// call's batches `503` too (not acknowledged; a retry replays them).
     async fn try_commit_batches(&self, batches: &[Batch]) -> Result<BatchResults, LedgerError> {
         let groups = independent_groups(batches);
         let mut verdicts: Vec<Result<Vec<Verdict>, LedgerError>> = Vec::with_capacity(groups.len());
@@ -143,8 +146,9 @@ fn is_deadlock(e: &LedgerError) -> bool {
 /// about `max_locks_per_transaction × max_connections` locks (6,400 by default; the sizing is in
 /// docs/OPERATIONS.md). A larger merge goes in several calls, one after the other; a call's
 /// fixed cost (about 0.7 ms of PostgreSQL CPU) is then spread over at least this many rows. One
-/// batch (at most `engine.max_batch` rows) is never split.
-const MAX_CUSTOMERS_PER_CALL: usize = 512;
+/// batch is never split: on PostgreSQL `engine.max_batch` is held to this bound at start
+/// (`startup`), and the function refuses a call over twice it (SQLSTATE VC003).
+pub(crate) const MAX_CUSTOMERS_PER_CALL: usize = 512;
 
 /// Batch indexes split into groups in which no voucher and no order id appears in two batches
 /// (the precondition of `vouchers_commit_batches_v2`) and that hold at most

@@ -1,7 +1,8 @@
 //! The cluster ledger: PostgreSQL through sqlx. Every node talks to the same database.
 //!
-//! Concurrency: a batch locks only what it draws on: its own lease row (the fence) and the usage
-//! rows of its customers (in customer order), so batches of different nodes run side by side.
+//! Concurrency: a batch locks only what it draws on: its own lease row (the fence) and an
+//! advisory lock per customer (in key order; usage is counted from the rows, migration 15), so
+//! batches of different nodes run side by side.
 //! Order ids are settled by the primary key (`ON CONFLICT DO NOTHING`; a row that lost a race is
 //! re-read and answered as a replay or `ALREADY_USED`). Everything that moves units between
 //! `free` and leases or reservations (grant, return, reap, release, expiry, confirm, edits)

@@ -69,6 +69,14 @@ const MIGRATIONS: &[(i64, &str)] = &[
     ),
 ];
 
+/// Statements run after the migration's transaction commits, each on its own and in order (at
+/// every start; each is idempotent): what cannot run in a transaction, or would take a second
+/// table's exclusive lock inside it. A failure is logged and left for the next start.
+const AFTER_MIGRATION: &[&str] = &[
+    // Migration 15's index by customer replaces it.
+    "DROP INDEX CONCURRENTLY IF EXISTS reservations_by_voucher",
+];
+
 /// Versions a build of this project once applied and later retired: their rows are deleted
 /// before the schema's version is judged, so a database one of them touched opens here, and a
 /// build from before them opens it again.
@@ -239,5 +247,12 @@ async fn migrate(pool: &PgPool) -> Result<(), sqlx::Error> {
     for sql in REPEATABLE {
         (&mut *tx).execute(*sql).await?;
     }
-    tx.commit().await
+    tx.commit().await?;
+    for sql in AFTER_MIGRATION {
+        // A simple query of one statement: outside any transaction block.
+        if let Err(e) = pool.execute(*sql).await {
+            tracing::warn!(error = %e, sql, "a step after the migration failed; retried at the next start");
+        }
+    }
+    Ok(())
 }
