@@ -67,7 +67,7 @@ pub fn random_hex(bytes: usize) -> String {
 fn batch_bound(kind: LedgerKind, max_batch: usize) -> usize {
     let bound = ledger::postgres::commit::MAX_CUSTOMERS_PER_CALL;
     if kind == LedgerKind::Postgres && max_batch > bound {
-        tracing::info!(
+        tracing::debug!(
             max_batch,
             bound,
             "engine.max_batch held to the PostgreSQL ledger's bound on customers per call"
@@ -461,5 +461,18 @@ impl Application {
         // Released only now: the leases went back first.
         drop(held);
         result.context("http server")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batches_on_postgresql_hold_no_more_customers_than_a_call_may_lock() {
+        let bound = ledger::postgres::commit::MAX_CUSTOMERS_PER_CALL;
+        assert_eq!(batch_bound(LedgerKind::Postgres, 1024), bound);
+        assert_eq!(batch_bound(LedgerKind::Postgres, 100), 100);
+        assert_eq!(batch_bound(LedgerKind::Sqlite, 1024), 1024);
     }
 }

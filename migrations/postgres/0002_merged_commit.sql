@@ -164,16 +164,22 @@ BEGIN
                     ELSE 'ALREADY_USED' END AS v1
         FROM p
         -- The customer's live rows, by `reservations_by_customer` (migration 15): committed
-        -- before the lock was had, so every earlier decision for the pair is counted. The two
-        -- live statuses are index conditions (released rows, however many a customer made,
-        -- are never read), and no more than the limit is counted: that is all a verdict needs.
+        -- before the lock was had, so every earlier decision for the pair is counted. One
+        -- probe per live status, each on the whole index key (an IN list over the status was
+        -- a filter, which read every released row of the customer: RELEASED sorts between the
+        -- two), no more than the limit counted (all a verdict needs), and only for candidates.
         LEFT JOIN LATERAL (
-            SELECT count(*) AS used FROM (
-                SELECT 1 FROM reservations x
-                WHERE x.voucher_code = p.code AND x.customer_id = p.c
-                  AND x.status IN ('RESERVED', 'CONFIRMED')
-                LIMIT p.per_user_limit) live
-        ) u ON p.v0 = 'CANDIDATE'
+            SELECT (SELECT count(*) FROM (
+                        SELECT 1 FROM reservations x
+                        WHERE p.v0 = 'CANDIDATE' AND x.voucher_code = p.code
+                          AND x.customer_id = p.c AND x.status = 'RESERVED'
+                        LIMIT p.per_user_limit) a)
+                 + (SELECT count(*) FROM (
+                        SELECT 1 FROM reservations x
+                        WHERE p.v0 = 'CANDIDATE' AND x.voucher_code = p.code
+                          AND x.customer_id = p.c AND x.status = 'CONFIRMED'
+                        LIMIT p.per_user_limit) b) AS used
+        ) u ON true
     ),
     -- The fence, only for batches that would take units: a batch of replays and refusals
     -- answers even on a lease that is gone.

@@ -10,13 +10,13 @@
 --
 -- The order of the steps is what keeps this migration out of deadlocks with nodes of the build
 -- before it that are still serving: their commits lock usage rows, then write reservations;
--- their confirms, releases and expiries lock reservation rows, then write usage. So this
+-- their releases and expiries lock reservation rows, then write usage. So this
 -- migration takes one table's exclusive lock only: it drops `customer_usage` first (waiting
 -- for the transactions in flight on it), then builds the index with the lock that blocks only
 -- writes, which those transactions' reservation-row locks do not conflict with. The index by
 -- (voucher, status) that this one replaces is dropped after the migration's transaction, with
--- `DROP INDEX CONCURRENTLY` (src/ledger/postgres/open.rs, AFTER_MIGRATION): dropping it here
--- would take that table's exclusive lock too.
+-- `DROP INDEX CONCURRENTLY` (src/ledger/postgres/open.rs, `drop_after_migration`): dropping it
+-- here would take that table's exclusive lock too.
 DROP TABLE IF EXISTS customer_usage;
 CREATE OR REPLACE VIEW customer_usage AS
     SELECT voucher_code, customer_id, count(*)::BIGINT AS used

@@ -2050,24 +2050,56 @@ async fn postgres_a_merge_of_many_customers_goes_in_several_calls() {
     pool.close().await;
     assert_eq!(calls, 3, "300 + 300 customers pass 512: one call per batch");
 
-    // One batch of more customers than the function takes locks for (1,024), as a caller that
-    // does not bound its calls would send: refused before anything is locked or written.
+    // One batch of as many customers as the function takes locks for (1,024, what a build
+    // before the bound sends) commits; one more, and the call is refused before anything is
+    // locked or written.
     l.create_voucher(&voucher("W9", 5000, 1), NOW)
         .await
         .unwrap();
-    let lease = leased(&l, "W9", "n1", 2000).await;
-    let wide: Vec<BatchRow> = (1..=1025)
-        .map(|c| BatchRow {
-            order_id: format!("w9-{c}"),
-            customer_id: c,
-        })
-        .collect();
-    let refused = l.commit_batch(&batch("W9", lease.id, wide)).await;
+    let lease = leased(&l, "W9", "n1", 3000).await;
+    let wide = |from: i64, n: i64| -> Vec<BatchRow> {
+        (from..from + n)
+            .map(|c| BatchRow {
+                order_id: format!("w9-{c}"),
+                customer_id: c,
+            })
+            .collect()
+    };
+    let taken = l.commit_batch(&batch("W9", lease.id, wide(1, 1024))).await;
+    assert!(
+        matches!(&taken, Ok(rows) if rows.iter().all(|o| matches!(o, RowOutcome::Created(_)))),
+        "{taken:?}"
+    );
+    let refused = l
+        .commit_batch(&batch("W9", lease.id, wide(2000, 1025)))
+        .await;
     assert!(
         matches!(&refused, Err(LedgerError::Database { code: Some(c), .. }) if c == "VC003"),
         "{refused:?}"
     );
-    assert_eq!(balanced(&l, "W9").await.reserved, 0);
+    assert_eq!(balanced(&l, "W9").await.reserved, 1024);
+
+    // The index migration 15 replaced goes after the migration's transaction, on its own.
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    crate::helpers::eventually(
+        "reservations_by_voucher dropped",
+        std::time::Duration::from_secs(10),
+        || {
+            let pool = pool.clone();
+            async move {
+                let left: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM pg_indexes \
+                     WHERE indexname = 'reservations_by_voucher' AND schemaname = current_schema()",
+                )
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+                left == 0
+            }
+        },
+    )
+    .await;
+    pool.close().await;
 }
 
 /// DESIGN §3's last line on PostgreSQL after leases close: the grant check reads what closed

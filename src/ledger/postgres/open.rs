@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgPool};
-use sqlx::Executor;
+use sqlx::{Connection, Executor};
 
 use super::primary::{Locator, Shape};
 use super::target::Targets;
@@ -70,8 +70,8 @@ const MIGRATIONS: &[(i64, &str)] = &[
 ];
 
 /// Statements run after the migration's transaction commits, each on its own and in order (at
-/// every start; each is idempotent): what cannot run in a transaction, or would take a second
-/// table's exclusive lock inside it. A failure is logged and left for the next start.
+/// every start; each is idempotent), by [`drop_after_migration`]: what cannot run in a
+/// transaction, or would take a second table's exclusive lock inside it.
 const AFTER_MIGRATION: &[&str] = &[
     // Migration 15's index by customer replaces it.
     "DROP INDEX CONCURRENTLY IF EXISTS reservations_by_voucher",
@@ -213,8 +213,16 @@ pub(super) async fn xact_lock(conn: &mut sqlx::PgConnection, key: i64) -> Result
 
 async fn migrate(pool: &PgPool) -> Result<(), sqlx::Error> {
     let mut tx = pool.begin().await?;
-    // Nodes that start together migrate one after the other.
+    // Nodes that start together migrate one after the other: the others wait for as long as a
+    // migration takes (an index built over every reservation can take minutes), not for the
+    // connection's deadlines, which apply again once the lock is had.
+    (&mut *tx)
+        .execute("SET LOCAL lock_timeout = 0; SET LOCAL statement_timeout = 0")
+        .await?;
     xact_lock(&mut tx, MIGRATION_LOCK).await?;
+    (&mut *tx)
+        .execute("RESET lock_timeout; RESET statement_timeout")
+        .await?;
     // Scripts go as simple queries (a `&str` without arguments: several statements each), not
     // through `raw_sql`, whose future is not `Send` for every lifetime (a late store migrates
     // on a spawned task).
@@ -248,11 +256,34 @@ async fn migrate(pool: &PgPool) -> Result<(), sqlx::Error> {
         (&mut *tx).execute(*sql).await?;
     }
     tx.commit().await?;
-    for sql in AFTER_MIGRATION {
-        // A simple query of one statement: outside any transaction block.
-        if let Err(e) = pool.execute(*sql).await {
-            tracing::warn!(error = %e, sql, "a step after the migration failed; retried at the next start");
+    tokio::spawn(drop_after_migration(pool.clone()));
+    Ok(())
+}
+
+/// Runs [`AFTER_MIGRATION`] on a connection of its own, without the pool's deadlines (a
+/// concurrent drop waits for every transaction that uses the table, a long report's included),
+/// again every 30 s until every step has gone through. Meanwhile an index on its way out may
+/// still be written: the error log says so.
+async fn drop_after_migration(pool: PgPool) {
+    let options = pool.connect_options();
+    loop {
+        let done: Result<(), sqlx::Error> = async {
+            let mut conn = sqlx::PgConnection::connect_with(&options).await?;
+            conn.execute("SET lock_timeout = 0; SET statement_timeout = 0")
+                .await?;
+            for sql in AFTER_MIGRATION {
+                // A simple query of one statement: outside any transaction block.
+                conn.execute(*sql).await?;
+            }
+            conn.close().await
+        }
+        .await;
+        match done {
+            Ok(()) => return,
+            Err(e) => {
+                tracing::error!(error = %e, "a step after the migration failed; again in 30 s");
+                tokio::time::sleep(Duration::from_secs(30)).await;
+            }
         }
     }
-    Ok(())
 }
