@@ -144,10 +144,11 @@ fn is_deadlock(e: &LedgerError) -> bool {
 /// Most distinct (voucher, customer) pairs in one call: the call holds an advisory lock on each
 /// until it commits (migration 15), and PostgreSQL's lock table, shared by every session of the
 /// server, holds about `max_locks_per_transaction ×` the backends (7,808 by PostgreSQL 15's
-/// defaults; the sizing is in docs/OPERATIONS.md). A larger merge goes in several calls, one after the other; a call's
-/// fixed cost (about 0.7 ms of PostgreSQL CPU) is then spread over at least this many rows. One
-/// batch is never split: on PostgreSQL `engine.max_batch` is held to this bound at start
-/// (`startup`), and the function refuses a call over twice it (SQLSTATE VC003).
+/// defaults; the sizing is in docs/OPERATIONS.md). A larger merge goes in several calls, one
+/// after the other; a call's fixed cost (about 0.7 ms of PostgreSQL CPU) is then spread over at
+/// least this many rows. One batch is never split: on PostgreSQL `engine.max_batch` is held to
+/// this bound at start (`startup`), and the function refuses a call over twice it (SQLSTATE
+/// VC003).
 pub(crate) const MAX_CUSTOMERS_PER_CALL: usize = 512;
 
 /// Batch indexes split into groups in which no voucher and no order id appears in two batches
