@@ -7,8 +7,9 @@ first reserves on many cold vouchers cost. One node, release build, 127.0.0.1 on
 
 Steps (each printed as it is measured):
   1. N vouchers on sale (inserted straight into the ledger's table: the catalogue is the subject,
-     not how it was filled), node started on them: its CPU over 10 s of no traffic, RSS,
-     /metrics (series, bytes, time to render).
+     not how it was filled; or, with --create-over-api, created through the admin API by 16
+     connections, as the issue's operator does), node started on them: its CPU over 10 s of no
+     traffic, RSS, /metrics (series, bytes, time to render).
   2. First reserves for M/10,000 s (wrk -t1 -c256, every request a voucher no request touched
      before; the codes never wrap, so a rate of 10,000/s touches M of them): first reserves
      per second and p99; then the node's CPU 10 s after, and,
@@ -130,6 +131,11 @@ def main():
                          "--touch 0, the untouched node watched as long (the control)")
     ap.add_argument("--skip-customers", action="store_true")
     ap.add_argument("--skip-create", action="store_true")
+    ap.add_argument("--create-over-api", action="store_true",
+                    help="fill the catalogue through POST /admin/vouchers (wrk -t1 -c16) on the "
+                         "node that is then measured, instead of inserting it behind its back: "
+                         "the RSS before the flood is then that of a node that served those "
+                         "requests, with no other warm-up")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="long-tail-")
     procs = bench.Procs(work)
@@ -141,43 +147,67 @@ def main():
             db = f"longtail_{os.getpid()}"
             bench.psql(bench.PG_ADMIN, f"CREATE DATABASE {db}")
             url = bench.PG_ADMIN.rsplit("/", 1)[0] + "/" + db
-        # Start once for the schema, then fill the catalogue behind the node's back.
-        p, base = bench.start_node(procs, "schema", url, args)
-        procs.stop(p)
-        started = time.time()
-        if args.ledger == "sqlite":
-            insert_sqlite(f"{work}/ledger.db", "TAIL", args.vouchers)
+        prefix, first = "TAIL", 0  # the catalogue's codes: prefix + (first .. first + N - 1)
+        if args.create_over_api:
+            p, base = bench.start_node(procs, "tail", url, args)
+            print(f"fresh node, empty catalogue: RSS {bench.rss_mb(p.pid):.1f} MB{heap(base)}")
+            fresh = None  # the node before the flood is `before`: it has served the creates
+            # One wrk thread, so the codes are TAIL1X1 .. TAIL1X<n> in order; it stops once n
+            # are answered, and wrk waits out its duration (time enough for 10,000 a second).
+            r = wrk_lua("wrk-create.lua", base, [bench.TOKEN, "TAIL", str(args.vouchers)],
+                        conns=16, duration=10 + args.vouchers // 10_000)
+            created = r["statuses"].get(201, 0)
+            # wrk may stop with the last answer or two uncounted.
+            if set(r["statuses"]) != {201} or created < args.vouchers - 16:
+                sys.exit(f"creates over the API answered {r['statuses']}")
+            # wrk's rate counts the pings after the last create too: the latency only.
+            print(f"  creates: p99 {r['p99']:.1f} ms")
+            print(f"{created:,} vouchers on sale, created over the API (16 connections)")
+            args.vouchers, prefix, first = created, "TAIL1X", 1
+            time.sleep(5)
+            cpu = idle_cpu(p.pid)
+            series, size, took = metrics_page(base)
+            before = bench.rss_mb(p.pid)
+            print(f"untouched: CPU {cpu:.1f} % of a core, RSS {before:.1f} MB, "
+                  f"/metrics {series:,} series, {size / 1e6:.2f} MB, {took:.0f} ms{heap(base)}")
         else:
-            insert_postgres(url, "TAIL", args.vouchers)
-        print(f"{args.vouchers:,} vouchers on sale ({args.ledger}), inserted in "
-              f"{time.time() - started:.1f} s")
-        p, base = bench.start_node(procs, "tail", url, args)
-        time.sleep(5)
-        cpu = idle_cpu(p.pid)
-        series, size, took = metrics_page(base)
-        fresh = bench.rss_mb(p.pid)
-        print(f"untouched: CPU {cpu:.1f} % of a core, RSS {fresh:.1f} MB, "
-              f"/metrics {series:,} series, {size / 1e6:.2f} MB, {took:.0f} ms")
-        # A node that has served any traffic keeps actix-web's request pools (128 requests per
-        # HTTP worker, each holding its connection's 8 KiB read buffer): the issue's own setup
-        # creates the catalogue over the API first. The same burst of 256 connections as the
-        # flood, on a route that touches no voucher, so that the RSS compared after the
-        # idle-out is the long tail's, not the HTTP server's first burst.
-        subprocess.run(["wrk", "-t1", "-c256", "-d2s", f"{base}/health/live"],
-                       capture_output=True, check=True)
-        time.sleep(3)
-        before = bench.rss_mb(p.pid)
-        print(f"untouched, after 2 s of GET /health/live over 256 connections: "
-              f"RSS {before:.1f} MB{heap(base)}")
+            # Start once for the schema, then fill the catalogue behind the node's back.
+            p, base = bench.start_node(procs, "schema", url, args)
+            procs.stop(p)
+            started = time.time()
+            if args.ledger == "sqlite":
+                insert_sqlite(f"{work}/ledger.db", "TAIL", args.vouchers)
+            else:
+                insert_postgres(url, "TAIL", args.vouchers)
+            print(f"{args.vouchers:,} vouchers on sale ({args.ledger}), inserted in "
+                  f"{time.time() - started:.1f} s")
+            p, base = bench.start_node(procs, "tail", url, args)
+            time.sleep(5)
+            cpu = idle_cpu(p.pid)
+            series, size, took = metrics_page(base)
+            fresh = bench.rss_mb(p.pid)
+            print(f"untouched: CPU {cpu:.1f} % of a core, RSS {fresh:.1f} MB, "
+                  f"/metrics {series:,} series, {size / 1e6:.2f} MB, {took:.0f} ms")
+            # A node that has served any traffic keeps actix-web's request pools (128 requests per
+            # HTTP worker, each holding its connection's 8 KiB read buffer): the issue's own setup
+            # creates the catalogue over the API first. The same burst of 256 connections as the
+            # flood, on a route that touches no voucher, so that the RSS compared after the
+            # idle-out is the long tail's, not the HTTP server's first burst.
+            subprocess.run(["wrk", "-t1", "-c256", "-d2s", f"{base}/health/live"],
+                           capture_output=True, check=True)
+            time.sleep(3)
+            before = bench.rss_mb(p.pid)
+            print(f"untouched, after 2 s of GET /health/live over 256 connections: "
+                  f"RSS {before:.1f} MB{heap(base)}")
 
-        if not args.touch:
-            # The control: the untouched node watched as long as a flood's settling is, for
-            # what it gains with time alone (the ledger's page caches filling, say).
-            for minute in range(args.settle_min):
-                cpu = idle_cpu(p.pid, 60)
-                rss = bench.rss_mb(p.pid)
-                print(f"  untouched +{minute + 1} min: CPU {cpu:.1f} % of a core, "
-                      f"RSS {rss:.1f} MB ({rss / before:.2f}x){heap(base)}")
+            if not args.touch:
+                # The control: the untouched node watched as long as a flood's settling is, for
+                # what it gains with time alone (the ledger's page caches filling, say).
+                for minute in range(args.settle_min):
+                    cpu = idle_cpu(p.pid, 60)
+                    rss = bench.rss_mb(p.pid)
+                    print(f"  untouched +{minute + 1} min: CPU {cpu:.1f} % of a core, "
+                          f"RSS {rss:.1f} MB ({rss / before:.2f}x){heap(base)}")
         touched = 0
         for flood in range(args.floods if args.touch else 0):
             # Codes never wrap (the rest of the catalogue is in range), so every request is a
@@ -191,7 +221,7 @@ def main():
                 sys.exit(f"flood {flood + 1}: {args.vouchers - touched:,} untouched codes left, "
                          f"fewer than three times --touch: use a larger --vouchers")
             r = wrk_lua("wrk-cold.lua", base,
-                        ["TAIL", str(args.vouchers - touched), str(touched)], duration=flood_s)
+                        [prefix, str(args.vouchers - touched), str(first + touched)], duration=flood_s)
             answered = sum(r["statuses"].values())
             # A request still in flight when wrk stopped may have reached the node: the next
             # flood starts 256 codes (one per connection) further on, so none of its is warm.
@@ -214,7 +244,8 @@ def main():
             series, size, took = metrics_page(base)
             rss = bench.rss_mb(p.pid)
             print(f"idled out (actors {actors:.0f}): CPU {idle_cpu(p.pid):.1f} % of a core, "
-                  f"RSS {rss:.1f} MB ({rss / before:.2f}x; {rss / fresh:.2f}x the fresh node), "
+                  f"RSS {rss:.1f} MB ({rss / before:.2f}x"
+                  f"{f'; {rss / fresh:.2f}x the fresh node' if fresh else ''}), "
                   f"/metrics {series:,} series, {size / 1e6:.2f} MB, {took:.0f} ms{heap(base)}")
             if args.memory:
                 print_memory(p.pid)

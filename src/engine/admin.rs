@@ -46,7 +46,11 @@ impl EngineHandle {
 
     pub async fn create_voucher(&self, v: &Voucher) -> Result<(), EngineError> {
         self.node.ledger.create_voucher(v, self.now_ms()).await?;
-        self.node.changed(&v.code);
+        // Not marked for a recount: a new voucher's books are its row alone (all free, no lease,
+        // no reservation), and its first lease or reserve marks it. Marking every create queued
+        // a campaign's codes for recounts with nothing in them: 1,000,000 creates held about
+        // 85 MB of queue for the half hour the recounts took, and queued the sale's own
+        // vouchers behind them. The catalogue's audit still reads it in its round.
         self.node.known.insert(&v.code);
         // Other nodes learn the code now rather than at their next re-read.
         self.node.signals.publish(&v.code, Signal::Updated);

@@ -175,3 +175,23 @@ async fn the_reconciler_audits_what_nobody_touched_a_page_a_run() {
         assert!(runs <= 3, "the audit never reached AUD2");
     }
 }
+
+/// A create queues no recount: a new voucher's books are its row alone, and a campaign that
+/// creates a million codes must not leave a million recounts (and their queue's memory) behind.
+/// The audit still reads it in its round: here the second run, one voucher a page.
+#[actix_web::test]
+async fn a_created_voucher_waits_for_the_audit_not_for_a_recount() {
+    let app = spawn_app_with(|s| s.jobs.reconcile_audit_page = 1).await;
+    for code in ["NEWA", "NEWB"] {
+        assert_eq!(app.create_voucher(code, 10, 1).await.0, 201);
+    }
+    let pool = sqlx::SqlitePool::connect(&app.db_url).await.unwrap();
+    sqlx::query("UPDATE vouchers SET free = free - 1 WHERE code = 'NEWB'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    pool.close().await;
+    // The first run audits NEWA; had the create marked NEWB changed, it would recount it too.
+    assert_eq!(app.engine.reconcile().await.unwrap(), Vec::<String>::new());
+    assert_eq!(app.engine.reconcile().await.unwrap(), ["NEWB"]);
+}
