@@ -4,12 +4,16 @@ first reserves on many cold vouchers cost. One node, release build, 127.0.0.1 on
 
   scripts/long-tail.py [--vouchers N] [--touch M] [--floods F] [--ledger sqlite|postgres]
                        [--engine-bin PATH] [--memory] [--skip-customers] [--skip-create]
+                       [--create-over-api] [--settle-min K]
 
 Steps (each printed as it is measured):
   1. N vouchers on sale (inserted straight into the ledger's table: the catalogue is the subject,
      not how it was filled; or, with --create-over-api, created through the admin API by 16
      connections, as the issue's operator does), node started on them: its CPU over 10 s of no
-     traffic, RSS, /metrics (series, bytes, time to render).
+     traffic, RSS, /metrics (series, bytes, time to render). Inserted, the RSS the flood is
+     compared with is the node's after 2 s of GET /health/live over 256 connections (the HTTP
+     server's own growth for the flood's connections left out); created over the API, it is
+     the node's once it served the creates, with nothing else: the two ratios differ by that.
   2. First reserves for M/10,000 s (wrk -t1 -c256, every request a voucher no request touched
      before; the codes never wrap, so a rate of 10,000/s touches M of them): first reserves
      per second and p99; then the node's CPU 10 s after, and,
@@ -157,10 +161,12 @@ def main():
             r = wrk_lua("wrk-create.lua", base, [bench.TOKEN, "TAIL", str(args.vouchers)],
                         conns=16, duration=10 + args.vouchers // 10_000)
             created = r["statuses"].get(201, 0)
-            # wrk may stop with the last answer or two uncounted.
+            # Every answer counted unless wrk's duration ran out first (too slow a ledger): then
+            # up to the 16 creates in flight may be missing from the count.
             if set(r["statuses"]) != {201} or created < args.vouchers - 16:
                 sys.exit(f"creates over the API answered {r['statuses']}")
-            # wrk's rate counts the pings after the last create too: the latency only.
+            # wrk's rate and latency count the pings after the last create too (a few of the
+            # whole): the latency only, as an indication; step 3 measures the create rate.
             print(f"  creates: p99 {r['p99']:.1f} ms")
             print(f"{created:,} vouchers on sale, created over the API (16 connections)")
             args.vouchers, prefix, first = created, "TAIL1X", 1
@@ -200,14 +206,14 @@ def main():
             print(f"untouched, after 2 s of GET /health/live over 256 connections: "
                   f"RSS {before:.1f} MB{heap(base)}")
 
-            if not args.touch:
-                # The control: the untouched node watched as long as a flood's settling is, for
-                # what it gains with time alone (the ledger's page caches filling, say).
-                for minute in range(args.settle_min):
-                    cpu = idle_cpu(p.pid, 60)
-                    rss = bench.rss_mb(p.pid)
-                    print(f"  untouched +{minute + 1} min: CPU {cpu:.1f} % of a core, "
-                          f"RSS {rss:.1f} MB ({rss / before:.2f}x){heap(base)}")
+        if not args.touch:
+            # The control: the untouched node watched as long as a flood's settling is, for
+            # what it gains with time alone (the ledger's page caches filling, say).
+            for minute in range(args.settle_min):
+                cpu = idle_cpu(p.pid, 60)
+                rss = bench.rss_mb(p.pid)
+                print(f"  untouched +{minute + 1} min: CPU {cpu:.1f} % of a core, "
+                      f"RSS {rss:.1f} MB ({rss / before:.2f}x){heap(base)}")
         touched = 0
         for flood in range(args.floods if args.touch else 0):
             # Codes never wrap (the rest of the catalogue is in range), so every request is a

@@ -178,20 +178,30 @@ async fn the_reconciler_audits_what_nobody_touched_a_page_a_run() {
 
 /// A create queues no recount: a new voucher's books are its row alone, and a campaign that
 /// creates a million codes must not leave a million recounts (and their queue's memory) behind.
-/// The audit still reads it in its round: here the second run, one voucher a page.
+/// The audit still reads it in its round, one voucher a page here.
 #[actix_web::test]
 async fn a_created_voucher_waits_for_the_audit_not_for_a_recount() {
     let app = spawn_app_with(|s| s.jobs.reconcile_audit_page = 1).await;
-    for code in ["NEWA", "NEWB"] {
+    for code in ["NEWA", "NEWB", "NEWC"] {
         assert_eq!(app.create_voucher(code, 10, 1).await.0, 201);
     }
     let pool = sqlx::SqlitePool::connect(&app.db_url).await.unwrap();
-    sqlx::query("UPDATE vouchers SET free = free - 1 WHERE code = 'NEWB'")
+    sqlx::query("UPDATE vouchers SET free = free - 1 WHERE code = 'NEWC'")
         .execute(&pool)
         .await
         .unwrap();
     pool.close().await;
-    // The first run audits NEWA; had the create marked NEWB changed, it would recount it too.
+    // The job's run at start audits one page at most (NEWA, or nothing), so this run's page is
+    // NEWA or NEWB: NEWC is found now only if its create marked it changed.
     assert_eq!(app.engine.reconcile().await.unwrap(), Vec::<String>::new());
-    assert_eq!(app.engine.reconcile().await.unwrap(), ["NEWB"]);
+    let mut runs = 0;
+    loop {
+        runs += 1;
+        let unbalanced = app.engine.reconcile().await.unwrap();
+        if unbalanced == ["NEWC"] {
+            break;
+        }
+        assert!(unbalanced.is_empty(), "{unbalanced:?}");
+        assert!(runs < 2, "the audit never reached NEWC");
+    }
 }
