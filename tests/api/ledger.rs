@@ -2102,6 +2102,73 @@ async fn postgres_a_merge_of_many_customers_goes_in_several_calls() {
     pool.close().await;
 }
 
+/// The merged commit's usage probes read `reservations_by_customer` even when the function's
+/// generic plan is made while the statistics say the table is empty (a fresh or truncated
+/// table once analyzed). With the statuses as literals, that plan probed the partial index
+/// `reservations_due` (`status = 'RESERVED'`) and read every reserved row per probe until the
+/// next analyze: a cost that grew with the table. The index statistics tell which index the
+/// probes used.
+#[tokio::test]
+#[cfg_attr(
+    no_test_pg,
+    ignore = "needs TEST_DATABASE_URL (PostgreSQL); .ci/run sets it"
+)]
+async fn postgres_usage_probes_keep_their_index_on_a_table_analyzed_empty() {
+    let Some(url) = fresh_pg_schema("probe").await else {
+        return;
+    };
+    // One connection: the plan is made once, on it, after the analyze below.
+    let l = ledger::connect(&url, 1).await.unwrap();
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    sqlx::query("VACUUM ANALYZE reservations")
+        .execute(&pool)
+        .await
+        .unwrap();
+    l.create_voucher(&voucher("PROBE", 1000, 1), NOW)
+        .await
+        .unwrap();
+    let lease = leased(&l, "PROBE", "n1", 400).await;
+    for call in 0..4 {
+        let rows = (1..=50)
+            .map(|c| BatchRow {
+                order_id: format!("probe-{call}-{c}"),
+                customer_id: call * 100 + c,
+            })
+            .collect();
+        let out = l
+            .commit_batch(&batch("PROBE", lease.id, rows))
+            .await
+            .unwrap();
+        assert!(out.iter().all(|o| matches!(o, RowOutcome::Created(_))));
+    }
+    // Both probes run in the same calls, so their counts reach the statistics together.
+    let scans = |index: &'static str| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT idx_scan FROM pg_stat_user_indexes \
+                 WHERE schemaname = current_schema() AND indexrelname = $1",
+            )
+            .bind(index)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    crate::helpers::eventually(
+        "the commits' index scans in the statistics",
+        std::time::Duration::from_secs(30),
+        || async { scans("reservations_by_customer").await >= 200 },
+    )
+    .await;
+    assert_eq!(
+        scans("reservations_due").await,
+        0,
+        "a usage probe read the partial index of reserved rows"
+    );
+    pool.close().await;
+}
+
 /// DESIGN §3's last line on PostgreSQL after leases close: the grant check reads what closed
 /// leases consumed from the voucher's `closed_consumed` (migration 10), which a trigger keeps at
 /// every close (a return, a reap, an older build's own statement); a grant past the total is
