@@ -69,10 +69,15 @@ DECLARE
     v_keys     INT[];   -- the customers' lock keys, in order
     -- The usage probes' statuses, as parameters of the generic plan rather than literals: a
     -- literal 'RESERVED' proves the partial index `reservations_due` (WHERE status =
-    -- 'RESERVED') usable, and a plan made while the table's statistics say it is empty (a
-    -- fresh or truncated table once analyzed) chose it, then read every reserved row per probe
-    -- until autovacuum analyzed the table again: about 2 ms per reservation at 36,000 rows.
-    -- A parameter proves nothing, so `reservations_by_customer` is the probes' one index.
+    -- 'RESERVED') usable, and a plan made while the table was empty and analyzed so (a new
+    -- database analyzed before its first sale, a truncated table) chose it, then read every
+    -- reserved row per probe until autovacuum analyzed the table again: 2.2-2.5 ms per
+    -- reservation on average over the first 36,000 (docs/PERFORMANCE.md). A parameter proves
+    -- nothing, so the probes keep to `reservations_by_customer` (or, while it is still there
+    -- after migration 15, `reservations_by_voucher`, as before). A node of an older build
+    -- re-creates this function with the literals at its start: the plan hazard comes back
+    -- until a node of this build starts again; the answers are the same, so the name stays
+    -- (unlike grant.sql's versions, whose answers changed).
     c_reserved  CONSTANT TEXT := 'RESERVED';
     c_confirmed CONSTANT TEXT := 'CONFIRMED';
 BEGIN
