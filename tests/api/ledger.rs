@@ -2109,11 +2109,11 @@ async fn by_voucher_dropped(pool: &sqlx::PgPool) {
 }
 
 /// The merged commit's usage probes read `reservations_by_customer` even when the function's
-/// generic plan is made while the statistics say the table is empty (a fresh or truncated
-/// table once analyzed). With the statuses as literals, that plan probed the partial index
-/// `reservations_due` (`status = 'RESERVED'`) and read every reserved row per probe until the
-/// next analyze: a cost that grew with the table. The index statistics tell which index the
-/// probes used.
+/// generic plan is made while the table is empty and analyzed so (a new database analyzed
+/// before its first sale, a truncated table). With the statuses as literals, that plan probed
+/// the partial index `reservations_due` (`status = 'RESERVED'`) and read every reserved row
+/// per probe until the next analyze: a cost that grew with the table. The index statistics
+/// tell which index the probes used.
 #[tokio::test]
 #[cfg_attr(
     no_test_pg,
