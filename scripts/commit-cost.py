@@ -6,20 +6,23 @@
 
 `scripts/bench.sh` measures PostgreSQL CPU per reservation through the whole engine, where the
 shape of each merged commit (batches and rows per call) follows the load. This script holds the
-shape fixed: it calls `vouchers_commit_batches_v2` (or --function: `hx_noop` for the harness's
-own cost, or a copy of the function under another name for an A/B, from the SQL file --load) through `pgbench -c1 -M prepared`,
-each call its own transaction, with SHAPE = BATCHESxROWS: BATCHES vouchers of one lease each, ROWS
-new customers per batch (rising ids, every row a new reservation). It reports the CPU of every
-postgres process over the run (the backend, the WAL writer, the checkpointer; as bench.sh counts
-it) per call and per row, and from the shapes 1x1, 1xR and Bx1 a cost model: a fixed cost per
-call, a cost per further row of one batch, a cost per further batch of one row.
+shape fixed: it calls `vouchers_commit_batches_v2` through `pgbench -c1 -M prepared`, each call
+its own transaction, with SHAPE = BATCHESxROWS: BATCHES vouchers of one lease each, ROWS new
+customers per batch (rising ids, every row a new reservation). --function names another
+function of the same signature: `hx_noop` for the harness's own cost, or a copy of the merged
+commit under another name for an A/B, loaded from the SQL file --load. It reports the CPU of
+every postgres process over the run (the backend, the WAL writer, the checkpointer; as bench.sh
+counts it) per call and per row, and from the shapes 1x1, 1xR and Bx1 a cost model: a cost for
+one batch of one row, per further row of one batch, per further batch of one row.
 
 The scratch database is made by the release build's migrations (one start of the engine against
-it), then gets this tree's `migrations/postgres/0002_merged_commit.sql` again, holds 100 vouchers and 200,000 reservations of other vouchers (so indexes are not empty), and
-is analyzed; autovacuum is off on the written tables so that it does not land inside a run. Each
-run starts from the same table. --empty leaves the reservations empty and analyzed instead: the
-state in which a plan's statistics say the table is empty (see migrations/postgres/0002).
-Figures move 5-10 % between runs on a shared 2-core machine: interleave an A/B with --repeat.
+it), then gets this tree's `migrations/postgres/0002_merged_commit.sql` again (the function as
+the tree has it). It holds 100 vouchers and 200,000 reservations of other vouchers (so indexes
+are not empty), and is analyzed; autovacuum is off on the written tables so that it does not
+land inside a run. Each run starts from the same table. --empty leaves the reservations empty
+and analyzed instead: the state in which a plan made then sees an empty table (see
+migrations/postgres/0002). Figures move 5-30 % between runs on a shared 2-core machine, and
+more after a restart of PostgreSQL: interleave an A/B with --repeat.
 Traffic stays on 127.0.0.1; the database is dropped at the end unless --keep.
 """
 import argparse
@@ -152,7 +155,8 @@ def main():
         p, _ = bench.start_node(procs, "cost", url, opts, cluster=True)
         procs.stop(p)
         # The function as this tree has it, whatever the release build compiled in.
-        with open(os.path.join(bench.ROOT, "migrations", "postgres", "0002_merged_commit.sql")) as f:
+        merged = os.path.join(bench.ROOT, "migrations", "postgres", "0002_merged_commit.sql")
+        with open(merged) as f:
             psql(url, f.read())
         psql(url, HARNESS)
         if args.load:
@@ -174,7 +178,7 @@ def main():
                     print(f"per further row of one batch: {(us - one) / (r - 1):.1f} µs")
                 if r == 1 and b > 1:
                     print(f"per further batch of one row: {(us - one) / (b - 1):.1f} µs")
-            print(f"fixed per call (1x1): {one:,.0f} µs, the harness's own array building and "
+            print(f"one batch of one row (1x1): {one:,.0f} µs, the harness's own array building and "
                   "pgbench's round trip included")
     finally:
         procs.stop_all()
