@@ -178,7 +178,7 @@ def main():
                     print(f"per further row of one batch: {(us - one) / (r - 1):.1f} µs")
                 if r == 1 and b > 1:
                     print(f"per further batch of one row: {(us - one) / (b - 1):.1f} µs")
-            print(f"one batch of one row (1x1): {one:,.0f} µs, the harness's own array building and "
+            print(f"one batch of one row (1x1): {one:,.0f} µs, the harness's own arrays and "
                   "pgbench's round trip included")
     finally:
         procs.stop_all()
