@@ -219,14 +219,16 @@ def run_hostile(base, pid, tag, args):
     return rows
 
 
-def cpu_seconds(pids):
-    """User + system CPU time each of the processes `pids` has used so far, in seconds."""
+def cpu_seconds(pids, children=False):
+    """User + system CPU time each of the processes `pids` has used so far, in seconds; with
+    `children`, that of its exited children too (a postmaster's: backends gone meanwhile)."""
     used = {}
     for pid in pids:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            used[pid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            ticks = fields[11:15] if children else fields[11:13]
+            used[pid] = sum(int(t) for t in ticks) / os.sysconf("SC_CLK_TCK")
         except (FileNotFoundError, ProcessLookupError, IndexError):
             pass  # gone meanwhile
     return used

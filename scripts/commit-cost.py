@@ -101,15 +101,7 @@ def psql(url, *sql):
 def postgres_cpu():
     """User + system CPU of every postgres process so far, the postmaster's exited children
     (the pgbench backend once it is gone) included."""
-    total = 0.0
-    for pid in bench.postgres_pids():
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except FileNotFoundError:
-            continue
-        total += sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
-    return total
+    return sum(bench.cpu_seconds(bench.postgres_pids(), children=True).values())
 
 
 def reset(url, empty):
