@@ -22,13 +22,22 @@ CREATE OR REPLACE FUNCTION vouchers_settle(
     out_expires  BIGINT
 )
 LANGUAGE plpgsql
+-- One generic plan per connection (the node's sessions would otherwise plan each of these
+-- statements at every confirm and release; see migrations/postgres/grant.sql), kept off
+-- sequential scans: every statement is a lookup by primary key.
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
 AS $$
 DECLARE
     v_customer BIGINT;
     v_seq      BIGINT;
+    -- A parameter of the generic plan, not a literal: a literal 'RESERVED' proves the partial
+    -- index `reservations_due` usable, and a plan made while the table was empty and analyzed
+    -- so could scan it whole for the row (as the merged commit's probes did, migration 2).
+    c_reserved CONSTANT TEXT := 'RESERVED';
 BEGIN
     SELECT r.customer_id INTO v_customer FROM reservations r
-    WHERE r.order_id = p_order AND r.voucher_code = p_code AND r.status = 'RESERVED'
+    WHERE r.order_id = p_order AND r.voucher_code = p_code AND r.status = c_reserved
       AND (NOT p_confirm OR r.expires_at > p_now)
     FOR UPDATE;
     IF NOT FOUND THEN

@@ -2081,22 +2081,23 @@ async fn postgres_a_merge_of_many_customers_goes_in_several_calls() {
 
     // The index migration 15 replaced goes after the migration's transaction, on its own.
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
-    by_voucher_dropped(&pool).await;
+    replaced_indexes_dropped(&pool).await;
     pool.close().await;
 }
 
-/// Waits until the index migration 15 replaced, `reservations_by_voucher`, is gone from the
-/// pool's schema: it is dropped after the migration's transaction, by a task of its own.
-async fn by_voucher_dropped(pool: &sqlx::PgPool) {
+/// Waits until the indexes later migrations replaced (`reservations_by_voucher` by 15's,
+/// `leases_by_voucher` by 16's) are gone from the pool's schema: they are dropped after the
+/// migration's transaction, by a task of its own.
+async fn replaced_indexes_dropped(pool: &sqlx::PgPool) {
     crate::helpers::eventually(
-        "reservations_by_voucher dropped",
+        "the replaced indexes dropped",
         std::time::Duration::from_secs(10),
         || {
             let pool = pool.clone();
             async move {
                 let left: i64 = sqlx::query_scalar(
-                    "SELECT count(*) FROM pg_indexes \
-                     WHERE indexname = 'reservations_by_voucher' AND schemaname = current_schema()",
+                    "SELECT count(*) FROM pg_indexes WHERE schemaname = current_schema() \
+                     AND indexname IN ('reservations_by_voucher', 'leases_by_voucher')",
                 )
                 .fetch_one(&pool)
                 .await
@@ -2126,8 +2127,8 @@ async fn postgres_usage_probes_keep_their_index_on_a_table_analyzed_empty() {
     // One connection: the plan is made once, on it, after the analyze below.
     let l = ledger::connect(&url, 1).await.unwrap();
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
-    // While it is there, that index is a third choice for the probes.
-    by_voucher_dropped(&pool).await;
+    // While it is there, `reservations_by_voucher` is a third choice for the probes.
+    replaced_indexes_dropped(&pool).await;
     sqlx::query("VACUUM ANALYZE reservations")
         .execute(&pool)
         .await
@@ -2179,6 +2180,101 @@ async fn postgres_usage_probes_keep_their_index_on_a_table_analyzed_empty() {
         "a usage probe read the partial index of reserved rows"
     );
     assert_eq!(scans("reservations_by_customer").await, 400);
+    pool.close().await;
+}
+
+/// The grant's, the lease triggers' and the confirm's generic plans (`migrations/postgres/
+/// grant.sql`, `0008_settle.sql`: one plan per connection instead of one per call) keep to their
+/// indexes when they are made while the tables are empty and analyzed so. A grant sums the
+/// voucher's active leases twice (its own statement and the check at commit), each by equality
+/// on `leases_by_voucher_state` (migration 16), never by a whole scan of a partial index of
+/// active leases by expiry or holder, which hold every voucher's (with the state as a literal,
+/// the check's plan scanned the one by holder). A confirm or release finds its row by order id,
+/// never by a scan of `reservations_due`. The index statistics tell which indexes the calls used.
+#[tokio::test]
+#[cfg_attr(
+    no_test_pg,
+    ignore = "needs TEST_DATABASE_URL (PostgreSQL); .ci/run sets it"
+)]
+async fn postgres_grant_and_settle_plans_keep_their_indexes_on_tables_analyzed_empty() {
+    let Some(url) = fresh_pg_schema("plans").await else {
+        return;
+    };
+    // One connection: each plan is made once, on it, after the analyze below.
+    let l = ledger::connect(&url, 1).await.unwrap();
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    replaced_indexes_dropped(&pool).await;
+    sqlx::query("VACUUM ANALYZE vouchers, leases, reservations")
+        .execute(&pool)
+        .await
+        .unwrap();
+    l.create_voucher(&voucher("PLANS", 1000, 1), NOW)
+        .await
+        .unwrap();
+    const GRANTS: i64 = 20;
+    for g in 0..GRANTS {
+        let lease = leased(&l, "PLANS", "n1", 5).await;
+        let rows = (1..=2)
+            .map(|c| BatchRow {
+                order_id: format!("plans-{g}-{c}"),
+                customer_id: g * 10 + c,
+            })
+            .collect();
+        let out = l
+            .commit_batch(&batch("PLANS", lease.id, rows))
+            .await
+            .unwrap();
+        assert!(out.iter().all(|o| matches!(o, RowOutcome::Created(_))));
+        l.return_lease(lease.id, NOW).await.unwrap();
+        l.confirm("PLANS", &format!("plans-{g}-1"), NOW)
+            .await
+            .unwrap();
+        l.release("PLANS", &format!("plans-{g}-2"), NOW)
+            .await
+            .unwrap();
+    }
+    let scans = |index: &'static str| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT idx_scan FROM pg_stat_user_indexes \
+                 WHERE schemaname = current_schema() AND indexrelname = $1",
+            )
+            .bind(index)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    let by_voucher = [
+        "leases_by_voucher_state",
+        "leases_active_by_voucher",
+        "leases_active_by_expiry",
+        "leases_active_by_node",
+    ];
+    // Counts arrive in parts (a backend flushes them at most once a second): wait until the
+    // grants' sums are all in, whichever index they used. The confirm and release of a pair
+    // run after its grant, so theirs are in by then too once the backend has gone idle.
+    crate::helpers::eventually(
+        "the grants' index scans in the statistics",
+        std::time::Duration::from_secs(30),
+        || async {
+            let mut n = 0;
+            for index in by_voucher {
+                n += scans(index).await;
+            }
+            n >= 2 * GRANTS
+        },
+    )
+    .await;
+    let mut seen = String::new();
+    for index in by_voucher.iter().chain(&["reservations_due"]) {
+        seen.push_str(&format!("{index} {}; ", scans(index).await));
+    }
+    assert_eq!(scans("leases_by_voucher_state").await, 2 * GRANTS, "{seen}");
+    assert_eq!(scans("leases_active_by_expiry").await, 0, "{seen}");
+    assert_eq!(scans("leases_active_by_node").await, 0, "{seen}");
+    assert_eq!(scans("reservations_due").await, 0, "{seen}");
     pool.close().await;
 }
 

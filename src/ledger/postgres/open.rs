@@ -67,6 +67,10 @@ const MIGRATIONS: &[(i64, &str)] = &[
         15,
         include_str!("../../../migrations/postgres/0015_usage_from_rows.sql"),
     ),
+    (
+        16,
+        include_str!("../../../migrations/postgres/0016_generic_lease_plans.sql"),
+    ),
 ];
 
 /// Statements run after the migration's transaction commits, each on its own and in order (at
@@ -75,6 +79,8 @@ const MIGRATIONS: &[(i64, &str)] = &[
 const AFTER_MIGRATION: &[&str] = &[
     // Migration 15's index by customer replaces it.
     "DROP INDEX CONCURRENTLY IF EXISTS reservations_by_voucher",
+    // Migration 16's index by voucher and state replaces it.
+    "DROP INDEX CONCURRENTLY IF EXISTS leases_by_voucher",
 ];
 
 /// Versions a build of this project once applied and later retired: their rows are deleted
@@ -184,7 +190,9 @@ async fn locate(
 /// The session every connection of the node opens with. Tables grow from empty within seconds
 /// of a sale starting: a generic plan cached while they were tiny (a sequential scan) would stay
 /// for the life of the connection, so plans are custom (they see the real table size every
-/// time). A commit is acknowledged only once it is durable (and, where the server names
+/// time). The hot functions (the merged commit, a grant, a confirm or release) set their own
+/// generic plans, kept off sequential scans, with their lookups written for the index they
+/// need (migrations 2 and 16). A commit is acknowledged only once it is durable (and, where the server names
 /// synchronous standbys, on one of them), whatever a role or database setting says. No
 /// statement and no lock wait may hold a connection past the ledger's deadline.
 fn session(options: PgConnectOptions, timeout_ms: u64) -> PgConnectOptions {
