@@ -23,24 +23,26 @@ CREATE OR REPLACE FUNCTION vouchers_settle(
 )
 LANGUAGE plpgsql
 -- One generic plan per connection (the node's sessions would otherwise plan each of these
--- statements at every confirm and release; see migrations/postgres/grant.sql), kept off
--- sequential scans: every statement is a lookup by primary key.
+-- statements at every confirm and release; see migration 16), kept off sequential scans: every
+-- statement is a lookup by primary key. The row is found by its order id alone and judged here:
+-- a plan made while the table was empty and analyzed so took the voucher and status of the
+-- lookup for the index `reservations_by_customer` (voucher, customer, status) and filtered every
+-- reserved row of the voucher for the order id. Under READ COMMITTED the row locked is the
+-- newest version, so judging it after the lock is what the old WHERE did on it.
 SET plan_cache_mode = force_generic_plan
 SET enable_seqscan = off
 AS $$
 DECLARE
-    v_customer BIGINT;
-    v_seq      BIGINT;
-    -- A parameter of the generic plan, not a literal: a literal 'RESERVED' proves the partial
-    -- index `reservations_due` usable, and a plan made while the table was empty and analyzed
-    -- so could scan it whole for the row (as the merged commit's probes did, migration 2).
-    c_reserved CONSTANT TEXT := 'RESERVED';
+    v_code    TEXT;
+    v_status  TEXT;
+    v_expires BIGINT;
+    v_seq     BIGINT;
 BEGIN
-    SELECT r.customer_id INTO v_customer FROM reservations r
-    WHERE r.order_id = p_order AND r.voucher_code = p_code AND r.status = c_reserved
-      AND (NOT p_confirm OR r.expires_at > p_now)
+    SELECT r.voucher_code, r.status, r.expires_at INTO v_code, v_status, v_expires
+    FROM reservations r WHERE r.order_id = p_order
     FOR UPDATE;
-    IF NOT FOUND THEN
+    IF NOT FOUND OR v_code <> p_code OR v_status <> 'RESERVED'
+       OR (p_confirm AND v_expires <= p_now) THEN
         RETURN;
     END IF;
     IF p_confirm THEN

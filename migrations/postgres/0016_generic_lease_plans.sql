@@ -4,24 +4,23 @@
 -- through the engine (one node, 100 vouchers that never sell out, this project's 2-core machine,
 -- `pg_stat_statements` with `track_planning`): ~320 µs of planning per grant over its seven
 -- statements (the check below alone 120) at ~300 grants a second; `pgbench` of the grant alone,
--- sessions set as the node's: 620-730 µs of PostgreSQL CPU per grant before, 370-500 after.
+-- sessions set as the node's: 617-677 µs of PostgreSQL CPU per grant before, 340-407 after.
 --
 -- A generic plan is made once, perhaps while `leases` is empty and analyzed so, and kept. With the
 -- literal `state = 'ACTIVE'` the planner may then sum a voucher's active leases by a whole scan
 -- of another partial index of active leases (by holder, by expiry: every voucher's), which it
--- did in the test `postgres_grant_and_settle_plans_keep_their_indexes_on_tables_analyzed_empty`.
--- So the sums compare the state with a parameter, which proves no partial index, and this index
--- gives them the voucher's active leases by equality on both columns. It replaces
--- `leases_by_voucher` (migration 3; its prefix serves those reads), which is dropped after the
--- migration's transaction (`DROP INDEX CONCURRENTLY`, src/ledger/postgres/open.rs). The build
--- reads every lease ever granted and blocks lease writes meanwhile: no statement deadline for it
--- (lock waits keep theirs).
-SET LOCAL statement_timeout = 0;
-CREATE INDEX IF NOT EXISTS leases_by_voucher_state ON leases (voucher_code, state);
+-- did for one of a grant's two sums in the test
+-- `postgres_grant_and_settle_plans_keep_their_indexes_on_tables_analyzed_empty`. So the sums
+-- compare the state with a parameter, which proves no partial index, and read the index
+-- `leases_by_voucher_state (voucher_code, state)` by equality on both columns. That index is
+-- built after this migration's transaction, concurrently (src/ledger/postgres/open.rs,
+-- `BUILT_AFTER_MIGRATION`): built here it would block every lease write of the nodes still
+-- serving for the whole build (about a second per million leases). Meanwhile the sums read
+-- `leases_by_voucher` (migration 3), which it replaces and which is dropped once it is built.
 
--- DESIGN §3's last line at a grant's commit (migrations 9 and 10), its active leases read by the
--- index above. One statement, one snapshot, as before: the voucher's row (locked by the grant
--- until it commits, so no lease of it closes meanwhile) and its active leases.
+-- DESIGN §3's last line at a grant's commit (migrations 9 and 10), its active leases read by
+-- `leases_by_voucher_state`. One statement, one snapshot, as before: the voucher's row (locked
+-- by the grant until it commits, so no lease of it closes meanwhile) and its active leases.
 CREATE OR REPLACE FUNCTION vouchers_grant_within_total() RETURNS trigger
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan

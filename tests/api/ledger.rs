@@ -2189,8 +2189,10 @@ async fn postgres_usage_probes_keep_their_index_on_a_table_analyzed_empty() {
 /// voucher's active leases twice (its own statement and the check at commit), each by equality
 /// on `leases_by_voucher_state` (migration 16), never by a whole scan of a partial index of
 /// active leases by expiry or holder, which hold every voucher's (with the state as a literal,
-/// the check's plan scanned the one by holder). A confirm or release finds its row by order id,
-/// never by a scan of `reservations_due`. The index statistics tell which indexes the calls used.
+/// one of the sums scanned the one by holder). A confirm or release finds its row by order id,
+/// never among the voucher's reserved rows by `reservations_due` or `reservations_by_customer`
+/// (which it did while it looked the row up by voucher and status too). The index statistics
+/// tell which indexes the calls used.
 #[tokio::test]
 #[cfg_attr(
     no_test_pg,
@@ -2252,29 +2254,51 @@ async fn postgres_grant_and_settle_plans_keep_their_indexes_on_tables_analyzed_e
         "leases_active_by_expiry",
         "leases_active_by_node",
     ];
-    // Counts arrive in parts (a backend flushes them at most once a second): wait until the
-    // grants' sums are all in, whichever index they used. The confirm and release of a pair
-    // run after its grant, so theirs are in by then too once the backend has gone idle.
+    let settled = || {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT n_tup_upd FROM pg_stat_user_tables \
+                 WHERE schemaname = current_schema() AND relname = 'reservations'",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    // Counts arrive in parts (a backend flushes them at most once a second, a transaction's
+    // all at once): wait until the grants' sums are all in, whichever index they used, and
+    // every confirm's and release's update of its row.
     crate::helpers::eventually(
-        "the grants' index scans in the statistics",
+        "the calls' counts in the statistics",
         std::time::Duration::from_secs(30),
         || async {
             let mut n = 0;
             for index in by_voucher {
                 n += scans(index).await;
             }
-            n >= 2 * GRANTS
+            n >= 2 * GRANTS && settled().await >= 2 * GRANTS
         },
     )
     .await;
     let mut seen = String::new();
-    for index in by_voucher.iter().chain(&["reservations_due"]) {
+    for index in by_voucher
+        .iter()
+        .chain(&["reservations_due", "reservations_by_customer"])
+    {
         seen.push_str(&format!("{index} {}; ", scans(index).await));
     }
     assert_eq!(scans("leases_by_voucher_state").await, 2 * GRANTS, "{seen}");
     assert_eq!(scans("leases_active_by_expiry").await, 0, "{seen}");
     assert_eq!(scans("leases_active_by_node").await, 0, "{seen}");
     assert_eq!(scans("reservations_due").await, 0, "{seen}");
+    // Only the commits' usage probes (two per row): a confirm or release that looked its row
+    // up by voucher and status read the voucher's reserved rows by this index.
+    assert_eq!(
+        scans("reservations_by_customer").await,
+        2 * 2 * GRANTS,
+        "{seen}"
+    );
     pool.close().await;
 }
 

@@ -73,8 +73,9 @@ const MIGRATIONS: &[(i64, &str)] = &[
     ),
 ];
 
-/// Statements run after the migration's transaction commits, each on its own and in order (at
-/// every start; each is idempotent), by [`drop_after_migration`]: what cannot run in a
+/// Statements run after the migration's transaction commits (and after
+/// [`BUILT_AFTER_MIGRATION`]), each on its own and in order (at every start; each is
+/// idempotent), by [`drop_after_migration`]: what cannot run in a
 /// transaction, or would take a second table's exclusive lock inside it.
 const AFTER_MIGRATION: &[&str] = &[
     // Migration 15's index by customer replaces it.
@@ -82,6 +83,23 @@ const AFTER_MIGRATION: &[&str] = &[
     // Migration 16's index by voucher and state replaces it.
     "DROP INDEX CONCURRENTLY IF EXISTS leases_by_voucher",
 ];
+
+/// Indexes built after the migration's transaction with `CREATE INDEX CONCURRENTLY` (at every
+/// start; a no-op once built), before [`AFTER_MIGRATION`] drops the ones they replace: `(name,
+/// table and columns)`. Built inside the migration's transaction, an index would block its
+/// table's writes for the whole build, on every node still serving (about a second per million
+/// leases); built here, the statements that want it use the index it replaces meanwhile, and
+/// re-plan onto it once it is valid.
+const BUILT_AFTER_MIGRATION: &[(&str, &str)] = &[
+    // Migration 16's: the lease functions' sums of a voucher's active leases.
+    ("leases_by_voucher_state", "leases (voucher_code, state)"),
+];
+
+/// The class of the session advisory lock (keyed by the schema's hash) under which one node at
+/// a time runs the steps after the migration: under it, an index found invalid is a build that
+/// failed (nobody else is building it), and no node drops an index whose replacement another
+/// node is still building.
+const AFTER_MIGRATION_LOCK: i32 = 0x7663_6166;
 
 /// Versions a build of this project once applied and later retired: their rows are deleted
 /// before the schema's version is judged, so a database one of them touched opens here, and a
@@ -268,30 +286,66 @@ async fn migrate(pool: &PgPool) -> Result<(), sqlx::Error> {
     Ok(())
 }
 
-/// Runs [`AFTER_MIGRATION`] on a connection of its own, without the pool's deadlines (a
-/// concurrent drop waits for every transaction that uses the table, a long report's included),
-/// again every 30 s until every step has gone through. Meanwhile an index on its way out may
-/// still be written: the error log says so.
+/// Builds [`BUILT_AFTER_MIGRATION`] and runs [`AFTER_MIGRATION`] on a connection of its own,
+/// without the pool's deadlines (a concurrent build or drop waits for every transaction that
+/// uses the table, a long report's included), again every 30 s until every step has gone
+/// through, here or on another node. Meanwhile an index on its way out may still be written:
+/// the error log says so.
 async fn drop_after_migration(pool: PgPool) {
     let options = pool.connect_options();
     loop {
-        let done: Result<(), sqlx::Error> = async {
+        let done: Result<bool, sqlx::Error> = async {
             let mut conn = sqlx::PgConnection::connect_with(&options).await?;
             conn.execute("SET lock_timeout = 0; SET statement_timeout = 0")
                 .await?;
-            for sql in AFTER_MIGRATION {
+            let mine: bool =
+                sqlx::query_scalar("SELECT pg_try_advisory_lock($1, hashtext(current_schema()))")
+                    .bind(AFTER_MIGRATION_LOCK)
+                    .fetch_one(&mut conn)
+                    .await?;
+            if !mine {
+                // Another node runs them now; the next round finds them done (or takes over
+                // if that node stopped: its lock went with its connection).
+                conn.close().await?;
+                return Ok(false);
+            }
+            for (name, on) in BUILT_AFTER_MIGRATION {
+                let invalid: Option<bool> = sqlx::query_scalar(
+                    "SELECT NOT i.indisvalid FROM pg_index i \
+                     JOIN pg_class c ON c.oid = i.indexrelid \
+                     WHERE c.relname = $1 AND c.relnamespace = current_schema()::regnamespace",
+                )
+                .bind(name)
+                .fetch_optional(&mut conn)
+                .await?;
+                if invalid == Some(true) {
+                    // A build that failed leaves its index invalid, and `IF NOT EXISTS` would
+                    // take it for built.
+                    conn.execute(format!("DROP INDEX CONCURRENTLY IF EXISTS {name}").as_str())
+                        .await?;
+                }
                 // A simple query of one statement: outside any transaction block.
+                conn.execute(
+                    format!("CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} ON {on}").as_str(),
+                )
+                .await?;
+            }
+            for sql in AFTER_MIGRATION {
                 conn.execute(*sql).await?;
             }
-            conn.close().await
+            conn.close().await?;
+            Ok(true)
         }
         .await;
         match done {
-            Ok(()) => return,
+            Ok(true) => return,
+            Ok(false) => {
+                tracing::debug!("another node runs the steps after the migration; again in 30 s")
+            }
             Err(e) => {
                 tracing::error!(error = %e, "a step after the migration failed; again in 30 s");
-                tokio::time::sleep(Duration::from_secs(30)).await;
             }
         }
+        tokio::time::sleep(Duration::from_secs(30)).await;
     }
 }
