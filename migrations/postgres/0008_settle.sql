@@ -41,8 +41,9 @@ BEGIN
     SELECT r.voucher_code, r.status, r.expires_at INTO v_code, v_status, v_expires
     FROM reservations r WHERE r.order_id = p_order
     FOR UPDATE;
-    IF NOT FOUND OR v_code <> p_code OR v_status <> 'RESERVED'
-       OR (p_confirm AND v_expires <= p_now) THEN
+    -- COALESCE: a NULL argument matches nothing, as it did in the WHERE.
+    IF NOT FOUND OR NOT COALESCE(v_code = p_code AND v_status = 'RESERVED'
+                                 AND (NOT p_confirm OR v_expires > p_now), false) THEN
         RETURN;
     END IF;
     IF p_confirm THEN

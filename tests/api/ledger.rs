@@ -2091,7 +2091,9 @@ async fn postgres_a_merge_of_many_customers_goes_in_several_calls() {
 async fn replaced_indexes_dropped(pool: &sqlx::PgPool) {
     crate::helpers::eventually(
         "the replaced indexes dropped",
-        std::time::Duration::from_secs(10),
+        // The replacement is built concurrently first, which waits for every older
+        // transaction of the database: other tests' held locks included.
+        std::time::Duration::from_secs(90),
         || {
             let pool = pool.clone();
             async move {

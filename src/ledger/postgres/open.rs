@@ -287,12 +287,17 @@ async fn migrate(pool: &PgPool) -> Result<(), sqlx::Error> {
 }
 
 /// Builds [`BUILT_AFTER_MIGRATION`] and runs [`AFTER_MIGRATION`] on a connection of its own,
-/// without the pool's deadlines (a concurrent build or drop waits for every transaction that
-/// uses the table, a long report's included), again every 30 s until every step has gone
-/// through, here or on another node. Meanwhile an index on its way out may still be written:
-/// the error log says so.
+/// without the pool's deadlines (a concurrent drop waits for every transaction that uses the
+/// table, a concurrent build for every transaction of the database older than its last phase,
+/// whatever it reads: a long report, a dump), again after 1, 2, 4 … and then every 30 s until
+/// every step has gone through, here or on another node. Meanwhile an index on its way out may
+/// still be written: the error log says so. The connection is to the server the pool used at
+/// the start: after a failover the steps wait for the node's next start.
 async fn drop_after_migration(pool: PgPool) {
     let options = pool.connect_options();
+    // Soon at first (a concurrent build waits for every older transaction of the database, any
+    // table's), then every 30 s.
+    let mut pause = Duration::from_secs(1);
     loop {
         let done: Result<bool, sqlx::Error> = async {
             let mut conn = sqlx::PgConnection::connect_with(&options).await?;
@@ -310,15 +315,7 @@ async fn drop_after_migration(pool: PgPool) {
                 return Ok(false);
             }
             for (name, on) in BUILT_AFTER_MIGRATION {
-                let invalid: Option<bool> = sqlx::query_scalar(
-                    "SELECT NOT i.indisvalid FROM pg_index i \
-                     JOIN pg_class c ON c.oid = i.indexrelid \
-                     WHERE c.relname = $1 AND c.relnamespace = current_schema()::regnamespace",
-                )
-                .bind(name)
-                .fetch_optional(&mut conn)
-                .await?;
-                if invalid == Some(true) {
+                if valid(&mut conn, name).await? == Some(false) {
                     // A build that failed leaves its index invalid, and `IF NOT EXISTS` would
                     // take it for built.
                     conn.execute(format!("DROP INDEX CONCURRENTLY IF EXISTS {name}").as_str())
@@ -329,6 +326,12 @@ async fn drop_after_migration(pool: PgPool) {
                     format!("CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} ON {on}").as_str(),
                 )
                 .await?;
+                // Nothing it replaces is dropped unless it is there and valid.
+                if valid(&mut conn, name).await? != Some(true) {
+                    return Err(sqlx::Error::Protocol(format!(
+                        "index {name} not valid after its build"
+                    )));
+                }
             }
             for sql in AFTER_MIGRATION {
                 conn.execute(*sql).await?;
@@ -340,12 +343,27 @@ async fn drop_after_migration(pool: PgPool) {
         match done {
             Ok(true) => return,
             Ok(false) => {
-                tracing::debug!("another node runs the steps after the migration; again in 30 s")
+                tracing::debug!(?pause, "another node runs the steps after the migration")
             }
             Err(e) => {
-                tracing::error!(error = %e, "a step after the migration failed; again in 30 s");
+                tracing::error!(error = %e, ?pause, "a step after the migration failed");
             }
         }
-        tokio::time::sleep(Duration::from_secs(30)).await;
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(30));
     }
+}
+
+/// Whether the index `name` of the connection's schema is valid (`None`: there is none). A
+/// concurrent build that failed leaves it invalid. The schema by its name as the catalog holds
+/// it, so that a name that needs quoting is found too.
+async fn valid(conn: &mut sqlx::PgConnection, name: &str) -> Result<Option<bool>, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid \
+         JOIN pg_namespace n ON n.oid = c.relnamespace \
+         WHERE c.relname = $1 AND n.nspname = current_schema()",
+    )
+    .bind(name)
+    .fetch_optional(conn)
+    .await
 }
