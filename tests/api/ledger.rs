@@ -2111,6 +2111,18 @@ async fn replaced_indexes_dropped(pool: &sqlx::PgPool) {
     .await;
 }
 
+/// How many scans the statistics have counted on the index `index` of the pool's schema.
+async fn index_scans(pool: &sqlx::PgPool, index: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT idx_scan FROM pg_stat_user_indexes \
+         WHERE schemaname = current_schema() AND indexrelname = $1",
+    )
+    .bind(index)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
 /// The merged commit's usage probes read `reservations_by_customer` even when the function's
 /// generic plan is made while the table is empty and analyzed so (a new database analyzed
 /// before its first sale, a truncated table). With the statuses as literals, that plan probed
@@ -2155,33 +2167,22 @@ async fn postgres_usage_probes_keep_their_index_on_a_table_analyzed_empty() {
     // Two probes for each of the 200 rows, and no other index scan of the table in this
     // schema. A backend flushes its counts at the end of a transaction at most once a second
     // (and when idle), so the calls' counts arrive in parts: wait for all 400.
-    let scans = |index: &'static str| {
-        let pool = pool.clone();
-        async move {
-            sqlx::query_scalar::<_, i64>(
-                "SELECT idx_scan FROM pg_stat_user_indexes \
-                 WHERE schemaname = current_schema() AND indexrelname = $1",
-            )
-            .bind(index)
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-        }
-    };
     crate::helpers::eventually(
         "the commits' index scans in the statistics",
         std::time::Duration::from_secs(30),
         || async {
-            scans("reservations_by_customer").await + scans("reservations_due").await >= 400
+            index_scans(&pool, "reservations_by_customer").await
+                + index_scans(&pool, "reservations_due").await
+                >= 400
         },
     )
     .await;
     assert_eq!(
-        scans("reservations_due").await,
+        index_scans(&pool, "reservations_due").await,
         0,
         "a usage probe read the partial index of reserved rows"
     );
-    assert_eq!(scans("reservations_by_customer").await, 400);
+    assert_eq!(index_scans(&pool, "reservations_by_customer").await, 400);
     pool.close().await;
 }
 
@@ -2237,19 +2238,6 @@ async fn postgres_grant_and_settle_plans_keep_their_indexes_on_tables_analyzed_e
             .await
             .unwrap();
     }
-    let scans = |index: &'static str| {
-        let pool = pool.clone();
-        async move {
-            sqlx::query_scalar::<_, i64>(
-                "SELECT idx_scan FROM pg_stat_user_indexes \
-                 WHERE schemaname = current_schema() AND indexrelname = $1",
-            )
-            .bind(index)
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-        }
-    };
     let by_voucher = [
         "leases_by_voucher_state",
         "leases_active_by_voucher",
@@ -2277,7 +2265,7 @@ async fn postgres_grant_and_settle_plans_keep_their_indexes_on_tables_analyzed_e
         || async {
             let mut n = 0;
             for index in by_voucher {
-                n += scans(index).await;
+                n += index_scans(&pool, index).await;
             }
             n >= 2 * GRANTS && settled().await >= 2 * GRANTS
         },
@@ -2288,16 +2276,28 @@ async fn postgres_grant_and_settle_plans_keep_their_indexes_on_tables_analyzed_e
         .iter()
         .chain(&["reservations_due", "reservations_by_customer"])
     {
-        seen.push_str(&format!("{index} {}; ", scans(index).await));
+        seen.push_str(&format!("{index} {}; ", index_scans(&pool, index).await));
     }
-    assert_eq!(scans("leases_by_voucher_state").await, 2 * GRANTS, "{seen}");
-    assert_eq!(scans("leases_active_by_expiry").await, 0, "{seen}");
-    assert_eq!(scans("leases_active_by_node").await, 0, "{seen}");
-    assert_eq!(scans("reservations_due").await, 0, "{seen}");
+    assert_eq!(
+        index_scans(&pool, "leases_by_voucher_state").await,
+        2 * GRANTS,
+        "{seen}"
+    );
+    assert_eq!(
+        index_scans(&pool, "leases_active_by_expiry").await,
+        0,
+        "{seen}"
+    );
+    assert_eq!(
+        index_scans(&pool, "leases_active_by_node").await,
+        0,
+        "{seen}"
+    );
+    assert_eq!(index_scans(&pool, "reservations_due").await, 0, "{seen}");
     // Only the commits' usage probes (two per row): a confirm or release that looked its row
     // up by voucher and status read the voucher's reserved rows by this index.
     assert_eq!(
-        scans("reservations_by_customer").await,
+        index_scans(&pool, "reservations_by_customer").await,
         2 * 2 * GRANTS,
         "{seen}"
     );
