@@ -2111,6 +2111,22 @@ async fn replaced_indexes_dropped(pool: &sqlx::PgPool) {
     .await;
 }
 
+/// A PostgreSQL ledger of one connection on a fresh schema (each plan is made once, on it,
+/// after the analyze), whose `tables` were analyzed while empty once the indexes later
+/// migrations replaced are gone; and a pool to read the schema's statistics. `None` without
+/// PostgreSQL.
+async fn analyzed_empty(tag: &str, tables: &str) -> Option<(SharedLedger, sqlx::PgPool)> {
+    let url = fresh_pg_schema(tag).await?;
+    let l = ledger::connect(&url, 1).await.unwrap();
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    replaced_indexes_dropped(&pool).await;
+    sqlx::query(&format!("VACUUM ANALYZE {tables}"))
+        .execute(&pool)
+        .await
+        .unwrap();
+    Some((l, pool))
+}
+
 /// How many scans the statistics have counted on the index `index` of the pool's schema.
 async fn index_scans(pool: &sqlx::PgPool, index: &str) -> i64 {
     sqlx::query_scalar(
@@ -2135,18 +2151,10 @@ async fn index_scans(pool: &sqlx::PgPool, index: &str) -> i64 {
     ignore = "needs TEST_DATABASE_URL (PostgreSQL); .ci/run sets it"
 )]
 async fn postgres_usage_probes_keep_their_index_on_a_table_analyzed_empty() {
-    let Some(url) = fresh_pg_schema("probe").await else {
+    // While it is there, `reservations_by_voucher` is a third choice for the probes.
+    let Some((l, pool)) = analyzed_empty("probe", "reservations").await else {
         return;
     };
-    // One connection: the plan is made once, on it, after the analyze below.
-    let l = ledger::connect(&url, 1).await.unwrap();
-    let pool = sqlx::PgPool::connect(&url).await.unwrap();
-    // While it is there, `reservations_by_voucher` is a third choice for the probes.
-    replaced_indexes_dropped(&pool).await;
-    sqlx::query("VACUUM ANALYZE reservations")
-        .execute(&pool)
-        .await
-        .unwrap();
     l.create_voucher(&voucher("PROBE", 1000, 1), NOW)
         .await
         .unwrap();
@@ -2202,17 +2210,9 @@ async fn postgres_usage_probes_keep_their_index_on_a_table_analyzed_empty() {
     ignore = "needs TEST_DATABASE_URL (PostgreSQL); .ci/run sets it"
 )]
 async fn postgres_grant_and_settle_plans_keep_their_indexes_on_tables_analyzed_empty() {
-    let Some(url) = fresh_pg_schema("plans").await else {
+    let Some((l, pool)) = analyzed_empty("plans", "vouchers, leases, reservations").await else {
         return;
     };
-    // One connection: each plan is made once, on it, after the analyze below.
-    let l = ledger::connect(&url, 1).await.unwrap();
-    let pool = sqlx::PgPool::connect(&url).await.unwrap();
-    replaced_indexes_dropped(&pool).await;
-    sqlx::query("VACUUM ANALYZE vouchers, leases, reservations")
-        .execute(&pool)
-        .await
-        .unwrap();
     l.create_voucher(&voucher("PLANS", 1000, 1), NOW)
         .await
         .unwrap();

@@ -210,9 +210,9 @@ async fn locate(
 /// for the life of the connection, so plans are custom (they see the real table size every
 /// time). The hot functions (the merged commit, a grant, a confirm or release) set their own
 /// generic plans, kept off sequential scans, with their lookups written for the index they
-/// need (migrations 2 and 16). A commit is acknowledged only once it is durable (and, where the server names
-/// synchronous standbys, on one of them), whatever a role or database setting says. No
-/// statement and no lock wait may hold a connection past the ledger's deadline.
+/// need (migrations 2 and 16). A commit is acknowledged only once it is durable (and, where
+/// the server names synchronous standbys, on one of them), whatever a role or database setting
+/// says. No statement and no lock wait may hold a connection past the ledger's deadline.
 fn session(options: PgConnectOptions, timeout_ms: u64) -> PgConnectOptions {
     let options = options.options([
         ("plan_cache_mode", "force_custom_plan"),
