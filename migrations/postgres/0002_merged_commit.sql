@@ -131,10 +131,15 @@ BEGIN
                     WHEN p_now[b.i] < v.starts_at THEN 'NOT_STARTED'
                     WHEN p_now[b.i] >= v.ends_at THEN 'ENDED' END AS blocked
         FROM unnest(p_lease, p_code) WITH ORDINALITY AS b (lease_id, code, i)
-        JOIN vouchers v ON v.code = b.code
+        -- Each table read through its key by the call's own arguments (`= ANY`), whichever join
+        -- the plan picks. The plan is made once per connection, perhaps while the tables were
+        -- small: joined on the key alone, a plan made then hashed a whole scan of the table's
+        -- primary key at every call, which only grows (every lease ever granted, every
+        -- voucher): 10x slower per call at 200,000 closed leases and 100,000 vouchers.
+        JOIN vouchers v ON v.code = b.code AND v.code = ANY (p_code)
         -- By id alone, so that each batch's lease is one primary-key lookup: with the state in
         -- the join, the generic plan read every ACTIVE lease of the cluster once per batch.
-        LEFT JOIN leases l ON l.id = b.lease_id
+        LEFT JOIN leases l ON l.id = b.lease_id AND l.id = ANY (p_lease)
     ),
     s AS (
         SELECT x.order_id, x.voucher_code, x.customer_id, x.discount_amount, x.status, x.expires_at
@@ -218,7 +223,7 @@ BEGIN
     lu AS (
         UPDATE leases l SET consumed = l.consumed + d.n
         FROM (SELECT ins.lease_id, count(*) AS n FROM ins GROUP BY ins.lease_id) d
-        WHERE l.id = d.lease_id
+        WHERE l.id = d.lease_id AND l.id = ANY (p_lease)
     )
     SELECT array_agg(o.idx ORDER BY o.idx), array_agg(o.verdict ORDER BY o.idx),
            array_agg(o.discount ORDER BY o.idx), array_agg(o.s_voucher ORDER BY o.idx),

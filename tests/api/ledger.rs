@@ -2129,10 +2129,20 @@ async fn analyzed_empty(tag: &str, tables: &str) -> Option<(SharedLedger, sqlx::
 
 /// How many scans the statistics have counted on the index `index` of the pool's schema.
 async fn index_scans(pool: &sqlx::PgPool, index: &str) -> i64 {
-    sqlx::query_scalar(
-        "SELECT idx_scan FROM pg_stat_user_indexes \
-         WHERE schemaname = current_schema() AND indexrelname = $1",
-    )
+    index_stat(pool, index, "idx_scan").await
+}
+
+/// How many entries the scans of the index `index` of the pool's schema returned.
+async fn index_entries_read(pool: &sqlx::PgPool, index: &str) -> i64 {
+    index_stat(pool, index, "idx_tup_read").await
+}
+
+/// One counter (`column` of `pg_stat_user_indexes`) of the index `index` of the pool's schema.
+async fn index_stat(pool: &sqlx::PgPool, index: &str, column: &str) -> i64 {
+    sqlx::query_scalar(&format!(
+        "SELECT {column} FROM pg_stat_user_indexes \
+         WHERE schemaname = current_schema() AND indexrelname = $1"
+    ))
     .bind(index)
     .fetch_one(pool)
     .await
@@ -2300,6 +2310,90 @@ async fn postgres_grant_and_settle_plans_keep_their_indexes_on_tables_analyzed_e
         index_scans(&pool, "reservations_by_customer").await,
         2 * 2 * GRANTS,
         "{seen}"
+    );
+    pool.close().await;
+}
+
+/// The merged commit reads its batches' vouchers and leases by key whatever the tables held
+/// when its plan was made. The plan is made once per connection: made while `leases` and
+/// `vouchers` held one row each, it joined them by a whole scan of their primary keys, hashed,
+/// and kept doing so at every call as the tables grew (every lease ever granted stays): about
+/// 10x the call's cost at 200,000 closed leases. Each lookup now also bounds the scan by the
+/// call's own keys. The index statistics count the entries each primary key returned.
+#[tokio::test]
+#[cfg_attr(
+    no_test_pg,
+    ignore = "needs TEST_DATABASE_URL (PostgreSQL); .ci/run sets it"
+)]
+async fn postgres_merged_commit_reads_by_key_after_its_tables_grow() {
+    let Some((l, pool)) = analyzed_empty("grown", "vouchers, leases, reservations").await else {
+        return;
+    };
+    l.create_voucher(&voucher("GROWN", 1000, 1), NOW)
+        .await
+        .unwrap();
+    let lease = leased(&l, "GROWN", "n1", 400).await;
+    let commit = |call: i64| {
+        let l = l.clone();
+        async move {
+            let rows = vec![BatchRow {
+                order_id: format!("grown-{call}"),
+                customer_id: call + 1,
+            }];
+            let out = l
+                .commit_batch(&batch("GROWN", lease.id, rows))
+                .await
+                .unwrap();
+            assert!(matches!(out[..], [RowOutcome::Created(_)]), "{out:?}");
+        }
+    };
+    // The plan is made here, on one voucher and one lease.
+    commit(0).await;
+    // Then the tables grow: other vouchers, and leases long closed.
+    const GROWN: i64 = 5_000;
+    sqlx::query(
+        "INSERT INTO vouchers (code, discount_amount, min_order_amount, total_limit, \
+         per_user_limit, starts_at, ends_at, status, free, created_at) \
+         SELECT 'OLD' || i, 1, 0, 1, 1, 0, 1, 'ACTIVE', 1, 0 FROM generate_series(1, $1) i",
+    )
+    .bind(GROWN)
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO leases (voucher_code, node_id, granted, state, granted_at, expires_at, \
+         closed_at) SELECT 'OLD' || i, 'gone', 1, 'RETURNED', 0, 1, 1 \
+         FROM generate_series(1, $1) i",
+    )
+    .bind(GROWN)
+    .execute(&pool)
+    .await
+    .unwrap();
+    const CALLS: i64 = 20;
+    for call in 1..=CALLS {
+        commit(call).await;
+    }
+    let read = |index| index_entries_read(&pool, index);
+    // By key, a call reads a few entries of each: its lease's lock, read and update, its
+    // voucher's read (each closed lease's insert read its voucher twice too: its foreign key
+    // and the grant check). A whole
+    // scan of either key at each call after the growth reads CALLS x GROWN entries. Counts
+    // arrive in parts (a backend flushes them at most once a second): wait until every call
+    // has counted at least one read of each.
+    crate::helpers::eventually(
+        "the calls' index reads in the statistics",
+        std::time::Duration::from_secs(30),
+        || async { read("leases_pkey").await > CALLS && read("vouchers_pkey").await > CALLS },
+    )
+    .await;
+    let (leases, vouchers) = (read("leases_pkey").await, read("vouchers_pkey").await);
+    assert!(
+        leases < GROWN,
+        "leases_pkey returned {leases} entries for {CALLS} calls after the growth"
+    );
+    assert!(
+        vouchers < 3 * GROWN,
+        "vouchers_pkey returned {vouchers} entries for {CALLS} calls after the growth"
     );
     pool.close().await;
 }
