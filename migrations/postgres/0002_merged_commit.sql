@@ -119,9 +119,16 @@ BEGIN
     FROM unnest(v_keys) WITH ORDINALITY AS k (k, i) ORDER BY k.i;
 
     -- A new statement: its snapshot sees everything committed before the locks were granted.
+    -- Each row with the first row of the call that carries its order id (a repeat gets that
+    -- row's answer), by a window rather than a join: a join of the rows with their first
+    -- rows could be planned as a nested loop, quadratic in the call.
     WITH r AS (
-        SELECT t.i::int AS idx, t.b, t.o, t.c, p_code[t.b] AS code
+        SELECT t.i::int AS idx, t.b, t.o, t.c, p_code[t.b] AS code,
+               first_value(t.i::int) OVER w AS first_idx,
+               first_value(p_code[t.b]) OVER w AS first_code,
+               first_value(t.c) OVER w AS first_c
         FROM unnest(p_batch, p_order, p_customer) WITH ORDINALITY AS t (b, o, c, i)
+        WINDOW w AS (PARTITION BY t.o ORDER BY t.i)
     ),
     h AS (
         SELECT b.i::int AS b, l.granted - l.consumed AS room,
@@ -131,23 +138,25 @@ BEGIN
                     WHEN p_now[b.i] < v.starts_at THEN 'NOT_STARTED'
                     WHEN p_now[b.i] >= v.ends_at THEN 'ENDED' END AS blocked
         FROM unnest(p_lease, p_code) WITH ORDINALITY AS b (lease_id, code, i)
-        -- Each table read through its key by the call's own arguments (`= ANY`), whichever join
-        -- the plan picks. The plan is made once per connection, perhaps while the tables were
-        -- small: joined on the key alone, a plan made then hashed a whole scan of the table's
-        -- primary key at every call, which only grows (every lease ever granted, every
-        -- voucher): 10x slower per call at 200,000 closed leases and 100,000 vouchers.
-        JOIN vouchers v ON v.code = b.code AND v.code = ANY (p_code)
-        -- By id alone, so that each batch's lease is one primary-key lookup: with the state in
-        -- the join, the generic plan read every ACTIVE lease of the cluster once per batch.
-        LEFT JOIN leases l ON l.id = b.lease_id AND l.id = ANY (p_lease)
+        -- Each batch's voucher and lease are one primary-key lookup, as lateral subqueries that
+        -- the planner cannot turn into a join. The plan is made once per connection, perhaps
+        -- while the tables were small: joined, a plan made then hashed a whole scan of each
+        -- table's primary key at every call, and the tables only grow (every lease ever
+        -- granted, every voucher): 10x slower per call at 200,000 closed leases and 100,000
+        -- vouchers. (Bounding the join by `= ANY` of the call's keys instead made each lookup
+        -- walk the whole array: quadratic in the batches.)
+        JOIN LATERAL (
+            SELECT v.per_user_limit, v.discount_amount, v.status, v.starts_at, v.ends_at
+            FROM vouchers v WHERE v.code = b.code OFFSET 0) v ON true
+        -- By id alone: with the state in the lookup, the generic plan read every ACTIVE lease
+        -- of the cluster once per batch.
+        LEFT JOIN LATERAL (
+            SELECT l.id, l.voucher_code, l.state, l.granted, l.consumed
+            FROM leases l WHERE l.id = b.lease_id OFFSET 0) l ON true
     ),
     s AS (
         SELECT x.order_id, x.voucher_code, x.customer_id, x.discount_amount, x.status, x.expires_at
         FROM reservations x WHERE x.order_id = ANY (p_order)
-    ),
-    f AS (
-        SELECT DISTINCT ON (r.o) r.o, r.idx AS first_idx, r.code AS first_code, r.c AS first_c
-        FROM r ORDER BY r.o, r.idx
     ),
     p AS (
         SELECT r.idx, r.b, r.o, r.c, r.code, h.b IS NULL AS missing, h.dead, h.room,
@@ -162,14 +171,13 @@ BEGIN
                              AND s.status <> 'RELEASED'
                              AND NOT (s.status = 'RESERVED' AND s.expires_at <= p_now[r.b])
                         THEN 'REPLAYED' ELSE COALESCE(h.blocked, 'ALREADY_USED') END
-                 WHEN f.first_idx <> r.idx THEN
-                   CASE WHEN f.first_code = r.code AND f.first_c = r.c
+                 WHEN r.first_idx <> r.idx THEN
+                   CASE WHEN r.first_code = r.code AND r.first_c = r.c
                         THEN 'SAME' ELSE COALESCE(h.blocked, 'ALREADY_USED') END
                  WHEN h.blocked IS NOT NULL THEN h.blocked
                  ELSE 'CANDIDATE'
                END AS v0
         FROM r
-        JOIN f ON f.o = r.o
         LEFT JOIN h ON h.b = r.b
         LEFT JOIN s ON s.order_id = r.o
     ),
@@ -223,7 +231,7 @@ BEGIN
     lu AS (
         UPDATE leases l SET consumed = l.consumed + d.n
         FROM (SELECT ins.lease_id, count(*) AS n FROM ins GROUP BY ins.lease_id) d
-        WHERE l.id = d.lease_id AND l.id = ANY (p_lease)
+        WHERE l.id = d.lease_id
     )
     SELECT array_agg(o.idx ORDER BY o.idx), array_agg(o.verdict ORDER BY o.idx),
            array_agg(o.discount ORDER BY o.idx), array_agg(o.s_voucher ORDER BY o.idx),
