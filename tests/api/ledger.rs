@@ -2086,7 +2086,8 @@ async fn postgres_a_merge_of_many_customers_goes_in_several_calls() {
 }
 
 /// Waits until the indexes later migrations replaced (`reservations_by_voucher` by 15's,
-/// `leases_by_voucher` by 16's) are gone from the pool's schema: they are dropped after the
+/// `leases_by_voucher` and `leases_active_by_voucher` by 16's) are gone from the pool's
+/// schema: they are dropped after the
 /// migration's transaction, by a task of its own.
 async fn replaced_indexes_dropped(pool: &sqlx::PgPool) {
     crate::helpers::eventually(
@@ -2099,7 +2100,8 @@ async fn replaced_indexes_dropped(pool: &sqlx::PgPool) {
             async move {
                 let left: i64 = sqlx::query_scalar(
                     "SELECT count(*) FROM pg_indexes WHERE schemaname = current_schema() \
-                     AND indexname IN ('reservations_by_voucher', 'leases_by_voucher')",
+                     AND indexname IN ('reservations_by_voucher', 'leases_by_voucher', \
+                     'leases_active_by_voucher')",
                 )
                 .fetch_one(&pool)
                 .await
@@ -2250,7 +2252,6 @@ async fn postgres_grant_and_settle_plans_keep_their_indexes_on_tables_analyzed_e
     }
     let by_voucher = [
         "leases_by_voucher_state",
-        "leases_active_by_voucher",
         "leases_active_by_expiry",
         "leases_active_by_node",
     ];

@@ -82,6 +82,9 @@ const AFTER_MIGRATION: &[&str] = &[
     "DROP INDEX CONCURRENTLY IF EXISTS reservations_by_voucher",
     // Migration 16's index by voucher and state replaces it.
     "DROP INDEX CONCURRENTLY IF EXISTS leases_by_voucher",
+    // The same index serves what this partial one of migration 1 did (a voucher's active
+    // leases, by equality on both columns), and every grant wrote both.
+    "DROP INDEX CONCURRENTLY IF EXISTS leases_active_by_voucher",
 ];
 
 /// Indexes built after the migration's transaction with `CREATE INDEX CONCURRENTLY` (at every
