@@ -2087,8 +2087,7 @@ async fn postgres_a_merge_of_many_customers_goes_in_several_calls() {
 
 /// Waits until the indexes later migrations replaced (`reservations_by_voucher` by 15's,
 /// `leases_by_voucher` and `leases_active_by_voucher` by 16's) are gone from the pool's
-/// schema: they are dropped after the
-/// migration's transaction, by a task of its own.
+/// schema: they are dropped after the migration's transaction, by a task of its own.
 async fn replaced_indexes_dropped(pool: &sqlx::PgPool) {
     crate::helpers::eventually(
         "the replaced indexes dropped",
