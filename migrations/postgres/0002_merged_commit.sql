@@ -28,6 +28,8 @@
 -- answer), ALREADY_USED, PAUSED / NOT_STARTED / ENDED (the ledger's copy of the voucher refuses
 -- new reservations), LOST (see 3), FENCED (the batch's lease is no longer ACTIVE or too small:
 -- nothing of the batch is written; only a batch that would take units is fenced).
+-- A row without an order id (which the caller never sends) fails the whole call; an earlier
+-- version dropped the row and committed the rest.
 
 CREATE OR REPLACE FUNCTION vouchers_commit_batches_v2(
     p_lease    BIGINT[],  -- per batch: the lease it draws on
@@ -67,6 +69,8 @@ DECLARE
     v_inserted TEXT[];  -- the order ids this call inserted, in order-id order
     v_last     BIGINT;  -- the feed number of the last of them
     v_keys     INT[];   -- the customers' lock keys, in order
+    v_leases   BIGINT[]; -- the leases new reservations drew on, in id order
+    v_taken    BIGINT[]; -- how many each of them took
     -- The usage probes' statuses, as parameters of the generic plan rather than literals: a
     -- literal 'RESERVED' proves the partial index `reservations_due` (WHERE status =
     -- 'RESERVED') usable, and a plan made while the table was empty and analyzed so (a new
@@ -144,7 +148,9 @@ BEGIN
         -- table's primary key at every call, and the tables only grow (every lease ever
         -- granted, every voucher): 10x slower per call at 200,000 closed leases and 100,000
         -- vouchers. (Bounding the join by `= ANY` of the call's keys instead made each lookup
-        -- walk the whole array: quadratic in the batches.)
+        -- walk the whole array: quadratic in the batches.) A node of an older build re-creates
+        -- this function with the joins at its start: the hazard is back, with the same answers,
+        -- until a node of this build starts again.
         JOIN LATERAL (
             SELECT v.per_user_limit, v.discount_amount, v.status, v.starts_at, v.ends_at
             FROM vouchers v WHERE v.code = b.code OFFSET 0) v ON true
@@ -228,17 +234,18 @@ BEGIN
         ON CONFLICT (order_id) DO NOTHING
         RETURNING order_id, lease_id, voucher_code, customer_id
     ),
-    lu AS (
-        UPDATE leases l SET consumed = l.consumed + d.n
-        FROM (SELECT ins.lease_id, count(*) AS n FROM ins GROUP BY ins.lease_id) d
-        WHERE l.id = d.lease_id
+    d AS (
+        SELECT ins.lease_id, count(*) AS n FROM ins GROUP BY ins.lease_id
     )
     SELECT array_agg(o.idx ORDER BY o.idx), array_agg(o.verdict ORDER BY o.idx),
            array_agg(o.discount ORDER BY o.idx), array_agg(o.s_voucher ORDER BY o.idx),
            array_agg(o.s_customer ORDER BY o.idx), array_agg(o.s_status ORDER BY o.idx),
            array_agg(o.s_expires ORDER BY o.idx),
-           array_agg(o.o ORDER BY o.o) FILTER (WHERE o.inserted)
-    INTO a_idx, a_verdict, a_discount, a_voucher, a_customer, a_status, a_expires, v_inserted
+           array_agg(o.o ORDER BY o.o) FILTER (WHERE o.inserted),
+           (SELECT array_agg(d.lease_id ORDER BY d.lease_id) FROM d),
+           (SELECT array_agg(d.n ORDER BY d.lease_id) FROM d)
+    INTO a_idx, a_verdict, a_discount, a_voucher, a_customer, a_status, a_expires, v_inserted,
+         v_leases, v_taken
     FROM (
         SELECT q.idx,
                CASE WHEN k.fenced THEN 'FENCED'
@@ -250,6 +257,15 @@ BEGIN
         JOIN k ON k.b = q.b
         LEFT JOIN ins ON ins.order_id = q.o AND q.v1 = 'INSERT'
     ) o;
+
+    -- The units the new reservations took, on their leases (locked above). A statement of its
+    -- own, by `= ANY` of the leases alone: joined to the counts, a plan made while `leases`
+    -- held a row or two read the whole primary key once per lease, and kept doing so as the
+    -- table grew (every lease ever granted stays).
+    IF cardinality(v_leases) > 0 THEN
+        UPDATE leases l SET consumed = l.consumed + v_taken[array_position(v_leases, l.id)]
+        WHERE l.id = ANY (v_leases);
+    END IF;
 
     -- The change feed, last: the new reservations' numbers, held to commit.
     IF cardinality(v_inserted) > 0 THEN

@@ -467,7 +467,7 @@ impl Ledger for PostgresLedger {
         if codes.is_empty() {
             return Ok(Vec::new());
         }
-        // Only the active leases are read (a partial index); `reserved`, which this schema
+        // Only the active leases are read (by voucher and state); `reserved`, which this schema
         // derives from every lease ever granted, follows from the accounting equation instead:
         // total = free + leased unused + reserved + confirmed (the reconciler checks it).
         let rows: Vec<(String, i64, i64, i64, i64, i64, i64)> = sqlx::query_as(
