@@ -2329,13 +2329,10 @@ async fn postgres_grant_and_settle_plans_keep_their_indexes_on_tables_analyzed_e
     ignore = "needs TEST_DATABASE_URL (PostgreSQL); .ci/run sets it"
 )]
 async fn postgres_merged_commit_reads_by_key_after_its_tables_grow() {
-    let Some(url) = fresh_pg_schema("grown").await else {
+    const TABLES: &str = "vouchers, leases, reservations";
+    let Some((l, pool)) = analyzed_empty("grown", TABLES).await else {
         return;
     };
-    // One connection: the plan is made once, on it.
-    let l = ledger::connect(&url, 1).await.unwrap();
-    let pool = sqlx::PgPool::connect(&url).await.unwrap();
-    replaced_indexes_dropped(&pool).await;
     l.create_voucher(&voucher("ZGROWN", 1000, 1), NOW)
         .await
         .unwrap();
@@ -2352,7 +2349,7 @@ async fn postgres_merged_commit_reads_by_key_after_its_tables_grow() {
     };
     // The plan is made on one voucher and one lease, analyzed so.
     let first = leased(&l, "ZGROWN", "n1", 10).await;
-    sqlx::query("VACUUM ANALYZE vouchers, leases, reservations")
+    sqlx::query(&format!("VACUUM ANALYZE {TABLES}"))
         .execute(&pool)
         .await
         .unwrap();
