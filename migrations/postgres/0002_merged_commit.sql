@@ -28,8 +28,8 @@
 -- answer), ALREADY_USED, PAUSED / NOT_STARTED / ENDED (the ledger's copy of the voucher refuses
 -- new reservations), LOST (see 3), FENCED (the batch's lease is no longer ACTIVE or too small:
 -- nothing of the batch is written; only a batch that would take units is fenced).
--- A row without an order id (which the caller never sends) fails the whole call; an earlier
--- version dropped the row and committed the rest.
+-- A row without an order id (which the caller never sends) fails the whole call if its batch
+-- would take units; an earlier version dropped the row and committed the rest.
 
 CREATE OR REPLACE FUNCTION vouchers_commit_batches_v2(
     p_lease    BIGINT[],  -- per batch: the lease it draws on
